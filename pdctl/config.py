@@ -1,0 +1,810 @@
+"""config.toml + settings.json -> one frozen :class:`Deployment`.
+
+This module reads the two files and nothing else. Every error is a :class:`ConfigError` naming the
+file, the line (best effort) and the dotted key, what was expected and what was found. Unknown keys
+are errors with a did-you-mean hint. Cross-file consistency (connectors, models, ports) is the job of
+:mod:`pdctl.check`, which reports findings instead of raising, so a user sees all of them at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+from urllib.parse import urlsplit
+
+import tomlkit
+import tomlkit.exceptions
+
+from pdctl.errors import ConfigError
+
+__all__ = [
+    "ClusterConfig",
+    "ConnectorConfig",
+    "Deployment",
+    "GatewayConfig",
+    "KVTransferConfig",
+    "LoggingConfig",
+    "RateLimitConfig",
+    "RoutingConfig",
+    "SLOConfig",
+    "SimConfig",
+    "SourceMap",
+    "SupervisorConfig",
+    "WorkerConfig",
+    "load",
+    "load_settings",
+    "parse_endpoint",
+]
+
+Engine = Literal["vllm", "sim"]
+Role = Literal["prefill", "decode"]
+RestartPolicy = Literal["never", "on-failure"]
+Strategy = Literal["pd_disagg", "colocated"]
+
+DEFAULT_CONFIG = "config.toml"
+DEFAULT_SETTINGS = "settings.json"
+NIXL_SIDE_CHANNEL_BASE = 5600
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """``[cluster]``: the deployment's name and the gateway's address."""
+
+    name: str = "pdctl"
+    gateway_host: str | None = None
+    gateway_port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """``[kv_transfer]``: how KV moves. ``granularity``/``timeout_ms`` are mapped (or reported) by check."""
+
+    backend: str = "nixl"
+    granularity: Literal["request", "layer", "block"] = "layer"
+    timeout_ms: int = 30000
+    shared_storage_path: str | None = None
+    link: str = "loopback"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """``[connector]``: the vLLM KV connector both roles use (per-worker ``kv_connector`` may override)."""
+
+    kv_connector: str = "NixlConnector"
+    kv_role: str | None = None
+    kv_buffer_device: str | None = None
+    kv_load_failure_policy: str | None = None
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One vLLM instance (``[prefill]`` / ``[decode]``, or an entry of ``[[prefill]]`` / ``[[decode]]``)."""
+
+    name: str
+    role: Role
+    index: int
+    model: str
+    url: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    engine: Engine = "vllm"
+    served_model_name: str | None = None
+    gpu_ids: tuple[int, ...] = ()
+    cpu_ids: tuple[int, ...] = ()
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int = 1
+    enable_chunked_prefill: bool | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    enforce_eager: bool | None = None
+    side_channel_port: int = NIXL_SIDE_CHANNEL_BASE
+    kv_connector: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    restart: RestartPolicy | None = None
+    table: str = "prefill"
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients use (``served_model_name`` or ``model``)."""
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    """``[supervisor]`` (pdctl extension): readiness, restart and stop policy."""
+
+    ready_timeout_s: float = 900.0
+    stop_timeout_s: float = 20.0
+    restart: RestartPolicy = "never"
+    max_restarts: int = 3
+    start_secs: float = 10.0
+    backoff_max_s: float = 60.0
+    run_dir: str = ".pdctl"
+    warmup: bool = True
+    warmup_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """``[sim]`` (pdctl extension): options for ``engine = "sim"`` workers."""
+
+    profile: str = "fast"
+    speed: float = 1.0
+    kv_scale: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitConfig:
+    """``gateway.rate_limit`` (pdctl extension); ``None`` means unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrency: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """``settings.json`` ``gateway``: the single entry point."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8000
+    upstream_base_url: str | None = None
+    api_key_env: str = "PDCTL_API_KEY"
+    upstream_api_key_env: str | None = None
+    request_timeout_s: float = 120.0
+    max_retries: int = 2
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+    rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
+
+    @property
+    def url(self) -> str:
+        """The URL a local client uses to reach the gateway."""
+        host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "", "::") else self.listen_host
+        return f"http://{host}:{self.listen_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """``settings.json`` ``routing``."""
+
+    prefill_endpoints: tuple[str, ...] = ("http://127.0.0.1:8100",)
+    decode_endpoints: tuple[str, ...] = ("http://127.0.0.1:8200",)
+    strategy: Strategy = "pd_disagg"
+    kv_connector: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SLOConfig:
+    """``settings.json`` ``slo``: targets, and the gateway's early rejection."""
+
+    ttft_ms: float = 400.0
+    tpot_ms: float = 40.0
+    p90: bool = True
+    admission: bool = True
+    overflow: Literal["reject", "upstream"] = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """``settings.json`` ``logging``."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    log_kv_transfer: bool = True
+
+
+class SourceMap:
+    """Best-effort line numbers of dotted keys in the two source files."""
+
+    def __init__(self, texts: Mapping[str, str], kinds: Mapping[str, str]) -> None:
+        self._texts = dict(texts)
+        self._kinds = dict(kinds)
+        self._cache: dict[tuple[str, str], int | None] = {}
+
+    def line(self, file: str, key: str) -> int | None:
+        """Line (1-based) where ``key`` (dotted, list indices as ``[i]``) is set in ``file``."""
+        cached = self._cache.get((file, key), -1)
+        if cached != -1:
+            return cached
+        text = self._texts.get(file)
+        found: int | None = None
+        if text is not None:
+            kind = self._kinds.get(file, "toml")
+            found = _toml_line(text, key) if kind == "toml" else _json_line(text, key)
+        self._cache[(file, key)] = found
+        return found
+
+    def error(self, file: str, key: str, message: str, hint: str | None = None) -> ConfigError:
+        """A :class:`ConfigError` located at ``key`` in ``file``."""
+        return ConfigError(Path(file).name, key, message, line=self.line(file, key), hint=hint)
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """Everything pdctl knows about one deployment, read from ``config.toml`` and ``settings.json``."""
+
+    config_path: str
+    settings_path: str
+    cluster: ClusterConfig
+    kv_transfer: KVTransferConfig
+    connector: ConnectorConfig
+    prefill: tuple[WorkerConfig, ...]
+    decode: tuple[WorkerConfig, ...]
+    gateway: GatewayConfig
+    routing: RoutingConfig
+    slo: SLOConfig
+    logging: LoggingConfig
+    supervisor: SupervisorConfig
+    sim: SimConfig
+    sources: SourceMap = field(compare=False, repr=False)
+    config_keys: tuple[str, ...] = ()
+    settings_keys: tuple[str, ...] = ()
+
+    @property
+    def workers(self) -> tuple[WorkerConfig, ...]:
+        """Prefill instances then decode instances (start order)."""
+        return self.prefill + self.decode
+
+    def connector_for(self, worker: WorkerConfig) -> str:
+        """The connector a worker is launched with."""
+        return worker.kv_connector or self.connector.kv_connector
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory (relative paths are relative to config.toml's folder)."""
+        path = Path(self.supervisor.run_dir)
+        return path if path.is_absolute() else Path(self.config_path).parent / path
+
+    def resolve_path(self, value: str) -> str:
+        """A path from the config, made absolute relative to config.toml's folder."""
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else (Path(self.config_path).parent / path).resolve())
+
+
+# --------------------------------------------------------------------------------------- line lookup
+
+
+def _toml_line(text: str, key: str) -> int | None:
+    parts = [p for p in re.split(r"\.(?![^\[]*\])", key) if p]
+    if not parts:
+        return None
+    lines = text.splitlines()
+    # Arrays of tables: prefill[1].model -> the second [[prefill]] header.
+    head = parts[0]
+    m = re.fullmatch(r"([\w-]+)\[(\d+)\]", head)
+    table, nth = (m.group(1), int(m.group(2))) if m else (head, 0)
+    header_re = re.compile(r"^\s*\[\[?\s*" + re.escape(table) + r"\s*\]\]?\s*(#.*)?$")
+    seen = -1
+    start: int | None = None
+    for i, line in enumerate(lines):
+        if header_re.match(line):
+            seen += 1
+            if seen == nth:
+                start = i
+                break
+    if start is None:
+        for i, line in enumerate(lines):
+            if re.match(r"^\s*" + re.escape(table) + r"\s*=", line):
+                return i + 1
+        return None
+    if len(parts) == 1:
+        return start + 1
+    leaf = parts[1].split("[")[0]
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if re.match(r"^\s*\[", line):
+            break
+        if re.match(r"^\s*\"?" + re.escape(leaf) + r"\"?\s*=", line):
+            return i + 1
+    return start + 1
+
+
+def _json_line(text: str, key: str) -> int | None:
+    pos = 0
+    line_found: int | None = None
+    for part in [p for p in key.split(".") if p]:
+        name = part.split("[")[0]
+        idx = text.find(f'"{name}"', pos)
+        if idx < 0:
+            return line_found
+        pos = idx + len(name) + 2
+        line_found = text.count("\n", 0, idx) + 1
+    return line_found
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+T = TypeVar("T")
+
+
+class _Section:
+    """Typed access to one table/object, recording which keys were read."""
+
+    def __init__(self, src: SourceMap, file: str, prefix: str, data: Mapping[str, Any]) -> None:
+        self.src, self.file, self.prefix, self.data = src, file, prefix, data
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def err(self, name: str, message: str, hint: str | None = None) -> ConfigError:
+        return self.src.error(self.file, self.key(name), message, hint)
+
+    def has(self, name: str) -> bool:
+        return name in self.data
+
+    def raw(self, name: str) -> Any:
+        self.used.add(name)
+        return self.data.get(name)
+
+    def get(self, name: str, check: Callable[[Any], T | None], expected: str, default: T) -> T:
+        if name not in self.data:
+            self.used.add(name)
+            return default
+        value = self.raw(name)
+        out = check(value)
+        if out is None:
+            raise self.err(name, f"expected {expected}, got {_show(value)}")
+        return out
+
+    def opt(self, name: str, check: Callable[[Any], T | None], expected: str) -> T | None:
+        if name not in self.data:
+            self.used.add(name)
+            return None
+        return self.get(name, check, expected, cast(T, None))
+
+    def sub(self, name: str) -> _Section:
+        value = self.raw(name)
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise self.err(name, f"expected a table/object, got {_show(value)}")
+        return _Section(self.src, self.file, self.key(name), value)
+
+    def finish(self, allowed: Iterator[str] | list[str] | None = None) -> None:
+        known = set(allowed) if allowed is not None else self.used
+        for name in self.data:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+                raise self.err(name, "unknown key", hint)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int | None]:
+    def check(v: Any) -> int | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            return None
+        return int(v)
+
+    return check
+
+
+def _num(lo_exclusive: float | None = None, hi: float | None = None) -> Callable[[Any], float | None]:
+    def check(v: Any) -> float | None:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return None
+        if (lo_exclusive is not None and v <= lo_exclusive) or (hi is not None and v > hi):
+            return None
+        return float(v)
+
+    return check
+
+
+def _bool(v: Any) -> bool | None:
+    return v if isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return str(v) if isinstance(v, str) and v != "" else None
+
+
+def _choice(*options: str) -> Callable[[Any], str | None]:
+    return lambda v: v if isinstance(v, str) and v in options else None
+
+
+def _int_list(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        return None
+    return tuple(int(x) for x in v)
+
+
+def _str_list(v: Any) -> tuple[str, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        return None
+    return tuple(v)
+
+
+def _str_map(v: Any) -> dict[str, str] | None:
+    if not isinstance(v, Mapping):
+        return None
+    out: dict[str, str] = {}
+    for k, x in v.items():
+        if isinstance(x, bool):
+            out[str(k)] = "1" if x else "0"
+        elif isinstance(x, str | int | float):
+            out[str(k)] = str(x)
+        else:
+            return None
+    return out
+
+
+def _endpoints(v: Any) -> tuple[str, ...] | None:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
+        return None
+    for item in items:
+        try:
+            parse_endpoint(item)
+        except ValueError:
+            return None
+    return tuple(items)
+
+
+def parse_endpoint(url: str) -> tuple[str, int]:
+    """``http://127.0.0.1:8100`` -> ``("127.0.0.1", 8100)``; raises ValueError when it is not one."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname, port
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``0.0.0.0:8000`` -> ``("0.0.0.0", 8000)``; raises ValueError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(value)
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim")
+WORKER_KEYS = (
+    "role", "model", "gpu_ids", "cpu_ids", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
+    "enable_chunked_prefill", "gpu_memory_utilization", "engine", "host", "env", "extra_args",
+    "side_channel_port", "max_model_len", "dtype", "served_model_name", "block_size", "enforce_eager",
+    "kv_connector", "restart", "name",
+)  # fmt: skip
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; syntax errors become a ConfigError with line and column."""
+    text = _read_text(path)
+    try:
+        return cast(dict[str, Any], tomlkit.parse(text).unwrap())
+    except tomlkit.exceptions.ParseError as exc:
+        message = re.sub(r"\s+at line \d+ col \d+$", "", str(exc))
+        raise ConfigError(path.name, None, f"invalid TOML: {message}", line=exc.line, column=exc.col) from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON file; syntax errors become a ConfigError with line and column."""
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(path.name, None, f"invalid JSON: {exc.msg}", line=exc.lineno, column=exc.colno) from None
+    if not isinstance(data, dict):
+        raise ConfigError(path.name, None, "expected a JSON object at the top level", line=1)
+    return data
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            str(path), None, "file not found", hint="run `pdctl init` to write the recipe's files"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path.name, None, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(str(path), None, f"cannot read: {exc.strerror}") from None
+
+
+def _flat_keys(data: Any, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    if isinstance(data, Mapping):
+        for k, v in data.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, Mapping) and k not in ("env", "extra_config", "kv_connector_extra_config"):
+                out.extend(_flat_keys(v, key))
+            elif isinstance(v, list) and v and all(isinstance(x, Mapping) for x in v):
+                for i, item in enumerate(v):
+                    out.extend(_flat_keys(item, f"{key}[{i}]"))
+            else:
+                out.append(key)
+    return out
+
+
+def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = DEFAULT_SETTINGS) -> Deployment:
+    """Read and validate both files into a :class:`Deployment` (raises :class:`ConfigError`)."""
+    cpath, spath = Path(config_path), Path(settings_path)
+    cdata = read_toml(cpath)
+    sdata = read_json(spath)
+    src = SourceMap(
+        {str(cpath): _read_text(cpath), str(spath): _read_text(spath)},
+        {str(cpath): "toml", str(spath): "json"},
+    )
+    cfile, sfile = str(cpath), str(spath)
+    top = _Section(src, cfile, "", cdata)
+    top.finish(list(CONFIG_TABLES))
+
+    settings = _load_settings(src, sfile, sdata)
+    gateway, routing, slo, logging_cfg = settings
+
+    c = top.sub("cluster")
+    cluster = ClusterConfig(
+        name=c.get("name", _str, "a non-empty string", "pdctl"),
+        gateway_host=c.opt("gateway_host", _str, "a host name or address"),
+        gateway_port=c.opt("gateway_port", _int(1, 65535), "an integer 1-65535"),
+    )
+    c.finish()
+    if cluster.gateway_port is not None and "listen" in sdata.get("gateway", {}):
+        if cluster.gateway_port != gateway.listen_port or (
+            cluster.gateway_host is not None and cluster.gateway_host != gateway.listen_host
+        ):
+            raise c.err(
+                "gateway_port",
+                f"{cluster.gateway_host}:{cluster.gateway_port} disagrees with gateway.listen "
+                f"{gateway.listen_host}:{gateway.listen_port} in {spath.name}",
+                hint="make [cluster] gateway_host/gateway_port and gateway.listen name the same address",
+            )
+    elif cluster.gateway_port is not None:
+        gateway = _replace_gateway(gateway, cluster.gateway_host or gateway.listen_host, cluster.gateway_port)
+
+    k = top.sub("kv_transfer")
+    kv = KVTransferConfig(
+        backend=k.get("backend", _str, "a backend name (nixl, shared_storage, ...)", "nixl"),
+        granularity=cast(
+            Literal["request", "layer", "block"],
+            k.get("granularity", _choice("request", "layer", "block"), "one of request, layer, block", "layer"),
+        ),
+        timeout_ms=k.get("timeout_ms", _int(1), "an integer >= 1 (milliseconds)", 30000),
+        shared_storage_path=k.opt("shared_storage_path", _str, "a folder path"),
+        link=k.get("link", _str, "a link name", "loopback"),
+    )
+    k.finish()
+
+    n = top.sub("connector")
+    extra = n.opt("kv_connector_extra_config", lambda v: dict(v) if isinstance(v, Mapping) else None, "a table")
+    connector = ConnectorConfig(
+        kv_connector=n.get("kv_connector", _str, "a connector name", "NixlConnector"),
+        kv_role=n.opt("kv_role", _choice("kv_producer", "kv_consumer", "kv_both"),
+                      "one of kv_producer, kv_consumer, kv_both"),
+        kv_buffer_device=n.opt("kv_buffer_device", _choice("cuda", "cpu", "xpu", "tpu"), "one of cuda, cpu"),
+        kv_load_failure_policy=n.opt("kv_load_failure_policy", _choice("fail", "recompute"),
+                                     "one of fail, recompute"),
+        extra_config=extra or {},
+    )  # fmt: skip
+    n.finish()
+
+    s = top.sub("supervisor")
+    supervisor = SupervisorConfig(
+        ready_timeout_s=s.get("ready_timeout_s", _num(0), "a number of seconds > 0", 900.0),
+        stop_timeout_s=s.get("stop_timeout_s", _num(0), "a number of seconds > 0", 20.0),
+        restart=cast(RestartPolicy, s.get("restart", _choice("never", "on-failure"), "never or on-failure", "never")),
+        max_restarts=s.get("max_restarts", _int(0), "an integer >= 0", 3),
+        start_secs=s.get("start_secs", _num(-1), "a number of seconds >= 0", 10.0),
+        backoff_max_s=s.get("backoff_max_s", _num(0), "a number of seconds > 0", 60.0),
+        run_dir=s.get("run_dir", _str, "a folder path", ".pdctl"),
+        warmup=s.get("warmup", _bool, "true or false", True),
+        warmup_timeout_s=s.get("warmup_timeout_s", _num(0), "a number of seconds > 0", 300.0),
+    )
+    s.finish()
+
+    m = top.sub("sim")
+    sim = SimConfig(
+        profile=m.get("profile", _str, "a profile name (fast, h100, h200, a100)", "fast"),
+        speed=m.get("speed", _num(0), "a number > 0", 1.0),
+        kv_scale=m.get("kv_scale", _num(0, 1.0), "a number in (0, 1]", 1.0),
+        seed=m.get("seed", _int(0), "an integer >= 0", 0),
+    )
+    m.finish()
+
+    prefill = _load_workers(top, "prefill", routing.prefill_endpoints, sfile, src, 0)
+    decode = _load_workers(top, "decode", routing.decode_endpoints, sfile, src, len(prefill))
+
+    return Deployment(
+        config_path=str(cpath.resolve()),
+        settings_path=str(spath.resolve()),
+        cluster=cluster,
+        kv_transfer=kv,
+        connector=connector,
+        prefill=prefill,
+        decode=decode,
+        gateway=gateway,
+        routing=routing,
+        slo=slo,
+        logging=logging_cfg,
+        supervisor=supervisor,
+        sim=sim,
+        sources=src,
+        config_keys=tuple(_flat_keys(cdata)),
+        settings_keys=tuple(_flat_keys(sdata)),
+    )
+
+
+def _replace_gateway(g: GatewayConfig, host: str, port: int) -> GatewayConfig:
+    from dataclasses import replace
+
+    return replace(g, listen_host=host, listen_port=port)
+
+
+def _load_workers(
+    top: _Section, role: Role, endpoints: tuple[str, ...], sfile: str, src: SourceMap, side_index: int
+) -> tuple[WorkerConfig, ...]:
+    raw = top.raw(role)
+    if raw is None:
+        raise top.err(role, f"missing [{role}] table", hint=f"add a [{role}] table with at least `model = ...`")
+    entries: list[tuple[str, Mapping[str, Any]]]
+    if isinstance(raw, list):
+        if not raw:
+            raise top.err(role, f"[[{role}]] needs at least one instance")
+        entries = [(f"{role}[{i}]", item) for i, item in enumerate(raw)]
+    elif isinstance(raw, Mapping):
+        entries = [(role, raw)]
+    else:
+        raise top.err(role, f"expected a table, got {_show(raw)}")
+    if len(entries) != len(endpoints):
+        key = f"routing.{role}_endpoint"
+        raise src.error(
+            sfile,
+            key,
+            f"{len(entries)} {role} instance(s) in config.toml but {len(endpoints)} endpoint(s) here",
+            hint=f"give routing.{role}_endpoint one URL per [[{role}]] instance, in the same order",
+        )
+    out: list[WorkerConfig] = []
+    for i, ((prefix, data), url) in enumerate(zip(entries, endpoints, strict=True)):
+        if not isinstance(data, Mapping):
+            raise top.err(prefix, f"expected a table, got {_show(data)}")
+        w = _Section(top.src, top.file, prefix, data)
+        declared = w.opt("role", _choice("prefill", "decode"), "prefill or decode")
+        if declared is not None and declared != role:
+            raise w.err("role", f"expected {role!r} in the [{role}] table, got {declared!r}")
+        host, port = parse_endpoint(url)
+        default_name = role if len(entries) == 1 else f"{role}-{i}"
+        worker = WorkerConfig(
+            name=w.get("name", _str, "a non-empty string", default_name),
+            role=role,
+            index=i,
+            table=prefix,
+            url=url.rstrip("/"),
+            port=port,
+            model=w.get("model", _str, "a model name or path", cast(str, None)),
+            host=w.get("host", _str, "a bind address", "127.0.0.1"),
+            engine=cast(Engine, w.get("engine", _choice("vllm", "sim"), "vllm or sim", "vllm")),
+            served_model_name=w.opt("served_model_name", _str, "a model name"),
+            gpu_ids=w.get("gpu_ids", _int_list, "a list of GPU indices", ()),
+            cpu_ids=w.get("cpu_ids", _int_list, "a list of CPU core indices", ()),
+            max_num_batched_tokens=w.opt("max_num_batched_tokens", _int(1), "an integer >= 1"),
+            max_num_seqs=w.opt("max_num_seqs", _int(1), "an integer >= 1"),
+            tensor_parallel_size=w.get("tensor_parallel_size", _int(1), "an integer >= 1", 1),
+            enable_chunked_prefill=w.opt("enable_chunked_prefill", _bool, "true or false"),
+            gpu_memory_utilization=w.opt("gpu_memory_utilization", _num(None), "a number"),
+            max_model_len=w.opt("max_model_len", _int(1), "an integer >= 1"),
+            dtype=w.opt("dtype", _choice("auto", "bfloat16", "float16", "float32", "half", "float"),
+                        "one of auto, bfloat16, float16, float32"),
+            block_size=w.opt("block_size", _int(1), "an integer >= 1"),
+            enforce_eager=w.opt("enforce_eager", _bool, "true or false"),
+            side_channel_port=w.get("side_channel_port", _int(1, 65535), "an integer 1-65535",
+                                    NIXL_SIDE_CHANNEL_BASE + 100 * (side_index + i)),
+            kv_connector=w.opt("kv_connector", _str, "a connector name"),
+            env=w.get("env", _str_map, "a table of strings", {}),
+            extra_args=w.get("extra_args", _str_list, "a list of strings", ()),
+            restart=cast(RestartPolicy | None,
+                         w.opt("restart", _choice("never", "on-failure"), "never or on-failure")),
+        )  # fmt: skip
+        if worker.model is None:
+            raise w.err("model", "missing", hint='set `model = "Qwen/Qwen3-8B"` (the same on prefill and decode)')
+        w.finish(list(WORKER_KEYS))
+        out.append(worker)
+    return tuple(out)
+
+
+def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> tuple[GatewayConfig, RoutingConfig, SLOConfig,
+                                                                          LoggingConfig]:
+    """Read ``settings.json`` alone (the gateway runs from it when no config.toml is given)."""
+    spath = Path(settings_path)
+    data = read_json(spath)
+    src = SourceMap({str(spath): _read_text(spath)}, {str(spath): "json"})
+    return _load_settings(src, str(spath), data)
+
+
+def _load_settings(
+    src: SourceMap, sfile: str, data: Mapping[str, Any]
+) -> tuple[GatewayConfig, RoutingConfig, SLOConfig, LoggingConfig]:
+    top = _Section(src, sfile, "", data)
+    top.finish(["gateway", "routing", "slo", "logging"])
+
+    g = top.sub("gateway")
+    listen_host, listen_port = "127.0.0.1", 8000
+    listen = g.opt("listen", _str, 'a "host:port" address')
+    if listen is not None:
+        try:
+            listen_host, listen_port = parse_listen(listen)
+        except ValueError:
+            raise g.err("listen", f'expected "host:port" with a port 1-65535, got {_show(listen)}') from None
+    upstream = g.opt("upstream_base_url", _str, "an http(s) URL")
+    if upstream is not None:
+        parts = urlsplit(upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise g.err("upstream_base_url", f"expected an http(s) URL, got {_show(upstream)}")
+    r = g.sub("rate_limit")
+    rate = RateLimitConfig(
+        requests_per_minute=r.opt("requests_per_minute", _int(1), "an integer >= 1"),
+        tokens_per_minute=r.opt("tokens_per_minute", _int(1), "an integer >= 1"),
+        max_concurrency=r.opt("max_concurrency", _int(1), "an integer >= 1"),
+    )
+    r.finish()
+    gateway = GatewayConfig(
+        listen_host=listen_host,
+        listen_port=listen_port,
+        upstream_base_url=upstream.rstrip("/") if upstream else None,
+        api_key_env=g.get("api_key_env", _str, "an environment variable name", "PDCTL_API_KEY"),
+        upstream_api_key_env=g.opt("upstream_api_key_env", _str, "an environment variable name"),
+        request_timeout_s=g.get("request_timeout_s", _num(0), "a number of seconds > 0", 120.0),
+        max_retries=g.get("max_retries", _int(0, 10), "an integer 0-10", 2),
+        max_body_bytes=g.get("max_body_bytes", _int(1024), "an integer >= 1024", 1 << 20),
+        drain_timeout_s=g.get("drain_timeout_s", _num(-1), "a number of seconds >= 0", 30.0),
+        rate_limit=rate,
+    )
+    g.finish()
+
+    rt = top.sub("routing")
+    routing = RoutingConfig(
+        prefill_endpoints=rt.get("prefill_endpoint", _endpoints, "an http URL or a list of them",
+                                 ("http://127.0.0.1:8100",)),
+        decode_endpoints=rt.get("decode_endpoint", _endpoints, "an http URL or a list of them",
+                                ("http://127.0.0.1:8200",)),
+        strategy=cast(Strategy, rt.get("strategy", _choice("pd_disagg", "colocated"),
+                                       "pd_disagg or colocated", "pd_disagg")),
+        kv_connector=rt.opt("kv_connector", _str, "a connector name"),
+    )  # fmt: skip
+    rt.finish()
+
+    sl = top.sub("slo")
+    slo = SLOConfig(
+        ttft_ms=sl.get("ttft_ms", _num(0), "a number of milliseconds > 0", 400.0),
+        tpot_ms=sl.get("tpot_ms", _num(0), "a number of milliseconds > 0", 40.0),
+        p90=sl.get("p90", _bool, "true or false", True),
+        admission=sl.get("admission", _bool, "true or false", True),
+        overflow=cast(Literal["reject", "upstream"],
+                      sl.get("overflow", _choice("reject", "upstream"), "reject or upstream", "reject")),
+    )  # fmt: skip
+    sl.finish()
+
+    lg = top.sub("logging")
+    logging_cfg = LoggingConfig(
+        level=cast(Literal["debug", "info", "warning", "error"],
+                   lg.get("level", _choice("debug", "info", "warning", "error"),
+                          "one of debug, info, warning, error", "info")),
+        log_kv_transfer=lg.get("log_kv_transfer", _bool, "true or false", True),
+    )  # fmt: skip
+    lg.finish()
+    return gateway, routing, slo, logging_cfg

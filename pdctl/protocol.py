@@ -1,0 +1,102 @@
+"""The one definition of vLLM's prefill/decode two-leg protocol.
+
+Shared by everything that speaks it: the gateway, ``up``'s warm-up probe, ``verify``, and the
+simulator's server side. See ``docs/gateway.md`` and vLLM's ``toy_proxy_server.py``.
+
+Leg 1 (prefill): the client's body with ``max_tokens = 1``, ``stream = false``, ``stream_options`` and
+``min_tokens`` removed, and ``kv_transfer_params = {"do_remote_decode": true, ...}``.
+Leg 2 (decode): the client's original body plus the ``kv_transfer_params`` the prefill returned, verbatim.
+Shared-storage connectors return no params: leg 2 is the same prompt and decode finds the KV on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "PARAMS_CONNECTORS",
+    "REQUIRED_DECODE_FIELDS",
+    "ConnectorKind",
+    "KVParamsCheck",
+    "build_decode_body",
+    "build_prefill_body",
+    "check_kv_params",
+    "connector_kind",
+]
+
+ConnectorKind = Literal["params", "shared_storage", "unknown"]
+
+# Connectors whose prefill reply carries kv_transfer_params that decode must receive.
+PARAMS_CONNECTORS = frozenset(
+    {"NixlConnector", "NixlPullConnector", "MooncakeConnector", "MultiConnector", "LMCacheConnectorV1"}
+)
+SHARED_STORAGE_CONNECTORS = frozenset({"ExampleConnector", "SharedStorageConnector"})
+
+# Without these decode logs "Got invalid KVTransferParams" and silently recomputes the prompt.
+REQUIRED_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+PREFILL_REQUEST_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def connector_kind(connector: str | None) -> ConnectorKind:
+    """How the gateway must run the legs for ``connector``."""
+    if connector in PARAMS_CONNECTORS:
+        return "params"
+    if connector in SHARED_STORAGE_CONNECTORS:
+        return "shared_storage"
+    return "unknown"
+
+
+def build_prefill_body(body: Mapping[str, Any], kind: ConnectorKind = "params") -> dict[str, Any]:
+    """Leg 1: the body sent to a prefill instance (a new dict; ``body`` is not changed)."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "kv_transfer_params")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    if kind != "shared_storage":
+        out["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
+    return out
+
+
+def build_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Leg 2: the client's original body plus prefill's ``kv_transfer_params`` verbatim."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = dict(kv_transfer_params)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KVParamsCheck:
+    """Whether a prefill reply's ``kv_transfer_params`` is usable by decode, and why not."""
+
+    usable: bool
+    reason: str  # "ok", "missing", "not_an_object", "missing_fields", "not_remote_prefill"
+    params: Mapping[str, Any] | None
+    missing: tuple[str, ...] = ()
+
+
+def check_kv_params(prefill_reply: Mapping[str, Any]) -> KVParamsCheck:
+    """Read the top-level ``kv_transfer_params`` of a prefill reply and say whether decode can use it."""
+    params = prefill_reply.get("kv_transfer_params")
+    if params is None:
+        return KVParamsCheck(False, "missing", None)
+    if not isinstance(params, Mapping):
+        return KVParamsCheck(False, "not_an_object", None)
+    missing = tuple(f for f in REQUIRED_DECODE_FIELDS if params.get(f) in (None, "", []))
+    if missing:
+        return KVParamsCheck(False, "missing_fields", params, missing)
+    if params.get("do_remote_prefill") is not True:
+        return KVParamsCheck(False, "not_remote_prefill", params)
+    return KVParamsCheck(True, "ok", params)
