@@ -496,7 +496,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     """Parse a TOML file; syntax errors become a ConfigError with line and column."""
     text = _read_text(path)
     try:
-        return cast(dict[str, Any], tomlkit.parse(text).unwrap())
+        return tomlkit.parse(text).unwrap()
     except tomlkit.exceptions.ParseError as exc:
         message = re.sub(r"\s+at line \d+ col \d+$", "", str(exc))
         raise ConfigError(path.name, None, f"invalid TOML: {message}", line=exc.line, column=exc.col) from None
@@ -687,7 +687,7 @@ def _load_workers(
         declared = w.opt("role", _choice("prefill", "decode"), "prefill or decode")
         if declared is not None and declared != role:
             raise w.err("role", f"expected {role!r} in the [{role}] table, got {declared!r}")
-        host, port = parse_endpoint(url)
+        _, port = parse_endpoint(url)
         default_name = role if len(entries) == 1 else f"{role}-{i}"
         worker = WorkerConfig(
             name=w.get("name", _str, "a non-empty string", default_name),
@@ -727,8 +727,9 @@ def _load_workers(
     return tuple(out)
 
 
-def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> tuple[GatewayConfig, RoutingConfig, SLOConfig,
-                                                                          LoggingConfig]:
+def load_settings(
+    settings_path: str | Path = DEFAULT_SETTINGS,
+) -> tuple[GatewayConfig, RoutingConfig, SLOConfig, LoggingConfig]:
     """Read ``settings.json`` alone (the gateway runs from it when no config.toml is given)."""
     spath = Path(settings_path)
     data = read_json(spath)

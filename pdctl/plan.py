@@ -235,11 +235,9 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     vllm = vllm if vllm is not None else detect_vllm()
     workers = dep.workers
     # Workers sharing a GPU must start one after the other (each sizes its memory from what is free).
-    shared = any(
-        set(a.gpu_ids) & set(b.gpu_ids) for i, a in enumerate(workers) for b in workers[i + 1 :]
-    )
+    shared = any(set(a.gpu_ids) & set(b.gpu_ids) for i, a in enumerate(workers) for b in workers[i + 1 :])
     specs = [_worker_spec(dep, w, vllm, i if shared else 0) for i, w in enumerate(workers)]
-    gateway_wave = (len(workers) if shared else 1)
+    gateway_wave = len(workers) if shared else 1
     g = dep.gateway
     gateway = ProcessSpec(
         name="gateway",
@@ -253,7 +251,7 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
         ports=(g.listen_port,),
         restart=dep.supervisor.restart,
     )
-    return Plan(tuple([*specs, gateway]), vllm)
+    return Plan((*specs, gateway), vllm)
 
 
 def render_sh(plan: Plan) -> str:

@@ -1,5 +1,111 @@
-"""CLI commands (placeholder until this group lands)."""
+"""``pdctl init`` / ``check`` / ``plan``: the configuration commands."""
 
 from __future__ import annotations
 
-from pdctl.cli._app import app  # noqa: F401
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from pdctl import config
+from pdctl.check import Finding, finding_from_error, run_checks
+from pdctl.cli._app import app, console, handle_errors
+from pdctl.errors import ConfigError
+from pdctl.init import write_templates
+from pdctl.plan import build_plan, render_sh
+
+ConfigOpt = Annotated[Path, typer.Option("-c", "--config", help="The cluster/worker file.")]
+SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="The gateway/routing file.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+@app.command()
+@handle_errors
+def init(
+    folder: Annotated[Path, typer.Argument(help="Where to write config.toml and settings.json.")] = Path("."),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing files.")] = False,
+) -> None:
+    """Write the recipe's config.toml and settings.json (with comments)."""
+    for path in write_templates(folder, force=force):
+        console.print(f"wrote {path}")
+    console.print("next: [bold]pdctl check[/] then [bold]pdctl plan[/]")
+
+
+def render_findings(findings: list[Finding]) -> None:
+    """Print findings as a table (one shared renderer for check and up)."""
+    if not findings:
+        console.print("[green]no findings[/]")
+        return
+    table = Table(show_lines=False, pad_edge=False, expand=False)
+    for col in ("code", "severity", "where", "message"):
+        table.add_column(col, overflow="fold")
+    for f in findings:
+        where = f.file + (f":{f.line}" if f.line else "") + (f" {f.key}" if f.key else "")
+        message = Text(f.message)
+        if f.hint:
+            message.append(f"\nfix: {f.hint}", style="dim")
+        table.add_row(f.code, Text(f.severity, style=_STYLE[f.severity]), Text(where), message)
+    console.print(table)
+    errors = sum(f.severity == "error" for f in findings)
+    warnings = sum(f.severity == "warning" for f in findings)
+    console.print(f"{errors} error(s), {warnings} warning(s)")
+
+
+@app.command()
+def check(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    as_json: JsonOpt = False,
+) -> None:
+    """Validate both files and lint them against the recipe's pitfalls (exit 1 on errors)."""
+    try:
+        findings = run_checks(config.load(config_path, settings_path))
+    except ConfigError as err:
+        findings = [finding_from_error(err)]
+    if as_json:
+        typer.echo(json.dumps({"findings": [f.to_json() for f in findings]}, ensure_ascii=False, indent=2))
+    else:
+        render_findings(findings)
+    if any(f.severity == "error" for f in findings):
+        raise typer.Exit(1)
+
+
+@app.command()
+@handle_errors
+def plan(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    as_json: JsonOpt = False,
+    fmt: Annotated[str, typer.Option("--format", help="`table` (default) or `sh`.")] = "table",
+) -> None:
+    """Show the exact processes `pdctl up` starts, in start order."""
+    if fmt not in ("table", "sh"):
+        raise typer.BadParameter("expected table or sh", param_hint="--format")
+    p = build_plan(config.load(config_path, settings_path))
+    if as_json:
+        typer.echo(json.dumps({"processes": [s.to_json() for s in p.processes]}, ensure_ascii=False, indent=2))
+        return
+    if fmt == "sh":
+        typer.echo(render_sh(p), nl=False)
+        return
+    for spec in p.processes:
+        console.print(Text(f"{spec.name} ({spec.role}, wave {spec.wave})", style="bold"))
+        console.print(Text(f"  url:   {spec.url}   ready: {spec.ready_url}"))
+        if spec.env:
+            console.print(Text("  env:   " + " ".join(f"{k}={v}" for k, v in spec.env.items())))
+        if spec.unset_env:
+            console.print(Text("  unset: " + " ".join(spec.unset_env)))
+        console.print(Text("  argv:  " + " ".join(_quote(a) for a in spec.argv)))
+    source = f"{p.vllm.distribution} {p.vllm.version}" if p.vllm.distribution else "not installed"
+    console.print(Text(f"vLLM: {source}", style="dim"))
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

