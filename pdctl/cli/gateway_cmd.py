@@ -1,5 +1,48 @@
-"""CLI commands (placeholder until this group lands)."""
+"""``pdctl gateway``: run the gateway in the foreground (the process ``up`` starts)."""
 
 from __future__ import annotations
 
-from pdctl.cli._app import app  # noqa: F401
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdctl.cli._app import app, console, handle_errors
+from pdctl.config import DEFAULT_SETTINGS, load, load_settings
+
+
+@app.command("gateway")
+@handle_errors
+def gateway(
+    config: Annotated[
+        Path | None, typer.Option("-c", "--config", help="config.toml (instance names, models, max_model_len).")
+    ] = None,
+    settings: Annotated[Path, typer.Option("-s", "--settings", help="settings.json.")] = Path(DEFAULT_SETTINGS),
+    host: Annotated[str | None, typer.Option(help="Listen address (default: gateway.listen).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default: gateway.listen).")] = None,
+) -> None:
+    """Run the OpenAI-compatible gateway (key from the variable named by gateway.api_key_env)."""
+    from pdctl.gateway.app import create_app
+    from pdctl.gateway.auth import read_key
+    from pdctl.gateway.server import configure_logging, serve
+    from pdctl.gateway.settings import from_deployment, from_settings
+
+    if config is not None:
+        gw_settings = from_deployment(load(config, settings))
+    else:
+        gw_settings = from_settings(*load_settings(settings))
+    g = gw_settings.gateway
+    key = read_key(g.api_key_env, "gateway.api_key_env")
+    upstream_key = None
+    if g.upstream_api_key_env:
+        upstream_key = read_key(g.upstream_api_key_env, "gateway.upstream_api_key_env")
+    configure_logging(gw_settings.logging.level)
+    listen_host = host or g.listen_host
+    listen_port = port if port is not None else g.listen_port
+    console.print(
+        f"pdctl gateway on http://{listen_host}:{listen_port} ({gw_settings.routing.strategy}, "
+        f"{len(gw_settings.prefill)} prefill, {len(gw_settings.decode)} decode"
+        + (f", upstream {g.upstream_base_url}" if g.upstream_base_url else "")
+        + ")"
+    )
+    serve(create_app(gw_settings, key, upstream_key), listen_host, listen_port)

@@ -1,0 +1,13 @@
+"""pdctl's gateway: one key, PD two-leg routing, true streaming, upstream channel, limits, SLO admission.
+
+Modules: ``app`` (raw ASGI app), ``settings``, ``auth``, ``routing`` (pool, least-loaded, health,
+breaker), ``pd`` (two-leg flow), ``sse`` (response side and relay), ``upstream``, ``ratelimit``,
+``admission`` (SLO predictor), ``metrics``, ``errors`` (OpenAI shape), ``server`` (uvicorn + drain).
+"""
+
+from __future__ import annotations
+
+from pdctl.gateway.app import Gateway, create_app
+from pdctl.gateway.settings import GatewaySettings, from_deployment, from_settings
+
+__all__ = ["Gateway", "GatewaySettings", "create_app", "from_deployment", "from_settings"]

@@ -1,0 +1,502 @@
+"""The gateway as a raw ASGI app (no Starlette middleware: it would hide client disconnects).
+
+Request flow for the two completion endpoints::
+
+    draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
+      -> validation (400) -> model: local | upstream | 404 -> rate limit (429)
+      -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
+
+A watcher task waits for ``http.disconnect`` and cancels the handler, so a client that leaves cancels the
+worker calls (vLLM aborts the request when the connection closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pdctl.gateway.admission import Admission
+from pdctl.gateway.auth import KeyChecker
+from pdctl.gateway.errors import ApiError
+from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdctl.gateway.pd import serve_colocated, serve_pd
+from pdctl.gateway.ratelimit import RateLimiter
+from pdctl.gateway.routing import Pool
+from pdctl.gateway.settings import GatewaySettings
+from pdctl.gateway.sse import Exchange
+from pdctl.gateway.upstream import Upstream
+from pdctl.protocol import connector_kind
+
+__all__ = ["Gateway", "create_app"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("pdctl.gateway")
+access = logging.getLogger("pdctl.gateway.access")
+
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_N = 64
+_JSON = b"application/json"
+
+
+class _BadJSON(ValueError):
+    pass
+
+
+def _no_constants(name: str) -> Any:
+    raise _BadJSON(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _BadJSON(f"duplicate key {k!r}")
+            seen.add(k)
+    return out
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values() if isinstance(x, dict | list))
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v if isinstance(x, dict | list))
+    return True
+
+
+def _text_len(value: Any) -> int:
+    """Characters of text in a prompt or messages list (token ids count as one each)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, int):
+        return 4
+    if isinstance(value, list):
+        return sum(_text_len(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_text_len(v) for k, v in value.items() if k in ("content", "text", "prompt"))
+    return 0
+
+
+class Gateway:
+    """The gateway's state and request handling; an ASGI app (``await gw(scope, receive, send)``)."""
+
+    def __init__(self, settings: GatewaySettings, api_key: str, upstream_key: str | None = None) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.pool = Pool(settings, self.metrics)
+        self.keys = KeyChecker(api_key)
+        self.secrets = tuple(k for k in (api_key, upstream_key) if k)
+        self.worker_key: str | None = None
+        self.kind = connector_kind(settings.connector)
+        self.limiter = RateLimiter(settings.gateway.rate_limit)
+        self.admission = Admission(settings.slo)
+        g = settings.gateway
+        self.upstream = (
+            Upstream(g.upstream_base_url, upstream_key or api_key, g.request_timeout_s, g.max_retries)
+            if g.upstream_base_url
+            else None
+        )
+        self.draining = False
+        self.in_flight = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        self._started = False
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    async def startup(self) -> None:
+        """Probe the workers once and start the health loop."""
+        if not self._started:
+            self._started = True
+            await self.pool.start()
+
+    async def shutdown(self) -> None:
+        """Stop background work and close clients."""
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.pool.close()
+        if self.upstream is not None:
+            await self.upstream.close()
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        """Run ``coro`` in the background, kept referenced until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no client request is in flight (drain); True when it got there."""
+        end = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
+
+    # ---------------------------------------------------------------------------------------- models
+
+    def local_models(self) -> dict[str, int | None]:
+        """Local model ids and their ``max_model_len`` (from config, else from the workers' /v1/models)."""
+        out: dict[str, int | None] = {m.name: m.max_model_len for m in self.settings.models}
+        for inst in self.pool.instances:
+            for m in inst.models:
+                mid = m["id"]
+                mlen = m.get("max_model_len")
+                if mid in out or not self.settings.models:
+                    if out.get(mid) is None and isinstance(mlen, int):
+                        out[mid] = mlen
+                    else:
+                        out.setdefault(mid, None)
+        return out
+
+    # ------------------------------------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path in COMPLETION_PATHS:
+            if method != "POST":
+                await _plain_error(send, ApiError(405, f"use POST for {path}", code="method_not_allowed"))
+                return
+            await self._completion(scope, receive, send, path)
+        elif path == "/health" and method in ("GET", "HEAD"):
+            await _json(send, 200, b'{"status":"ok"}')
+        elif path == "/ready" and method in ("GET", "HEAD"):
+            ready = self.pool.ready() and not self.draining
+            self.metrics.ready.set(1 if ready else 0)
+            body = json.dumps({"ready": ready, "draining": self.draining, "instances": [
+                {"name": i.name, "role": i.role, "healthy": i.healthy, "breaker_open": i.breaker_open,
+                 "in_flight": i.in_flight} for i in self.pool.instances]}).encode()  # fmt: skip
+            await _json(send, 200 if ready else 503, body)
+        elif path == "/metrics" and method == "GET":
+            self.metrics.tasks.set(len(asyncio.all_tasks()))
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE.encode())]})  # fmt: skip
+            await send({"type": "http.response.body", "body": self.metrics.render()})
+        elif path == "/v1/models" and method == "GET":
+            if not self.keys.check(_header(scope, b"authorization")):
+                await _plain_error(send, _auth_error())
+                return
+            await self._models(send)
+        else:
+            await _plain_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # a failed probe setup must not kill the server silently
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _models(self, send: Send) -> None:
+        now = int(time.time())
+        local = self.local_models()
+        data: list[dict[str, Any]] = [
+            {"id": name, "object": "model", "created": now, "owned_by": "pdctl", "max_model_len": mlen}
+            for name, mlen in local.items()
+        ]
+        if self.upstream is not None:
+            for m in await self.upstream.models():
+                if m["id"] not in local:
+                    data.append({"id": m["id"], "object": "model", "created": m.get("created", now),
+                                 "owned_by": m.get("owned_by", "upstream")})  # fmt: skip
+        await _json(send, 200, json.dumps({"object": "list", "data": data}).encode())
+
+    # ----------------------------------------------------------------------------------- completions
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        started = time.monotonic()
+        rid_header = _header(scope, b"x-request-id")
+        rid = _clean_id(rid_header) or f"pdctl-{uuid.uuid4().hex}"
+        ex = Exchange(send=send, request_id=rid, started=started,
+                      deadline=started + self.settings.gateway.request_timeout_s)  # fmt: skip
+        self.in_flight += 1
+        self.metrics.accepted.inc()
+        self.metrics.gateway_in_flight.inc()
+        acquired = False
+        watcher: asyncio.Task[None] | None = None
+        try:
+            if self.draining:
+                raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
+            if not self.keys.check(_header(scope, b"authorization")):
+                raise _auth_error()
+            raw = await self._read_body(scope, receive, ex)
+            body = self._parse(raw)
+            watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, asyncio.current_task()))
+            prompt_tokens, max_tokens = self._validate(body, endpoint, ex)
+            route = self._route(ex.model)
+            self.limiter.acquire(prompt_tokens + (max_tokens or 0))
+            acquired = True
+            if route == "local":
+                route = self._admit(ex, prompt_tokens)
+            if route == "upstream":
+                assert self.upstream is not None
+                await self.upstream.serve(self, ex, endpoint, body)
+            elif self.settings.routing.strategy == "colocated":
+                await serve_colocated(self, ex, endpoint, body, prompt_tokens)
+            else:
+                await serve_pd(self, ex, endpoint, body, prompt_tokens)
+        except ApiError as err:
+            if ex.path in ("-", "rejected"):
+                ex.path = "rejected"
+                self.metrics.rejected.labels(err.reason or "error").inc()
+            await self._fail(ex, err)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not ex.client_gone:
+                with contextlib.suppress(Exception):
+                    await ex.fail(ApiError(503, "the gateway is shutting down", code="server_shutting_down"))
+                raise
+            if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
+                task.uncancel()
+            ex.status = 499
+            phase = "before_first_byte" if not ex.headers_sent else "streaming"
+            self.metrics.client_cancelled.labels(phase).inc()
+        except Exception:
+            log.exception("request %s: internal error", rid)
+            await self._fail(ex, ApiError(500, "internal gateway error (see the gateway log)", code="internal_error"))
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if acquired:
+                self.limiter.release()
+            self.in_flight -= 1
+            self.metrics.gateway_in_flight.dec()
+            self._finish(ex)
+
+    async def _fail(self, ex: Exchange, err: ApiError) -> None:
+        with contextlib.suppress(Exception):
+            await ex.fail(err)
+        if not ex.status:
+            ex.status = err.status
+
+    def _finish(self, ex: Exchange) -> None:
+        duration = time.monotonic() - ex.started
+        status = ex.status or 500
+        if ex.error_code and ex.headers_sent and status == 200:
+            status_label = "stream_error"
+        else:
+            status_label = str(status)
+        self.metrics.requests.labels(ex.path, status_label).inc()
+        self.metrics.duration.labels(ex.path).observe(duration)
+        if ex.ttft_s is not None:
+            self.metrics.ttft.labels(ex.path).observe(ex.ttft_s)
+        parts = [
+            f"request_id={ex.request_id}", f"model={ex.model}", f"path={ex.path}",
+            f"prefill={ex.prefill or '-'}", f"decode={ex.decode or '-'}", f"status={status_label}",
+            f"ttft_ms={ex.ttft_s * 1000:.1f}" if ex.ttft_s is not None else "ttft_ms=-",
+            f"prefill_ms={ex.prefill_ms:.1f}" if ex.prefill_ms is not None else "prefill_ms=-",
+            f"prompt_tokens={ex.prompt_tokens if ex.prompt_tokens is not None else '-'}",
+            f"tokens={ex.tokens if ex.tokens is not None else '-'}", f"duration_ms={duration * 1000:.1f}",
+        ]  # fmt: skip
+        if ex.error_code:
+            parts.append(f"error={ex.error_code}")
+        if ex.fallback_reason:
+            parts.append(f"fallback={ex.fallback_reason}")
+        if ex.kv:
+            parts.append(f"kv_engine={ex.kv['engine']} kv_blocks={ex.kv['blocks']} kv_remote={ex.kv['remote']}")
+        access.info(" ".join(parts))
+
+    async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
+        limit = self.settings.gateway.max_body_bytes
+        length = _header(scope, b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                raise ApiError(400, "invalid Content-Length", code="invalid_request") from None
+            if declared > limit:
+                raise ApiError(413, f"request body of {declared} bytes exceeds gateway.max_body_bytes = {limit}",
+                               code="request_too_large")  # fmt: skip
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                ex.client_gone = True
+                raise asyncio.CancelledError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds gateway.max_body_bytes = {limit}", code="request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+        try:
+            body = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+        except _BadJSON as exc:
+            raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
+        except ValueError as exc:
+            raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
+        if not _depth_ok(body, self.settings.max_nesting):
+            raise ApiError(400, f"request body is nested deeper than {self.settings.max_nesting} levels",
+                           code="invalid_json")  # fmt: skip
+        return body
+
+    def _validate(self, body: dict[str, Any], endpoint: str, ex: Exchange) -> tuple[int, int | None]:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "`model` is required and must be a string", param="model", code="invalid_value")
+        ex.model = model
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "`stream` must be true or false", param="stream", code="invalid_type")
+        ex.stream = stream
+        if endpoint == "/v1/chat/completions":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "`messages` must be a non-empty list", param="messages", code="invalid_value")
+            chars = _text_len(messages)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str | list) or prompt == [] or prompt == "":
+                raise ApiError(400, "`prompt` must be a string or a list", param="prompt", code="invalid_value")
+            if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+                if self.settings.routing.strategy == "pd_disagg" and self._route(model) == "local":
+                    raise ApiError(400, "send one prompt per request: the PD path prefills one prompt at a time",
+                                   param="prompt", code="invalid_value")  # fmt: skip
+            chars = _text_len(prompt)
+        max_tokens: int | None = None
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ApiError(400, f"`{name}` must be a positive integer, got {json.dumps(value)}", param=name,
+                               code="invalid_value")  # fmt: skip
+            max_tokens = value
+        n = body.get("n", 1)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+            raise ApiError(400, f"`n` must be an integer 1-{MAX_N}", param="n", code="invalid_value")
+        # A conservative estimate (6 characters a token): only clearly too-long requests are refused here;
+        # vLLM's exact check stays behind it.
+        prompt_tokens = max(1, chars // 6)
+        mlen = self.local_models().get(model)
+        if mlen is not None and max_tokens is not None:
+            if max_tokens >= mlen:
+                raise ApiError(400, f"`max_tokens` = {max_tokens} is not below the model's context length {mlen}",
+                               param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            if prompt_tokens + max_tokens > mlen:
+                raise ApiError(
+                    400, f"this request (prompt of at least ~{prompt_tokens} tokens + max_tokens {max_tokens}) "
+                    f"exceeds the model's context length {mlen}; shorten the prompt or lower max_tokens",
+                    param="messages" if endpoint.endswith("chat/completions") else "prompt",
+                    code="context_length_exceeded",
+                )  # fmt: skip
+        return prompt_tokens, max_tokens
+
+    def _route(self, model: str) -> str:
+        local = self.local_models()
+        if model in local or (not local and self.upstream is None):
+            return "local"
+        if self.upstream is not None:
+            return "upstream"
+        known = ", ".join(sorted(local)) or "none yet"
+        raise ApiError(404, f"model {model!r} is not served here (local models: {known})", param="model",
+                       code="model_not_found")  # fmt: skip
+
+    def _admit(self, ex: Exchange, prompt_tokens: int) -> str:
+        if self.settings.routing.strategy == "colocated":
+            return "local"
+        prefill = self.pool.least_loaded(("prefill",))
+        ahead = prefill.in_flight_tokens if prefill is not None else 0
+        concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
+        decision = self.admission.decide(prompt_tokens, ahead, concurrency)
+        if decision.admit:
+            return "local"
+        if self.settings.slo.overflow == "upstream" and self.upstream is not None:
+            self.metrics.rejected.labels(f"slo_{decision.reason}_overflow").inc()
+            log.info("request %s: SLO predictor (%s) sends it upstream", ex.request_id, decision.reason)
+            return "upstream"
+        ex.path = "rejected"
+        what = "time to first token" if decision.reason == "ttft" else "time per output token"
+        raise ApiError(
+            503, f"server overloaded: predicted {what} would miss the SLO; retry later",
+            type="server_error", code="server_overloaded", retry_after_s=decision.retry_after_s,
+            should_retry=False, reason=f"slo_{decision.reason}",
+        )  # fmt: skip
+
+
+async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[Any] | None) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not ex.finished and task is not None:
+                ex.client_gone = True
+                task.cancel()
+            return
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v)
+    return None
+
+
+def _clean_id(value: bytes | None) -> str | None:
+    if not value:
+        return None
+    text = value.decode("latin-1").strip()
+    if not text or len(text) > 128 or not all(c.isalnum() or c in "-_.:" for c in text):
+        return None
+    return text
+
+
+def _auth_error() -> ApiError:
+    return ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+
+async def _json(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _plain_error(send: Send, err: ApiError) -> None:
+    body = err.body()
+    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *err.headers()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(settings: GatewaySettings, api_key: str, upstream_key: str | None = None) -> Gateway:
+    """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI)."""
+    return Gateway(settings, api_key, upstream_key)

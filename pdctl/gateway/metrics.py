@@ -1,0 +1,72 @@
+"""The gateway's Prometheus metrics (``pdctl_`` prefix), in a registry of its own (no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class GatewayMetrics:
+    """All metrics of one gateway app; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdctl_requests", "Requests answered, by path and HTTP status.", ["path", "status"], registry=r
+        )
+        self.fallbacks = Counter(
+            "pdctl_pd_fallback", "Requests served by decode without usable KV from prefill.", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.rejected = Counter("pdctl_rejected", "Requests rejected before any worker call.", ["reason"], registry=r)
+        self.upstream_calls = Counter(
+            "pdctl_upstream_calls", "Calls to the upstream channel, by outcome.", ["outcome"], registry=r
+        )
+        self.retries = Counter("pdctl_retries", "Retried calls, by leg.", ["leg"], registry=r)
+        self.client_cancelled = Counter(
+            "pdctl_client_cancelled", "Requests whose client disconnected, by phase.", ["phase"], registry=r
+        )
+        self.kv_release = Counter(
+            "pdctl_kv_release", "Release legs sent after a client left between the legs.", ["outcome"], registry=r
+        )
+        self.stream_errors = Counter(
+            "pdctl_stream_errors", "Streams ended with an SSE error event after headers.", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdctl_ttft_seconds", "Time to first token at the gateway.", ["path"], buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "pdctl_tpot_seconds", "Time per output token after the first, at the gateway.", ["path"],
+            buckets=_TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.leg = Histogram(
+            "pdctl_leg_seconds",
+            "TTFT decomposition: prefill leg, handoff (decode request to response headers), first decode chunk.",
+            ["leg"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pdctl_request_duration_seconds", "Whole request duration.", ["path"], buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r)
+        self.healthy = Gauge("pdctl_instance_healthy", "1 when the instance is in the pool.", ["instance", "role"],
+                             registry=r)  # fmt: skip
+        self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r)
+        self.accepted = Counter(
+            "pdctl_accepted", "Completion requests received; each ends in one pdctl_requests_total.", registry=r
+        )
+        self.tasks = Gauge("pdctl_asyncio_tasks", "asyncio tasks alive in the gateway's loop when scraped.", registry=r)
+        self.ready = Gauge("pdctl_ready", "1 when /ready answers 200.", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,299 @@
+"""The PD two-leg flow (and ``colocated``), built on :mod:`pdctl.protocol`.
+
+Leg 1 goes to the least-loaded prefill, one attempt at a time, each attempt shielded from client
+cancellation: a prefill that finished holds KV blocks until decode reads them, so when the client left
+during leg 1 the gateway still finishes it and then sends a *release leg* (the decode body with
+``max_tokens = 1``, not streamed) so decode pulls and frees the blocks at once instead of after
+``kv_lease_duration``. A failed or timed-out leg 1 is retried once with a fresh request id; decode is
+never retried (its ``kv_transfer_params`` are single-use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from pdctl.gateway.errors import ApiError, translate_worker_error
+from pdctl.gateway.routing import Instance, Role
+from pdctl.gateway.sse import Exchange, relay
+from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
+
+if TYPE_CHECKING:
+    from pdctl.gateway.app import Gateway
+
+__all__ = ["LegResult", "serve_colocated", "serve_pd"]
+
+log = logging.getLogger("pdctl.gateway")
+_MAX_ERROR_BODY = 64 * 1024
+
+
+@dataclass(slots=True)
+class LegResult:
+    """The outcome of one prefill attempt."""
+
+    reply: dict[str, Any] | None
+    error: ApiError | None
+    retryable: bool
+    elapsed_s: float
+    request_id: str
+
+
+def _dumps(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _headers(gw: Gateway, request_id: str) -> dict[str, str]:
+    h = {"content-type": "application/json", "x-request-id": request_id}
+    if gw.worker_key:
+        h["authorization"] = f"Bearer {gw.worker_key}"
+    return h
+
+
+async def _prefill_once(
+    gw: Gateway, inst: Instance, endpoint: str, body: bytes, request_id: str, tokens: int, timeout_s: float
+) -> LegResult:
+    start = time.monotonic()
+    try:
+        with inst.track(tokens):
+            resp = await asyncio.wait_for(
+                inst.client.post(endpoint, content=body, headers=_headers(gw, request_id)), timeout=timeout_s
+            )
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        gw.pool.record_failure(inst)
+        err = ApiError(504, f"prefill {inst.name} did not answer within {timeout_s:.1f}s", code="prefill_timeout")
+        return LegResult(None, err, True, time.monotonic() - start, request_id)
+    except httpx.HTTPError as exc:
+        gw.pool.record_failure(inst)
+        if isinstance(exc, httpx.ConnectError):
+            inst.set_healthy(False)  # out of the pool until a /health probe brings it back
+        err = ApiError(502, f"prefill {inst.name} failed: {type(exc).__name__}", code="prefill_unavailable")
+        return LegResult(None, err, True, time.monotonic() - start, request_id)
+    elapsed = time.monotonic() - start
+    if resp.status_code == 200:
+        try:
+            reply = resp.json()
+        except ValueError:
+            reply = None
+        if isinstance(reply, dict):
+            gw.pool.record_success(inst)
+            return LegResult(reply, None, False, elapsed, request_id)
+        gw.pool.record_failure(inst)
+        err = ApiError(502, f"prefill {inst.name} answered invalid JSON", code="prefill_failed")
+        return LegResult(None, err, True, elapsed, request_id)
+    err = translate_worker_error(resp.status_code, resp.content[:_MAX_ERROR_BODY], gw.secrets)
+    if resp.status_code >= 500 and err.status != 400:
+        gw.pool.record_failure(inst)
+        err = ApiError(502, f"prefill {inst.name}: {err.message}", code="prefill_failed")
+        return LegResult(None, err, True, elapsed, request_id)
+    return LegResult(None, err, False, elapsed, request_id)
+
+
+def _no_instance(gw: Gateway, roles: tuple[Role, ...], what: str) -> ApiError:
+    return ApiError(
+        503, f"no {what} instance is available (all unhealthy or failing); retry later",
+        code="server_overloaded", retry_after_s=gw.pool.retry_after_s(roles),
+    )  # fmt: skip
+
+
+class _DecodeFailed(ApiError):
+    """Decode failed before any byte reached the client (a whole new pipeline may be tried)."""
+
+
+async def serve_pd(gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
+    """Leg 1 on a prefill, leg 2 on a decode, decode's answer relayed to the client.
+
+    One retry per request, as a whole new pipeline with a fresh request id: after a failed or timed-out
+    leg 1, or after a decode that failed before sending anything (vLLM's lazy NIXL handshake failure is a
+    decode 500). ``kv_transfer_params`` are never replayed.
+    """
+    for attempt in range(2):
+        rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
+        last = attempt == 1
+        leg = await _leg1(gw, ex, endpoint, body, prompt_tokens, rid)
+        if leg.error is not None:
+            if not leg.retryable or last or ex.remaining() <= 0.05:
+                raise leg.error
+            gw.metrics.retries.labels("prefill").inc()
+            log.warning("request %s: leg 1 failed (%s); retrying as %s-retry1", ex.request_id, leg.error.message,
+                        ex.request_id)  # fmt: skip
+            continue
+        dbody = _decode_body(gw, ex, body, leg)
+        try:
+            await _decode(gw, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode")
+            return
+        except _DecodeFailed as err:
+            if last or ex.headers_sent or ex.remaining() <= 0.05:
+                raise ApiError(err.status, err.message, code=err.code) from None
+            gw.metrics.retries.labels("decode").inc()
+            log.warning("request %s: decode failed before any output (%s); retrying the whole pipeline as "
+                        "%s-retry1", ex.request_id, err.message, ex.request_id)  # fmt: skip
+
+
+async def _leg1(
+    gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str
+) -> LegResult:
+    inst = gw.pool.choose(("prefill",))
+    if inst is None:
+        raise _no_instance(gw, ("prefill",), "prefill")
+    pbody = _dumps(build_prefill_body(body, gw.kind))
+    ahead = inst.in_flight_tokens
+    timeout = max(0.05, min(ex.remaining(), gw.settings.gateway.request_timeout_s))
+    task = asyncio.ensure_future(_prefill_once(gw, inst, endpoint, pbody, rid, prompt_tokens, timeout))
+    try:
+        leg = await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if ex.client_gone:
+            gw.spawn(_release_after(gw, task, endpoint, body))
+        else:
+            task.cancel()
+        raise
+    if leg.reply is not None:
+        gw.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
+        gw.metrics.leg.labels("prefill").observe(leg.elapsed_s)
+        ex.prefill = inst.name
+        ex.prefill_ms = leg.elapsed_s * 1000.0
+        usage = leg.reply.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            ex.prompt_tokens = usage["prompt_tokens"]
+    return leg
+
+
+def _decode_body(gw: Gateway, ex: Exchange, body: dict[str, Any], leg: LegResult) -> dict[str, Any]:
+    assert leg.reply is not None
+    params: Mapping[str, Any] | None = None
+    ex.path = "disagg"
+    if gw.kind != "shared_storage":
+        check = check_kv_params(leg.reply)
+        if check.usable:
+            params = check.params
+            if gw.settings.logging.log_kv_transfer and params is not None:
+                blocks = params.get("remote_block_ids")
+                nblocks = sum(len(b) if isinstance(b, list) else 1 for b in blocks) if isinstance(blocks, list) else 0
+                ex.kv = {
+                    "engine": params.get("remote_engine_id"),
+                    "blocks": nblocks,
+                    "remote": f"{params.get('remote_host')}:{params.get('remote_port')}",
+                }
+        else:
+            reason = check.reason
+            ex.path = "fallback"
+            ex.fallback_reason = reason
+            gw.metrics.fallbacks.labels(reason).inc()
+            detail = f" (missing {', '.join(check.missing)})" if check.missing else ""
+            log.warning(
+                "request %s: prefill %s returned no usable kv_transfer_params (%s%s) under %s: decode will "
+                "recompute the prompt (x-pd-path: fallback)", ex.request_id, ex.prefill, reason, detail,
+                gw.settings.connector or "an unknown connector",
+            )  # fmt: skip
+    return build_decode_body(body, params)
+
+
+async def serve_colocated(gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
+    """The whole request on one instance (any role), least-loaded."""
+    ex.path = "colocated"
+    await _decode(gw, ex, endpoint, body, ex.request_id, prompt_tokens, ("prefill", "decode"), "worker")
+
+
+async def _decode(
+    gw: Gateway,
+    ex: Exchange,
+    endpoint: str,
+    body: Mapping[str, Any],
+    request_id: str,
+    prompt_tokens: int,
+    roles: tuple[Role, ...],
+    what: str,
+) -> None:
+    inst = gw.pool.choose(roles)
+    if inst is None:
+        raise _no_instance(gw, roles, what)
+    ex.decode = inst.name
+    stream = ex.stream
+    concurrency = sum(i.in_flight for i in gw.pool.instances if i.role in roles)
+    req = inst.client.build_request("POST", endpoint, content=_dumps(body), headers=_headers(gw, request_id))
+    sent = time.monotonic()
+    with inst.track(prompt_tokens):
+        try:
+            resp = await asyncio.wait_for(
+                inst.client.send(req, stream=True), timeout=max(0.05, ex.remaining() + gw.settings.kv_timeout_s)
+            )
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            gw.pool.record_failure(inst)
+            raise _DecodeFailed(504, f"{what} {inst.name} did not answer in time", code="decode_timeout") from None
+        except httpx.HTTPError as exc:
+            gw.pool.record_failure(inst)
+            if isinstance(exc, httpx.ConnectError):
+                inst.set_healthy(False)
+            raise _DecodeFailed(
+                502, f"{what} {inst.name} failed: {type(exc).__name__}", code="decode_unavailable"
+            ) from None
+        try:
+            headers_at = time.monotonic()
+            gw.metrics.leg.labels("handoff").observe(headers_at - sent)
+            if resp.status_code != 200:
+                payload = await resp.aread()
+                err = translate_worker_error(resp.status_code, payload[:_MAX_ERROR_BODY], gw.secrets)
+                if resp.status_code >= 500 and err.status != 400:
+                    gw.pool.record_failure(inst)
+                    raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
+                raise err
+            result = await relay(ex, resp, stream, gw.settings.kv_timeout_s + max(0.0, ex.remaining()))
+        finally:
+            await resp.aclose()
+    if result.error is None:
+        gw.pool.record_success(inst)
+    else:
+        gw.pool.record_failure(inst)
+        gw.metrics.stream_errors.labels(result.error.code or "error").inc()
+    ex.tokens = result.completion_tokens
+    # Only a stream's first chunk is a first token; a non-streamed body arrives when decode is done.
+    if stream and result.first_chunk_at is not None:
+        gw.metrics.leg.labels("first_chunk").observe(result.first_chunk_at - headers_at)
+        gw.admission.observe_handoff(result.first_chunk_at - sent)
+        ex.ttft_s = result.first_chunk_at - ex.started
+        n = result.completion_tokens
+        if n and n > 1 and result.last_chunk_at is not None:
+            tpot = (result.last_chunk_at - result.first_chunk_at) / (n - 1)
+            gw.metrics.tpot.labels(ex.path).observe(tpot)
+            gw.admission.observe_itl(tpot, max(1, concurrency + 1))
+    if result.prompt_tokens is not None and ex.prompt_tokens is None:
+        ex.prompt_tokens = result.prompt_tokens
+
+
+async def _release_after(gw: Gateway, task: asyncio.Future[LegResult], endpoint: str, body: Mapping[str, Any]) -> None:
+    """The client left during leg 1: let it finish, then have decode pull (and so free) the blocks."""
+    leg = await task
+    if leg.reply is None:
+        return
+    check = check_kv_params(leg.reply)
+    if not check.usable or check.params is None:
+        gw.metrics.kv_release.labels("nothing_held").inc()
+        return
+    dbody = build_decode_body(body, check.params)
+    dbody.pop("stream_options", None)
+    dbody.pop("min_tokens", None)
+    dbody["stream"] = False
+    dbody["max_tokens"] = 1
+    if "max_completion_tokens" in dbody:
+        dbody["max_completion_tokens"] = 1
+    inst = gw.pool.choose(("decode",))
+    if inst is None:
+        gw.metrics.kv_release.labels("no_decode").inc()
+        return
+    try:
+        with inst.track(0):
+            resp = await inst.client.post(
+                endpoint, content=_dumps(dbody), headers=_headers(gw, f"{leg.request_id}-release"),
+                timeout=gw.settings.kv_timeout_s + gw.settings.gateway.request_timeout_s,
+            )  # fmt: skip
+        gw.metrics.kv_release.labels("ok" if resp.status_code == 200 else "error").inc()
+    except httpx.HTTPError:
+        gw.metrics.kv_release.labels("error").inc()
+    log.info("request %s: client left during leg 1; release leg sent to %s", leg.request_id, inst.name)

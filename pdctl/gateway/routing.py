@@ -1,0 +1,182 @@
+"""The instance pool: least-loaded choice, health probing in and out, a per-instance circuit breaker.
+
+An instance is *available* when its last ``/health`` probe succeeded and its breaker is closed. The
+breaker opens after ``breaker_threshold`` consecutive failed calls, for ``cooldown x times_opened``
+seconds; after that a successful probe closes it half-way (one more failure reopens it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import httpx
+
+from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.settings import GatewaySettings, InstanceSpec
+
+__all__ = ["Instance", "Pool"]
+
+Role = Literal["prefill", "decode"]
+
+
+class Instance:
+    """One worker: its pooled HTTP client, load and health."""
+
+    def __init__(self, spec: InstanceSpec, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.role: Role = spec.role
+        self.url = spec.url
+        self.client = client
+        self.in_flight = 0
+        self.in_flight_tokens = 0
+        self.healthy: bool | None = None  # None: not probed yet
+        self.failures = 0
+        self.times_opened = 0
+        self.open_until = 0.0
+        self.models: list[dict[str, Any]] = []
+        self._gauge = metrics.in_flight.labels(spec.name, spec.role)
+        self._health_gauge = metrics.healthy.labels(spec.name, spec.role)
+
+    @property
+    def breaker_open(self) -> bool:
+        """True while failing fast."""
+        return self.open_until > 0.0
+
+    def available(self) -> bool:
+        """In the pool: not known unhealthy and breaker closed."""
+        return self.healthy is not False and not self.breaker_open
+
+    @contextlib.contextmanager
+    def track(self, tokens: int) -> Iterator[None]:
+        """Count one call in flight (for least-loaded choice and the per-instance gauge)."""
+        self.in_flight += 1
+        self.in_flight_tokens += tokens
+        self._gauge.inc()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.in_flight_tokens -= tokens
+            self._gauge.dec()
+
+    def set_healthy(self, ok: bool) -> None:
+        """Record a probe result."""
+        self.healthy = ok
+        self._health_gauge.set(1 if ok and not self.breaker_open else 0)
+
+
+class Pool:
+    """All instances, the choice among them and the background health probe."""
+
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        g = settings.gateway
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0)
+        self._timeout = httpx.Timeout(g.request_timeout_s, connect=min(settings.connect_timeout_s, g.request_timeout_s))
+        self.instances = [
+            Instance(
+                spec,
+                httpx.AsyncClient(
+                    base_url=spec.url, limits=limits, timeout=self._timeout, headers={"accept-encoding": "identity"}
+                ),
+                metrics,
+            )
+            for spec in settings.instances
+        ]
+        self._rr: dict[tuple[Role, ...], itertools.count[int]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def by_role(self, role: Role) -> list[Instance]:
+        """Instances of one role."""
+        return [i for i in self.instances if i.role == role]
+
+    def choose(self, roles: tuple[Role, ...]) -> Instance | None:
+        """Least in-flight requests, then tokens; ties rotate. None when no instance is available."""
+        candidates = [i for i in self.instances if i.role in roles and i.available()]
+        if not candidates:
+            return None
+        turn = next(self._rr.setdefault(roles, itertools.count()))
+        n = len(candidates)
+        return min(enumerate(candidates), key=lambda p: (p[1].in_flight, p[1].in_flight_tokens, (p[0] - turn) % n))[1]
+
+    def least_loaded(self, roles: tuple[Role, ...]) -> Instance | None:
+        """The instance :meth:`choose` would favour, without advancing the tie rotation."""
+        candidates = [i for i in self.instances if i.role in roles and i.available()]
+        return min(candidates, key=lambda i: (i.in_flight, i.in_flight_tokens), default=None)
+
+    def retry_after_s(self, roles: tuple[Role, ...]) -> float:
+        """How long until an instance of ``roles`` may be back (breaker cooldown or probe interval)."""
+        now = time.monotonic()
+        waits = [i.open_until - now for i in self.instances if i.role in roles and i.breaker_open]
+        return max(1.0, min(waits) if waits else self.settings.health_interval_s)
+
+    def record_success(self, inst: Instance) -> None:
+        """A call succeeded: reset the failure count and close the breaker."""
+        inst.failures = 0
+        # Also after a half-open close by the probe: else every later incident ejects it for longer.
+        inst.times_opened = 0
+        if inst.breaker_open:
+            inst.open_until = 0.0
+        inst.set_healthy(True)
+
+    def record_failure(self, inst: Instance) -> None:
+        """A call failed (connection error, timeout, 5xx): maybe open the breaker."""
+        inst.failures += 1
+        if inst.failures >= self.settings.breaker_threshold and not inst.breaker_open:
+            inst.times_opened += 1
+            inst.open_until = time.monotonic() + self.settings.breaker_cooldown_s * inst.times_opened
+            inst.set_healthy(bool(inst.healthy))
+
+    def ready(self) -> bool:
+        """At least one available prefill and one available decode (colocated: any one instance)."""
+        if self.settings.routing.strategy == "colocated":
+            return any(i.healthy and i.available() for i in self.instances)
+        return any(i.healthy and i.available() for i in self.by_role("prefill")) and any(
+            i.healthy and i.available() for i in self.by_role("decode")
+        )
+
+    async def probe(self, inst: Instance) -> None:
+        """One ``/health`` probe; a half-open breaker whose cooldown passed closes on success."""
+        try:
+            resp = await inst.client.get("/health", timeout=min(5.0, self.settings.health_interval_s + 1))
+            ok = resp.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok and inst.breaker_open and time.monotonic() >= inst.open_until:
+            inst.open_until = 0.0
+            inst.failures = self.settings.breaker_threshold - 1
+        inst.set_healthy(ok)
+        if ok and not inst.models:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                resp = await inst.client.get("/v1/models", timeout=5.0)
+                data = resp.json().get("data") if resp.status_code == 200 else None
+                if isinstance(data, list):
+                    inst.models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    async def probe_all(self) -> None:
+        """Probe every instance once, concurrently."""
+        await asyncio.gather(*(self.probe(i) for i in self.instances))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await self.probe_all()
+
+    async def start(self) -> None:
+        """First probe, then the background loop."""
+        await self.probe_all()
+        self._task = asyncio.create_task(self._loop(), name="pdctl-health")
+
+    async def close(self) -> None:
+        """Stop probing and close the clients."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(i.client.aclose() for i in self.instances), return_exceptions=True)

@@ -1,0 +1,96 @@
+"""What the gateway runs from: the settings.json sections, plus what config.toml adds when given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pdctl.config import Deployment, GatewayConfig, LoggingConfig, RoutingConfig, SLOConfig
+
+__all__ = ["GatewaySettings", "InstanceSpec", "LocalModel", "from_deployment", "from_settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One prefill or decode worker the gateway routes to."""
+
+    name: str
+    role: Literal["prefill", "decode"]
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class LocalModel:
+    """A model the workers serve, with its context length when known."""
+
+    name: str
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """Everything :func:`pdctl.gateway.app.create_app` needs; built by :func:`from_deployment`/:func:`from_settings`.
+
+    ``models`` empty means "learn them from the workers' ``/v1/models``".
+    """
+
+    gateway: GatewayConfig
+    routing: RoutingConfig
+    slo: SLOConfig
+    logging: LoggingConfig
+    prefill: tuple[InstanceSpec, ...]
+    decode: tuple[InstanceSpec, ...]
+    models: tuple[LocalModel, ...] = ()
+    connector: str | None = None
+    kv_timeout_s: float = 30.0
+    health_interval_s: float = 2.0
+    breaker_threshold: int = 5
+    breaker_cooldown_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    max_nesting: int = 64
+
+    @property
+    def instances(self) -> tuple[InstanceSpec, ...]:
+        """Prefill then decode instances."""
+        return self.prefill + self.decode
+
+
+def _names(role: Literal["prefill", "decode"], urls: tuple[str, ...]) -> tuple[InstanceSpec, ...]:
+    if len(urls) == 1:
+        return (InstanceSpec(role, role, urls[0].rstrip("/")),)
+    return tuple(InstanceSpec(f"{role}-{i}", role, u.rstrip("/")) for i, u in enumerate(urls))
+
+
+def from_settings(
+    gateway: GatewayConfig, routing: RoutingConfig, slo: SLOConfig, logging: LoggingConfig
+) -> GatewaySettings:
+    """Settings from settings.json alone: model names come from the workers' ``/v1/models``."""
+    return GatewaySettings(
+        gateway=gateway,
+        routing=routing,
+        slo=slo,
+        logging=logging,
+        prefill=_names("prefill", routing.prefill_endpoints),
+        decode=_names("decode", routing.decode_endpoints),
+        connector=routing.kv_connector,
+    )
+
+
+def from_deployment(dep: Deployment) -> GatewaySettings:
+    """Settings from config.toml + settings.json: instance names, models and limits from the workers."""
+    models: dict[str, int | None] = {}
+    for w in dep.workers:
+        known = models.get(w.model_name)
+        lens = [x for x in (known, w.max_model_len) if x is not None]
+        models[w.model_name] = min(lens) if lens else None
+    return GatewaySettings(
+        gateway=dep.gateway,
+        routing=dep.routing,
+        slo=dep.slo,
+        logging=dep.logging,
+        prefill=tuple(InstanceSpec(w.name, "prefill", w.url) for w in dep.prefill),
+        decode=tuple(InstanceSpec(w.name, "decode", w.url) for w in dep.decode),
+        models=tuple(LocalModel(n, m) for n, m in models.items()),
+        connector=dep.routing.kv_connector or dep.connector.kv_connector,
+        kv_timeout_s=dep.kv_transfer.timeout_ms / 1000.0,
+    )

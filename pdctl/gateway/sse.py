@@ -1,0 +1,205 @@
+"""The response side of one request: headers, bodies, and the chunk-by-chunk SSE relay.
+
+The relay forwards each chunk as it arrives. Per chunk it only counts ``data:`` occurrences (a C-level
+``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdctl.gateway.errors import ApiError, error_event
+
+__all__ = ["Exchange", "RelayResult", "relay"]
+
+ASGISend = Any
+_TAIL = 4096
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request as it goes through the gateway: ids, timings and what was answered."""
+
+    send: ASGISend
+    request_id: str
+    started: float
+    deadline: float
+    model: str = "-"
+    path: str = "-"
+    stream: bool = False
+    prefill: str | None = None
+    decode: str | None = None
+    prefill_ms: float | None = None
+    status: int = 0
+    headers_sent: bool = False
+    finished: bool = False
+    client_gone: bool = False
+    ttft_s: float | None = None
+    tokens: int | None = None
+    prompt_tokens: int | None = None
+    error_code: str | None = None
+    fallback_reason: str | None = None
+    kv: dict[str, Any] = field(default_factory=dict)
+
+    def remaining(self) -> float:
+        """Seconds left before the request's first-byte deadline."""
+        return self.deadline - time.monotonic()
+
+    def _headers(self, content_type: bytes, extra: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
+        h = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]
+        if self.path in ("disagg", "fallback", "upstream", "colocated"):
+            h.append((b"x-pd-path", self.path.encode()))
+        if self.prefill:
+            h.append((b"x-pd-prefill", self.prefill.encode()))
+        if self.decode:
+            h.append((b"x-pd-decode", self.decode.encode()))
+        if self.prefill_ms is not None:
+            h.append((b"x-pd-prefill-ms", f"{self.prefill_ms:.2f}".encode()))
+        if extra:
+            h.extend(extra)
+        return h
+
+    async def start(self, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Send the response headers."""
+        headers = self._headers(content_type, extra)
+        if content_type.startswith(b"text/event-stream"):
+            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self.status = status
+        self.headers_sent = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool = False) -> None:
+        """Send body bytes."""
+        if not more:
+            self.finished = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def respond(self, status: int, data: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """A whole JSON response."""
+        await self.start(status, b"application/json", [(b"content-length", str(len(data)).encode()), *(extra or [])])
+        await self.body(data)
+
+    async def fail(self, err: ApiError) -> None:
+        """Answer an error: a JSON error before headers, one SSE error event after them."""
+        self.error_code = err.code or err.type
+        if not self.headers_sent:
+            await self.respond(err.status, err.body(), err.headers())
+        elif not self.finished:
+            await self.body(error_event(err))
+
+
+@dataclass(slots=True)
+class RelayResult:
+    """What a relay saw."""
+
+    first_chunk_at: float | None = None
+    last_chunk_at: float | None = None
+    events: int = 0
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    done: bool = False
+    error: ApiError | None = None
+
+
+async def relay(ex: Exchange, resp: httpx.Response, stream: bool, first_timeout_s: float | None = None) -> RelayResult:
+    """Forward a 200 response to the client; a failure after headers ends with one SSE error event.
+
+    Streams: ``first_timeout_s`` bounds the wait for the first chunk; every later wait is bounded by the
+    client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``).
+    """
+    out = RelayResult()
+    if not stream:
+        try:
+            data = await resp.aread()
+        except httpx.TimeoutException:
+            raise ApiError(504, "the worker did not finish in time", code="upstream_timeout") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(
+                502, f"the worker failed mid-response ({type(exc).__name__})", code="upstream_error"
+            ) from None
+        out.first_chunk_at = out.last_chunk_at = time.monotonic()
+        m = _COMPLETION_TOKENS.search(data)
+        out.completion_tokens = int(m.group(1)) if m else None
+        m = _PROMPT_TOKENS.search(data)
+        out.prompt_tokens = int(m.group(1)) if m else None
+        out.done = True
+        await ex.respond(200, data)
+        return out
+    await ex.start(200, b"text/event-stream; charset=utf-8")
+    tail = b""
+    send = ex.send
+    chunks = resp.aiter_raw()
+    pending = b""  # an event split across chunks, held until its blank line arrives
+
+    async def forward(chunk: bytes) -> None:
+        nonlocal tail, pending
+        now = time.monotonic()
+        if out.first_chunk_at is None:
+            out.first_chunk_at = now
+        out.last_chunk_at = now
+        out.events += chunk.count(b"data:")
+        tail = (tail + chunk)[-_TAIL:]
+        if pending:
+            chunk = pending + chunk
+            pending = b""
+        if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+            cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"))
+            chunk, pending = chunk[:cut], chunk[cut:]
+            if not chunk:
+                return
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    try:
+        if first_timeout_s is not None:
+            # The first token waits for the KV handoff: its own deadline (kv_transfer.timeout_ms).
+            first = await asyncio.wait_for(anext(chunks, b""), timeout=first_timeout_s)
+            if first:
+                await forward(first)
+        async for chunk in chunks:
+            if chunk:
+                await forward(chunk)
+    except asyncio.TimeoutError:
+        out.error = ApiError(
+            504, f"no first token within {first_timeout_s}s (the KV handoff deadline)", code="upstream_timeout"
+        )
+    except httpx.TimeoutException:
+        out.error = ApiError(504, "the worker stalled: no data within the read timeout", code="upstream_timeout")
+    except httpx.HTTPError as exc:
+        out.error = ApiError(502, f"the worker's stream broke ({type(exc).__name__})", code="upstream_error")
+    out.done = b"[DONE]" in tail and not pending.strip()
+    if out.error is None and not out.done:
+        out.error = ApiError(502, "the worker's stream ended before its final event", code="upstream_error")
+    counts = _COMPLETION_TOKENS.findall(tail)
+    if counts:
+        out.completion_tokens = int(counts[-1])
+    else:
+        out.completion_tokens = max(0, out.events - (1 if out.done else 0))
+    if out.error is not None:
+        # A partial event is never forwarded: the client sees whole events, then one error event.
+        ex.error_code = out.error.code
+        await ex.body(error_event(out.error))
+    else:
+        await ex.body(pending)
+    return out
+
+
+def _end_of(data: bytes, sep: bytes) -> int:
+    i = data.rfind(sep)
+    return i + len(sep) if i >= 0 else 0
+
+
+def parse_json(data: bytes) -> Any:
+    """``json.loads`` that returns None for bad JSON."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None

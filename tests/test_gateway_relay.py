@@ -1,0 +1,81 @@
+"""F2: the SSE relay forwards the event stream byte for byte, however the bytes are split."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdctl.gateway.sse import Exchange, relay
+
+
+class _Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for c in self.chunks:
+            yield c
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _run(chunks: list[bytes]) -> tuple[bytes, Any]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def go() -> Any:
+        ex = Exchange(send=send, request_id="r", started=0.0, deadline=1e12)
+        return await relay(ex, httpx.Response(200, stream=_Chunks(chunks)), True)
+
+    result = asyncio.run(go())
+    assert sent[0]["type"] == "http.response.start"
+    assert sent[-1]["more_body"] is False
+    return b"".join(m.get("body", b"") for m in sent[1:]), result
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    out, prev = [], 0
+    for p in [*points, len(data)]:
+        out.append(data[prev:p])
+        prev = p
+    return out
+
+
+texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(texts, min_size=1, max_size=8), st.lists(st.integers(0, 10_000), max_size=12), st.booleans())
+def test_relay_is_byte_exact(tokens: list[str], cuts: list[int], crlf: bool) -> None:
+    sep = b"\r\n\r\n" if crlf else b"\n\n"
+    events = [b"data: " + json.dumps({"choices": [{"text": t}]}, ensure_ascii=False).encode() + sep for t in tokens]
+    usage = b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": len(tokens)}}).encode() + sep
+    data = b"".join(events) + usage + b"data: [DONE]" + sep
+    body, result = _run(_split(data, cuts))
+    assert body == data
+    assert result.error is None and result.done
+    assert result.completion_tokens == len(tokens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(texts, min_size=1, max_size=5), st.lists(st.integers(0, 10_000), max_size=6))
+def test_stream_without_done_ends_with_one_error_event(tokens: list[str], cuts: list[int]) -> None:
+    data = b"".join(b"data: " + json.dumps({"t": t}).encode() + b"\n\n" for t in tokens)
+    cut = len(data) - 1 - len(tokens[-1].encode()) // 2  # the worker vanished mid-event
+    whole = data[: data.rfind(b"\n\n", 0, cut) + 2] if data.rfind(b"\n\n", 0, cut) >= 0 else b""
+    body, result = _run(_split(data[:cut], cuts))
+    assert body.startswith(whole)
+    rest = body[len(whole) :]
+    assert rest.startswith(b'data: {"error"') and rest.endswith(b"\n\n") and rest.count(b"\n\n") == 1
+    assert json.loads(rest.strip()[6:])["error"]["code"] == "upstream_error"
+    assert result.error is not None and b"[DONE]" not in body
