@@ -225,6 +225,19 @@ def _memory(c: _Ctx) -> Iterable[Finding]:
                        f"on vLLM CPU this is a fraction of the NUMA node's memory; {u} usually fails at "
                        "startup ('Available memory on node ... is less than desired')",
                        'use 0.2 and env = { VLLM_CPU_KVCACHE_SPACE = "1" }')  # fmt: skip
+    for w in c.dep.workers:
+        if w.enable_chunked_prefill is False and w.max_num_batched_tokens is not None:
+            if w.max_model_len is not None and w.max_model_len > w.max_num_batched_tokens:
+                yield c.at("PD024", "error", "config", f"{w.table}.max_num_batched_tokens",
+                           f"chunked prefill is off and max_num_batched_tokens ({w.max_num_batched_tokens}) is "
+                           f"smaller than max_model_len ({w.max_model_len}): vLLM refuses to start",
+                           f"set max_model_len = {w.max_num_batched_tokens}, raise max_num_batched_tokens, or "
+                           "enable chunked prefill")  # fmt: skip
+            elif w.max_model_len is None:
+                yield c.at("PD024", "warning", "config", f"{w.table}.max_num_batched_tokens",
+                           f"chunked prefill is off, so vLLM refuses to start when the model's context length "
+                           f"exceeds max_num_batched_tokens ({w.max_num_batched_tokens}) — Qwen3-8B's is 40960",
+                           f"set max_model_len = {w.max_num_batched_tokens} (or less) on this worker")  # fmt: skip
     for w in c.dep.prefill:
         if (w.max_num_batched_tokens or 0) > 4096 and w.enable_chunked_prefill is False:
             yield c.at("PD011", "warning", "config", f"{w.table}.max_num_batched_tokens",

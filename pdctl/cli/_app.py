@@ -26,8 +26,11 @@ app = typer.Typer(
 )
 
 _no_color = bool(os.environ.get("NO_COLOR"))
-console = Console(highlight=False, no_color=_no_color, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, no_color=_no_color, soft_wrap=True)
+# Rich falls back to 80 columns when output is not a terminal; tables in CI logs and pipes then fold
+# every cell. Use a wide fixed width there unless COLUMNS says otherwise.
+_width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+console = Console(highlight=False, no_color=_no_color, soft_wrap=True, width=_width)
+err_console = Console(stderr=True, highlight=False, no_color=_no_color, soft_wrap=True, width=_width)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

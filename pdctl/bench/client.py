@@ -1,0 +1,346 @@
+"""The benchmark's HTTP client: one async httpx client, streamed requests, timings like ``vllm bench serve``.
+
+Timing (``time.perf_counter``, seconds; ``t0`` is the run's start):
+
+* ``ttft_s``    send -> the first SSE chunk carrying generated content (text, delta content or reasoning)
+* ``itl_s``     the gaps between consecutive content chunks (one sample per chunk after the first)
+* ``latency_s`` (E2EL) send -> the last chunk that carried ``choices``
+* ``output_tokens`` from the usage chunk (``stream_options.include_usage``), else the count of content chunks
+
+The SSE parser is incremental: it splits events on blank lines as bytes arrive, skips ``:`` comments (vLLM's
+and proxies' keep-alive pings) and stops at ``data: [DONE]``. A stream that ends without ``[DONE]``, an SSE
+``error`` event, an HTTP error and a timeout are all failures with a reason; none is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from pdctl.bench.workload import BenchRequest
+
+__all__ = ["BenchClient", "Endpoint", "RequestResult", "SSEParser"]
+
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What happened to one request (vLLM's ``RequestFuncOutput`` plus PD headers and scheduling)."""
+
+    index: int
+    kind: str
+    max_tokens: int
+    prompt_len: int
+    scheduled_s: float = 0.0
+    sent_s: float = 0.0
+    queue_s: float = 0.0
+    success: bool = False
+    error: str = ""
+    status: int | None = None
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    elapsed_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    request_id: str = ""
+    pd_path: str = ""
+    pd_prefill_ms: float | None = None
+    pd_prefill: str = ""
+    pd_decode: str = ""
+    warmup: bool = False
+
+    @property
+    def lag_s(self) -> float:
+        """How late the client sent this request after its scheduled time, beyond any concurrency wait.
+
+        This is the client's own scheduling delay (a busy event loop); it should stay near zero.
+        """
+        return max(0.0, self.sent_s - self.scheduled_s - self.queue_s)
+
+    @property
+    def rejected(self) -> bool:
+        """Turned away by the gateway's admission control or a rate limit (503 overloaded / 429)."""
+        return self.pd_path == "rejected"
+
+
+class SSEParser:
+    """Incremental Server-Sent Events parser: feed bytes, get the ``data`` payloads of complete events."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """Add received bytes; return the payloads of the events they completed (comments skipped)."""
+        self._buf += chunk
+        out: list[str] = []
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                break
+            line = self._buf[:nl]
+            self._buf = self._buf[nl + 1 :]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            self._line(line, out)
+        return out
+
+    def close(self) -> list[str]:
+        """End of stream: flush a last event that was not followed by a blank line."""
+        out: list[str] = []
+        if self._buf:
+            line, self._buf = self._buf.rstrip(b"\r"), b""
+            self._line(line, out)
+        self._line(b"", out)
+        return out
+
+    def _line(self, line: bytes, out: list[str]) -> None:
+        if not line:
+            if self._data:
+                out.append(b"\n".join(self._data).decode("utf-8", errors="replace"))
+                self._data = []
+            return
+        if line.startswith(b":"):
+            return
+        if line.startswith(b"data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value.startswith(b" ") else value)
+
+
+def _content(choice: dict[str, Any]) -> str:
+    text = choice.get("text")
+    if isinstance(text, str):
+        return text
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        parts = [delta.get("content"), delta.get("reasoning_content"), delta.get("reasoning")]
+        joined = "".join(p for p in parts if isinstance(p, str))
+        if joined:
+            return joined
+        if delta.get("tool_calls"):
+            return "<tool_call>"
+    return ""
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body[:200].decode("utf-8", errors="replace").strip()
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("code") or err)[:300]
+        return str(err)[:300]
+    return str(obj)[:300]
+
+
+def _is_rejection(status: int, body: bytes) -> bool:
+    if status == 429:
+        return True
+    return status == 503 and b"overloaded" in body
+
+
+class BenchClient:
+    """One pooled async client for a whole run; :meth:`send` streams one request and times it."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str,
+        api_key: str | None = None,
+        endpoint: Endpoint = "chat",
+        max_connections: int | None = None,
+        timeout_s: float = 600.0,
+        extra_body: dict[str, Any] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.endpoint: Endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.extra_body = dict(extra_body or {})
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            limits=limits,
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> BenchClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    def body(self, req: BenchRequest) -> dict[str, Any]:
+        """The JSON body sent for ``req``."""
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": True}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        body["stream_options"] = {"include_usage": True}
+        if req.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.extra_body)
+        return body
+
+    @property
+    def path(self) -> str:
+        """The API path requests go to."""
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    async def get_text(self, url: str, timeout_s: float = 10.0) -> str:
+        """GET an absolute URL (a worker's /metrics) with the same pool; raises httpx errors."""
+        resp = await self._client.get(url, timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.text
+
+    async def send(
+        self,
+        req: BenchRequest,
+        *,
+        t0: float,
+        scheduled_s: float = 0.0,
+        request_id: str = "",
+        queue_s: float = 0.0,
+    ) -> RequestResult:
+        """Send ``req`` now, stream the answer, and return its timings (never raises for request failures)."""
+        res = RequestResult(req.index, req.kind, req.max_tokens, req.prompt_len, scheduled_s=scheduled_s)
+        res.queue_s = queue_s
+        res.request_id = request_id
+        begin = time.perf_counter()
+        res.sent_s = begin - t0
+        state = _StreamState(res, begin)
+        try:
+            await asyncio.wait_for(self._stream(req, state, t0), timeout=self.timeout_s)
+        except asyncio.TimeoutError:
+            if state.done and not res.error:
+                # The answer was complete; only the server's end of stream after [DONE] never came.
+                state.finish()
+            else:
+                res.success, res.error = False, f"timed out after {self.timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            res.success, res.error = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        res.elapsed_s = time.perf_counter() - t0 - res.sent_s
+        return res
+
+    async def _stream(self, req: BenchRequest, state: _StreamState, t0: float) -> None:
+        res = state.res
+        headers = {"x-request-id": res.request_id} if res.request_id else {}
+        start = time.perf_counter()
+        res.sent_s = start - t0
+        state.start = start
+        async with self._client.stream("POST", self.path, json=self.body(req), headers=headers) as resp:
+            res.status = resp.status_code
+            h = resp.headers
+            res.request_id = h.get("x-request-id", res.request_id)
+            res.pd_path = h.get("x-pd-path", "")
+            res.pd_prefill, res.pd_decode = h.get("x-pd-prefill", ""), h.get("x-pd-decode", "")
+            prefill_ms = h.get("x-pd-prefill-ms")
+            if prefill_ms:
+                try:
+                    res.pd_prefill_ms = float(prefill_ms)
+                except ValueError:
+                    res.pd_prefill_ms = None
+            if resp.status_code != 200:
+                body = await resp.aread()
+                if _is_rejection(resp.status_code, body):
+                    res.pd_path = "rejected"
+                res.error = f"HTTP {resp.status_code}: {_error_message(body)}"
+                return
+            parser = SSEParser()
+            async for chunk in resp.aiter_bytes():
+                if state.done:
+                    # Read the stream to its end after [DONE] (only the chunked terminator is left), so
+                    # the connection goes back to the pool instead of being closed and reopened.
+                    continue
+                now = time.perf_counter()
+                for payload in parser.feed(chunk):
+                    state.handle(payload, now)
+                    if state.done or res.error:
+                        break
+                if res.error:
+                    break
+            else:
+                for payload in parser.close():
+                    if not (state.done or res.error):
+                        state.handle(payload, time.perf_counter())
+            state.finish()
+
+
+class _StreamState:
+    """Per-request bookkeeping while its SSE events arrive."""
+
+    def __init__(self, res: RequestResult, start: float) -> None:
+        self.res = res
+        self.start = start
+        self.done = False
+        self.last_content = 0.0
+        self.content_chunks = 0
+
+    def handle(self, payload: str, now: float) -> None:
+        res = self.res
+        if payload.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            res.error = f"invalid JSON in the stream: {payload[:80]!r}"
+            return
+        if not isinstance(obj, dict):
+            return
+        if "error" in obj:
+            err = obj["error"]
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            res.error = f"stream error: {msg}"
+            return
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+            if isinstance(completion, int):
+                res.output_tokens = completion
+            if isinstance(prompt, int):
+                res.prompt_tokens = prompt
+        choices = obj.get("choices")
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            return
+        res.latency_s = now - self.start
+        if not _content(choices[0]):
+            return
+        if self.content_chunks == 0:
+            res.ttft_s = now - self.start
+        else:
+            res.itl_s.append(now - self.last_content)
+        self.last_content = now
+        self.content_chunks += 1
+
+    def finish(self) -> None:
+        res = self.res
+        if res.error:
+            return
+        if not self.done:
+            res.error = "stream ended without data: [DONE]"
+        elif self.content_chunks == 0:
+            res.error = "no content in the stream"
+        else:
+            if res.output_tokens <= 0:
+                res.output_tokens = self.content_chunks
+            res.success = True

@@ -1,0 +1,293 @@
+"""Workloads: what each benchmark request asks for.
+
+Every workload produces :class:`BenchRequest` objects by index, deterministically for a seed, so a run can be
+repeated exactly and a duration-bound run can draw as many requests as it needs. Prompts are made unique by a
+leading tag unless ``unique=False``: a shared prefix would let vLLM's prefix cache skip prefill work and hide
+exactly the cost that PD disaggregation moves.
+
+* ``doc``      -- the recipe's two test prompts, alternating (32 and 256 output tokens).
+* ``random``   -- input/output lengths drawn uniformly in ``[L(1-r), L(1+r)]``, optional shared prefix.
+* ``mixed``    -- short chats plus a fraction of long prompts: the recipe's interference scenario.
+* ``sharegpt`` -- a ShareGPT JSON file (first human turn -> prompt, the reply's length -> max_tokens).
+* ``trace``    -- a JSONL trace of timestamps and lengths, replayed in time.
+
+Token counts of synthetic prompts are estimates (one common English word per token); the client records the
+server's own ``usage.prompt_tokens`` when it reports one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pdctl.errors import PdctlError
+
+__all__ = [
+    "DOC_PROMPTS",
+    "BenchRequest",
+    "Workload",
+    "WorkloadError",
+    "WorkloadSpec",
+    "estimate_tokens",
+    "make_workload",
+]
+
+RequestKind = Literal["doc", "random", "short", "long", "sharegpt", "trace"]
+
+# The recipe's two verification requests (section 4), in its own words.
+DOC_PROMPTS: tuple[tuple[str, int], ...] = (
+    ("用一句话解释 KV Cache", 32),
+    ("写一段 200 字的自我介绍", 256),
+)
+
+# Common English words that most BPE vocabularies encode as one token each (with their leading space).
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government "
+    "number night point home water room mother area money story fact month lot right study book eye "
+    "job word business issue side kind head house service friend father power hour game line end "
+    "member law car city name team minute idea kid body back parent face others level office door "
+    "health person art war history party result change morning reason research girl guy moment air "
+    "teacher force education foot boy age policy music market sense nation plan college interest "
+    "death experience effect class control care field development role effort rate heart drug show "
+    "leader light voice wife police mind price report decision son view relationship town road arm "
+    "difference value building action model season society tax director position player record paper "
+    "space ground form event official matter center couple site project activity star table need "
+    "court oil situation cost industry figure street image phone data picture practice piece land "
+    "product doctor wall patient worker news test movie north love support technology step baby "
+    "computer type attention film tree source red blue green small large good new old great high "
+    "long little own other right big different early young important"
+).split()
+
+
+class WorkloadError(PdctlError):
+    """A workload option or input file is unusable (the message names the file/field and the fix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request of a workload: the prompt, the output budget, and (for traces) its arrival time."""
+
+    index: int
+    prompt: str
+    max_tokens: int
+    prompt_len: int
+    kind: RequestKind
+    arrival_s: float | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """The parameters of a workload, as given on the command line (``--workload`` and friends)."""
+
+    name: str = "doc"
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_len: int = 0
+    long_fraction: float = 0.1
+    long_len: int = 4096
+    long_output_len: int = 16
+    short_len: int = 128
+    path: str | None = None
+    trace_speed: float = 1.0
+    unique: bool = True
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate: one token per word or punctuation mark, one per CJK character."""
+    return max(1, len(re.findall(r"[\u3000-\u9fff\uac00-\ud7af]|[A-Za-z0-9_]+|[^\sA-Za-z0-9_]", text)))
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(max(0, n)))
+
+
+def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
+    lo = max(1, math.floor(mean * (1.0 - ratio)))
+    hi = max(lo, math.ceil(mean * (1.0 + ratio)))
+    return rng.randint(lo, hi)
+
+
+class Workload:
+    """A deterministic source of :class:`BenchRequest` by index (see the module docstring for the kinds)."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.spec = spec
+        self._items: list[tuple[str, int, float | None]] = []
+        self._prefix = ""
+        if spec.name == "random" and spec.prefix_len > 0:
+            self._prefix = _words(random.Random(f"prefix-{spec.seed}"), spec.prefix_len) + " "
+        if spec.name == "sharegpt":
+            self._items = _load_sharegpt(spec)
+        elif spec.name == "trace":
+            self._items = _load_trace(spec)
+
+    @property
+    def name(self) -> str:
+        """The workload's name (``doc``, ``random``, ...)."""
+        return self.spec.name
+
+    @property
+    def size(self) -> int | None:
+        """How many distinct requests a file-based workload holds (None: unbounded)."""
+        return len(self._items) if self.spec.name in ("sharegpt", "trace") else None
+
+    @property
+    def timed(self) -> bool:
+        """True for a trace, whose own timestamps set the arrivals."""
+        return self.spec.name == "trace"
+
+    def _tag(self, index: int) -> str:
+        return f"[bench {self.spec.seed}-{index}] " if self.spec.unique else ""
+
+    def request(self, index: int) -> BenchRequest:
+        """The request at ``index`` (the same every time for the same spec)."""
+        spec = self.spec
+        rng = random.Random(spec.seed * 1_000_003 + index)
+        tag = self._tag(index)
+        if spec.name == "doc":
+            text, max_tokens = DOC_PROMPTS[index % len(DOC_PROMPTS)]
+            prompt = tag + text
+            return BenchRequest(index, prompt, max_tokens, estimate_tokens(prompt), "doc")
+        if spec.name == "random":
+            n_in = _lengths(rng, spec.input_len, spec.range_ratio)
+            n_out = _lengths(rng, spec.output_len, spec.range_ratio)
+            n_body = n_in - spec.prefix_len - (estimate_tokens(tag) if tag else 0)
+            body = _words(rng, n_body)
+            prompt = (self._prefix + tag + body) if self._prefix else (tag + body)
+            return BenchRequest(index, prompt, n_out, max(1, n_in), "random", ignore_eos=True)
+        if spec.name == "mixed":
+            is_long = rng.random() < spec.long_fraction
+            mean_in = spec.long_len if is_long else spec.short_len
+            n_in = _lengths(rng, mean_in, spec.range_ratio)
+            n_out = spec.long_output_len if is_long else _lengths(rng, spec.output_len, spec.range_ratio)
+            prompt = tag + _words(rng, n_in - estimate_tokens(tag) if tag else n_in)
+            return BenchRequest(index, prompt, n_out, n_in, "long" if is_long else "short", ignore_eos=True)
+        if not self._items:
+            raise WorkloadError(f"workload {spec.name!r} has no requests")
+        text, n_out, at = self._items[index % len(self._items)]
+        prompt = tag + text
+        kind: RequestKind = "trace" if spec.name == "trace" else "sharegpt"
+        arrival = None
+        if at is not None:
+            laps = index // len(self._items)
+            span = self._items[-1][2] or 0.0
+            arrival = (at + laps * span) / spec.trace_speed
+        n_in = estimate_tokens(prompt)
+        return BenchRequest(index, prompt, n_out, n_in, kind, arrival, ignore_eos=kind == "trace")
+
+
+def make_workload(spec: WorkloadSpec) -> Workload:
+    """Validate ``spec`` and build its :class:`Workload`."""
+    if spec.name not in ("doc", "random", "mixed", "sharegpt", "trace"):
+        raise WorkloadError(
+            f"unknown workload {spec.name!r}",
+            hint="use one of doc, random, mixed, sharegpt:FILE, trace:FILE",
+        )
+    if spec.input_len < 1 or spec.output_len < 1 or spec.long_len < 1 or spec.short_len < 1:
+        raise WorkloadError("input/output lengths must be >= 1")
+    if not 0.0 <= spec.range_ratio < 1.0:
+        raise WorkloadError(f"--range-ratio must be in [0, 1), got {spec.range_ratio}")
+    if not 0.0 <= spec.long_fraction <= 1.0:
+        raise WorkloadError(f"--long-fraction must be in [0, 1], got {spec.long_fraction}")
+    shortest = spec.input_len * (1 - spec.range_ratio)
+    if spec.prefix_len < 0 or (spec.name == "random" and spec.prefix_len >= shortest):
+        raise WorkloadError(
+            f"--prefix-len {spec.prefix_len} must be >= 0 and shorter than the shortest input",
+            hint="lower --prefix-len or raise --input-len",
+        )
+    if spec.trace_speed <= 0:
+        raise WorkloadError(f"--trace-speed must be > 0, got {spec.trace_speed}")
+    if spec.name in ("sharegpt", "trace") and not spec.path:
+        raise WorkloadError(f"workload {spec.name} needs a file", hint=f"use --workload {spec.name}:PATH")
+    return Workload(spec)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{path}: not UTF-8 text") from None
+
+
+def _load_sharegpt(spec: WorkloadSpec) -> list[tuple[str, int, float | None]]:
+    path = spec.path or ""
+    try:
+        data = json.loads(_read(path))
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(data, list):
+        raise WorkloadError(f"{path}: expected a JSON list of conversations (ShareGPT format)")
+    items: list[tuple[str, int, float | None]] = []
+    for conv in data:
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        first, second = turns[0], turns[1]
+        if not (isinstance(first, dict) and isinstance(second, dict)):
+            continue
+        prompt, reply = first.get("value"), second.get("value")
+        if not isinstance(prompt, str) or not isinstance(reply, str) or not prompt.strip():
+            continue
+        items.append((prompt, max(1, estimate_tokens(reply)), None))
+    if not items:
+        raise WorkloadError(
+            f"{path}: no usable conversation",
+            hint='each entry needs "conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]',
+        )
+    random.Random(spec.seed).shuffle(items)
+    return items
+
+
+def _trace_int(path: str, lineno: int, row: dict[str, Any], *names: str) -> int:
+    for name in names:
+        value = row.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    raise WorkloadError(f"{path}:{lineno}: {names[0]}: expected an integer >= 1, got {row.get(names[0])!r}")
+
+
+def _load_trace(spec: WorkloadSpec) -> list[tuple[str, int, float | None]]:
+    path = spec.path or ""
+    rows: list[tuple[float, int, int]] = []
+    for lineno, line in enumerate(_read(path).splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+        if not isinstance(row, dict):
+            raise WorkloadError(f"{path}:{lineno}: expected a JSON object per line")
+        if isinstance(row.get("timestamp_ms"), int | float):
+            at = float(row["timestamp_ms"]) / 1000.0
+        elif isinstance(row.get("timestamp"), int | float):
+            at = float(row["timestamp"])
+        else:
+            raise WorkloadError(
+                f"{path}:{lineno}: timestamp: missing or not a number",
+                hint='each line needs "timestamp" (seconds) or "timestamp_ms", "input_len", "output_len"',
+            )
+        n_in = _trace_int(path, lineno, row, "input_len", "input_length")
+        n_out = _trace_int(path, lineno, row, "output_len", "output_length")
+        rows.append((at, n_in, n_out))
+    if not rows:
+        raise WorkloadError(f"{path}: the trace has no requests")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    items: list[tuple[str, int, float | None]] = []
+    for i, (at, n_in, n_out) in enumerate(rows):
+        rng = random.Random(spec.seed * 1_000_003 + i)
+        items.append((_words(rng, n_in), n_out, at - t0))
+    return items

@@ -1,0 +1,303 @@
+"""The runner and the report against an in-process fake server (httpx.MockTransport; no pdctl code faked)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdctl.bench.metrics import SLO
+from pdctl.bench.report import compare, load_results, percentile_key, render_html, result_json, write_results
+from pdctl.bench.runner import (
+    BenchError,
+    BenchTarget,
+    LiveStats,
+    LoadShape,
+    kv_summary,
+    metric_deltas,
+    parse_metrics,
+    run_ab,
+    run_async,
+    run_once,
+    run_sweep,
+    search_max_goodput_rate,
+)
+from pdctl.bench.workload import WorkloadSpec, make_workload
+
+METRICS_TEMPLATE = """# TYPE vllm:nixl_xfer_time_seconds histogram
+vllm:nixl_xfer_time_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {n}
+vllm:nixl_xfer_time_seconds_count{{engine="0",model_name="m"}} {n}
+vllm:nixl_xfer_time_seconds_sum{{engine="0",model_name="m"}} {xfer}
+# TYPE vllm:nixl_bytes_transferred histogram
+vllm:nixl_bytes_transferred_count{{engine="0",model_name="m"}} {n}
+vllm:nixl_bytes_transferred_sum{{engine="0",model_name="m"}} {bytes}
+# TYPE vllm:prompt_tokens_by_source counter
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="external_kv_transfer"}} {tokens}
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="local_compute"}} 0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 3
+"""
+
+
+class FakeServer:
+    """An OpenAI-style streaming server whose TTFT grows with the requests in flight."""
+
+    def __init__(
+        self, *, ttft_s: float = 0.01, per_inflight_s: float = 0.0, itl_s: float = 0.002, path: str = "disagg"
+    ):
+        self.ttft_s, self.per_inflight_s, self.itl_s, self.path = ttft_s, per_inflight_s, itl_s, path
+        self.inflight = 0
+        self.max_inflight = 0
+        self.requests: list[dict[str, Any]] = []
+        self.served = 0
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            n = self.served
+            text = METRICS_TEMPLATE.format(n=n, xfer=0.005 * n, bytes=1000 * n, tokens=10 * n)
+            return httpx.Response(200, text=text)
+        body = json.loads(request.content)
+        self.requests.append(body)
+        return httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream", "x-pd-path": self.path, "x-pd-prefill-ms": "3.0"},
+            stream=_Stream(self, body["max_tokens"]),
+        )
+
+
+class _Stream(httpx.AsyncByteStream):
+    def __init__(self, server: FakeServer, n: int) -> None:
+        self.server, self.n = server, n
+
+    async def __aiter__(self) -> Any:
+        s = self.server
+        s.inflight += 1
+        s.max_inflight = max(s.max_inflight, s.inflight)
+        await asyncio.sleep(s.ttft_s + s.per_inflight_s * (s.inflight - 1))
+        for i in range(self.n):
+            if i:
+                await asyncio.sleep(s.itl_s)
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+        usage = {"prompt_tokens": 7, "completion_tokens": self.n, "total_tokens": 7 + self.n}
+        # Done before the last chunk: the client stops reading at [DONE] and never resumes this generator.
+        s.served += 1
+        s.inflight -= 1
+        yield b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\ndata: [DONE]\n\n"
+
+
+def target(server: FakeServer, *, workload: str = "random", label: str = "", metrics: bool = False) -> BenchTarget:
+    wl = make_workload(WorkloadSpec(workload, input_len=20, output_len=4))
+    return BenchTarget(
+        "http://fake",
+        "m",
+        wl,
+        label=label,
+        metrics_urls=("http://fake/metrics",) if metrics else (),
+        transport=server.transport(),
+    )
+
+
+def test_open_loop_run_counts_and_warmup() -> None:
+    server = FakeServer()
+    live = LiveStats()
+    run = run_async(run_once(target(server), LoadShape(rate=50.0, num_requests=20, warmup=2), live))
+    assert len(server.requests) == 22  # warm-up requests went out ...
+    assert len(run.results) == 20  # ... but are not measured
+    s = run.summary
+    assert (s.completed, s.failed) == (20, 0)
+    assert live.completed == 20 and live.sent == 20 and len(live.ttfts_ms) == 20 and live.phase == "done"
+    # the last request is scheduled at n / rate = 0.4 s, so the run cannot be shorter
+    assert s.duration_s >= 0.38
+    assert [r.scheduled_s for r in run.results] == sorted(r.scheduled_s for r in run.results)
+    assert run.results[-1].scheduled_s == pytest.approx(0.4)
+    assert s.paths == {"disagg": 20}
+    assert s.prefill_leg.median == pytest.approx(3.0)
+    assert all(b["ignore_eos"] and b["stream"] for b in server.requests)
+
+
+def test_closed_loop_keeps_concurrency() -> None:
+    server = FakeServer(ttft_s=0.03)
+    run = run_async(run_once(target(server), LoadShape(concurrency=3, num_requests=12, warmup=0)))
+    assert run.summary.completed == 12
+    assert server.max_inflight == 3
+    assert run.summary.max_concurrent_requests == 3
+
+
+def test_rate_with_concurrency_cap_records_queue_time() -> None:
+    server = FakeServer(ttft_s=0.05)
+    run = run_async(run_once(target(server), LoadShape(rate=1000.0, concurrency=2, num_requests=6, warmup=0)))
+    assert server.max_inflight == 2
+    waited = sorted(r.queue_s for r in run.results)
+    assert waited[-1] >= 0.05  # the last ones waited for a slot
+    # waiting for a slot is queue time, not scheduling lag (both reported in ms)
+    assert run.summary.queue.max == pytest.approx(waited[-1] * 1000)
+    assert run.summary.lag.max < waited[-1] * 1000
+
+
+def test_duration_bound_closed_loop() -> None:
+    server = FakeServer(ttft_s=0.02)
+    run = run_async(run_once(target(server), LoadShape(concurrency=2, num_requests=None, duration_s=0.3, warmup=0)))
+    assert run.summary.completed >= 2
+    assert all(r.sent_s < 0.3 for r in run.results)
+
+
+def test_duration_needs_rate_or_concurrency() -> None:
+    with pytest.raises(BenchError, match="duration"):
+        run_async(run_once(target(FakeServer()), LoadShape(num_requests=None, duration_s=1.0)))
+
+
+def test_metric_deltas_and_kv_summary() -> None:
+    server = FakeServer()
+    run = run_async(run_once(target(server, metrics=True), LoadShape(rate=100.0, num_requests=5, warmup=1)))
+    kv = kv_summary(run.metric_deltas)
+    # warm-up happens before the first scrape: only the 5 measured requests show
+    assert kv["kv_transfers"] == 5
+    assert kv["kv_bytes"] == 5000
+    assert kv["external_kv_tokens"] == 50
+    assert kv["kv_xfer_ms_mean"] == pytest.approx(5.0)
+    assert not any("vllm:num_requests_running" in k for d in run.metric_deltas.values() for k in d)
+
+
+def test_parse_metrics_drops_engine_labels_and_buckets() -> None:
+    parsed = parse_metrics(METRICS_TEMPLATE.format(n=2, xfer=0.5, bytes=10, tokens=4))
+    assert parsed["vllm:nixl_xfer_time_seconds_count"] == 2
+    assert parsed["vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"] == 4
+    assert not any("bucket" in k for k in parsed)
+    assert metric_deltas({"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.0, "c": 1.0}) == {"a": 2.0, "c": 1.0}
+
+
+def test_fallback_warning() -> None:
+    server = FakeServer(path="fallback")
+    run = run_async(run_once(target(server), LoadShape(rate=100.0, num_requests=3, warmup=0)))
+    assert any("fallback" in w for w in run.warnings)
+
+
+def test_failures_are_counted_and_warned() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "overloaded", "code": "server_overloaded"}})
+
+    wl = make_workload(WorkloadSpec("doc"))
+    t = BenchTarget("http://fake", "m", wl, transport=httpx.MockTransport(refuse))
+    run = run_async(run_once(t, LoadShape(rate=100.0, num_requests=4, warmup=0, slo=SLO(ttft_ms=100))))
+    s = run.summary
+    assert (s.completed, s.failed, s.rejected) == (0, 4, 4)
+    assert s.slo_attainment == 0.0
+    assert any("4 request(s) failed" in w for w in run.warnings)
+
+
+def test_sweep_and_max_goodput_search() -> None:
+    # TTFT = 10 ms + 30 ms per other request in flight: the SLO (100 ms) breaks as the rate grows.
+    server = FakeServer(ttft_s=0.01, per_inflight_s=0.03, itl_s=0.005)
+    shape = LoadShape(num_requests=16, warmup=0, slo=SLO(ttft_ms=100, attainment=0.9))
+    runs = run_async(run_sweep(target(server), shape, [5.0, 1000.0]))
+    assert [r.shape.rate for r in runs] == [5.0, 1000.0]
+    assert runs[0].summary.slo_met is True
+    assert runs[1].summary.slo_met is False
+    search = run_async(
+        search_max_goodput_rate(target(server), shape, start_rate=5.0, max_rate=2000.0, rel_tol=0.25, max_runs=10)
+    )
+    assert search.best_rate is not None
+    met = {r.shape.rate: bool(r.summary.slo_met) for r in search.runs}
+    assert met[search.best_rate]
+    assert any(not ok and rate > search.best_rate for rate, ok in met.items())
+    assert 5.0 <= search.best_rate < 2000.0
+
+
+def test_search_needs_slo() -> None:
+    with pytest.raises(BenchError, match="SLO"):
+        run_async(search_max_goodput_rate(target(FakeServer()), LoadShape(num_requests=2)))
+
+
+def test_ab_runs_both_targets_with_the_same_requests() -> None:
+    fast, slow = FakeServer(ttft_s=0.005), FakeServer(ttft_s=0.06)
+    pair = run_async(
+        run_ab(
+            target(slow, label="colocated"),
+            target(fast, label="pd"),
+            LoadShape(num_requests=4, warmup=0, slo=SLO(ttft_ms=40)),
+            [20.0],
+        )
+    )
+    assert [r.label for r in pair.a] == ["colocated"] and [r.label for r in pair.b] == ["pd"]
+    assert [b["messages"] for b in fast.requests] == [b["messages"] for b in slow.requests]
+    rows = {row.key: row for row in compare(result_json(pair.a[0]), result_json(pair.b[0]))}
+    assert rows["mean_ttft_ms"].better == "B" and rows["mean_ttft_ms"].ratio is not None
+    assert rows["mean_ttft_ms"].ratio < 0.5
+    assert rows["slo_attainment"].b == 1.0 and rows["slo_attainment"].a == 0.0
+
+
+VLLM_KEYS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    "max_output_tokens_per_s", "max_concurrent_requests", "input_lens", "output_lens", "ttfts", "itls",
+    "errors", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+    "std_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms", "mean_e2el_ms",
+    "p99_e2el_ms",
+}  # fmt: skip
+
+
+def test_result_json_keys_units_and_roundtrip(tmp_path: Path) -> None:
+    server = FakeServer(ttft_s=0.02)
+    slo = SLO(ttft_ms=400, tpot_ms=40)
+    run = run_async(run_once(target(server), LoadShape(rate=100.0, num_requests=5, warmup=0, slo=slo)))
+    obj = result_json(run)
+    assert VLLM_KEYS <= set(obj)
+    assert obj["completed"] == 5 and obj["request_rate"] == 100.0
+    # per-request arrays in seconds, statistics in ms
+    assert obj["ttfts"][0] == pytest.approx(obj["mean_ttft_ms"] / 1000, rel=0.5)
+    assert obj["mean_ttft_ms"] >= 20.0
+    assert obj["output_lens"] == [4] * 5 and obj["input_lens"] == [7] * 5
+    assert obj["request_goodput"] is not None and obj["goodput"] == {"ttft": 400.0, "tpot": 40.0}
+    assert obj["pdctl"]["slo_attainment"] == 1.0
+    assert obj["pdctl"]["requests"]["pd_path"] == ["disagg"] * 5
+    assert percentile_key(99.9, "itl") == "p99.9_itl_ms" and percentile_key(90, "ttft") == "p90_ttft_ms"
+    inf = run_async(run_once(target(server), LoadShape(concurrency=1, num_requests=2, warmup=0)))
+    assert result_json(inf)["request_rate"] == "inf"
+
+    path = tmp_path / "r.json"
+    write_results(path, [run])
+    assert load_results(path)[0]["completed"] == 5
+    write_results(path, [run, inf])
+    assert [o["completed"] for o in load_results(path)] == [5, 2]
+    json.loads(path.read_text())  # strict JSON (no NaN/Infinity)
+
+
+def test_load_results_rejects_other_json(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text('{"hello": 1}')
+    with pytest.raises(Exception, match="not a benchmark result"):
+        load_results(path)
+
+
+def test_html_report_is_self_contained() -> None:
+    server = FakeServer(ttft_s=0.01)
+    wl = make_workload(WorkloadSpec("mixed", short_len=10, long_len=50, output_len=4, long_fraction=0.3))
+    t = BenchTarget("http://fake", "m", wl, label="pd", transport=server.transport())
+    shape = LoadShape(num_requests=12, warmup=0, slo=SLO(ttft_ms=400, tpot_ms=40))
+    runs = run_async(run_sweep(t, shape, [50.0, 100.0]))
+    page = render_html(runs, title="t <x>")
+    assert page.startswith("<!DOCTYPE html>") and "t &lt;x&gt;" in page
+    assert page.count("<svg") == 7  # 4 CDFs, TPOT over time, goodput and attainment vs rate
+    assert "Goodput vs request rate" in page and "long-prompt arrival" in page
+    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+
+
+def test_trace_replays_its_timestamps(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [(0.0, 5, 2), (0.1, 5, 2), (0.3, 8, 3)]
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_len": i, "output_len": o}) + "\n" for t, i, o in rows))
+    server = FakeServer()
+    wl = make_workload(WorkloadSpec("trace", path=str(trace)))
+    t = BenchTarget("http://fake", "m", wl, transport=server.transport())
+    run = run_async(run_once(t, LoadShape(num_requests=None, warmup=0)))
+    assert [r.scheduled_s for r in run.results] == pytest.approx([0.0, 0.1, 0.3])
+    assert all(r.sent_s >= r.scheduled_s for r in run.results)
+    assert [b["max_tokens"] for b in server.requests] == [2, 2, 3]

@@ -1,0 +1,117 @@
+"""Workloads: determinism, uniqueness, lengths, ShareGPT and trace files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdctl.bench.workload import DOC_PROMPTS, WorkloadError, WorkloadSpec, estimate_tokens, make_workload
+
+
+def test_doc_alternates_the_recipe_prompts_and_is_unique() -> None:
+    wl = make_workload(WorkloadSpec("doc"))
+    reqs = [wl.request(i) for i in range(4)]
+    assert [r.max_tokens for r in reqs] == [32, 256, 32, 256]
+    assert reqs[0].prompt.endswith(DOC_PROMPTS[0][0]) and reqs[1].prompt.endswith(DOC_PROMPTS[1][0])
+    assert len({r.prompt for r in reqs}) == 4
+    same = make_workload(WorkloadSpec("doc", unique=False))
+    assert same.request(0).prompt == same.request(2).prompt == DOC_PROMPTS[0][0]
+
+
+def test_random_lengths_range_and_determinism() -> None:
+    spec = WorkloadSpec("random", input_len=200, output_len=50, range_ratio=0.5, seed=3)
+    wl = make_workload(spec)
+    reqs = [wl.request(i) for i in range(300)]
+    assert all(100 <= r.prompt_len <= 300 for r in reqs)
+    assert all(25 <= r.max_tokens <= 75 for r in reqs)
+    assert min(r.max_tokens for r in reqs) < 35 and max(r.max_tokens for r in reqs) > 65
+    assert all(r.ignore_eos for r in reqs)
+    # the text is about as long as asked (one word per token estimate)
+    assert all(abs(estimate_tokens(r.prompt) - r.prompt_len) <= 1 for r in reqs)
+    again = make_workload(spec)
+    assert [again.request(i) for i in range(300)] == reqs
+    other = make_workload(WorkloadSpec("random", input_len=200, output_len=50, range_ratio=0.5, seed=4))
+    assert other.request(0).prompt != reqs[0].prompt
+    assert len({r.prompt for r in reqs}) == 300
+
+
+def test_random_shared_prefix() -> None:
+    wl = make_workload(WorkloadSpec("random", input_len=100, prefix_len=40))
+    a, b = wl.request(0).prompt.split(), wl.request(1).prompt.split()
+    assert a[:40] == b[:40]
+    assert a[40:] != b[40:]
+
+
+def test_mixed_fraction_of_long_prompts() -> None:
+    wl = make_workload(WorkloadSpec("mixed", long_fraction=0.2, long_len=1000, short_len=50, long_output_len=4))
+    reqs = [wl.request(i) for i in range(1000)]
+    longs = [r for r in reqs if r.kind == "long"]
+    assert 0.15 < len(longs) / len(reqs) < 0.25
+    assert all(r.prompt_len == 1000 and r.max_tokens == 4 for r in longs)
+    assert all(r.prompt_len == 50 for r in reqs if r.kind == "short")
+
+
+def test_sharegpt_file(tmp_path: Path) -> None:
+    data = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "hi " * 9}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "only one turn"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "second"}, {"from": "gpt", "value": "x y"}]},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    wl = make_workload(WorkloadSpec("sharegpt", path=str(path)))
+    assert wl.size == 2
+    got = sorted((wl.request(i).prompt.split("] ", 1)[1], wl.request(i).max_tokens) for i in range(2))
+    assert got == [("hello there", 9), ("second", 2)]
+
+
+def test_sharegpt_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(WorkloadError, match=r"bad.json:1: invalid JSON"):
+        make_workload(WorkloadSpec("sharegpt", path=str(bad)))
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(WorkloadError, match="no usable conversation"):
+        make_workload(WorkloadSpec("sharegpt", path=str(empty)))
+    with pytest.raises(WorkloadError, match="cannot read"):
+        make_workload(WorkloadSpec("sharegpt", path=str(tmp_path / "missing.json")))
+
+
+def test_trace_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 12.0, "input_len": 30, "output_len": 5},
+        {"timestamp": 10.0, "input_len": 20, "output_len": 3},
+        {"timestamp_ms": 10500, "input_length": 10, "output_length": 2},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    wl = make_workload(WorkloadSpec("trace", path=str(path), trace_speed=2.0))
+    assert wl.timed and wl.size == 3
+    reqs = [wl.request(i) for i in range(3)]
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.25, 1.0])
+    assert [r.max_tokens for r in reqs] == [3, 2, 5]
+
+
+def test_trace_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 1, "input_len": 3, "output_len": 2}\n{"timestamp": 2, "input_len": 0}\n')
+    with pytest.raises(WorkloadError, match=r"t.jsonl:2: input_len"):
+        make_workload(WorkloadSpec("trace", path=str(path)))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        WorkloadSpec("nope"),
+        WorkloadSpec("random", range_ratio=1.0),
+        WorkloadSpec("random", input_len=10, prefix_len=10),
+        WorkloadSpec("mixed", long_fraction=1.5),
+        WorkloadSpec("trace"),
+    ],
+)
+def test_bad_specs(spec: WorkloadSpec) -> None:
+    with pytest.raises(WorkloadError):
+        make_workload(spec)
