@@ -367,8 +367,29 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
                    "if it returns no kv_transfer_params, say so with a shared-storage connector name")  # fmt: skip
 
 
+def _sim(c: _Ctx) -> Iterable[Finding]:
+    if not any(w.engine == "sim" for w in c.dep.workers):
+        return
+    from pdctl.sim.timing import LINKS, PROFILES
+
+    dep = c.dep
+    if dep.sim.profile not in PROFILES:
+        yield c.at("PD025", "error", "config", "sim.profile", f"unknown simulator profile {dep.sim.profile!r}",
+                   f"one of: {', '.join(sorted(PROFILES))}")  # fmt: skip
+    if dep.kv_transfer.link not in LINKS:
+        yield c.at("PD025", "error", "config", "kv_transfer.link", f"unknown link {dep.kv_transfer.link!r}",
+                   f"one of: {', '.join(sorted(LINKS))}")  # fmt: skip
+    elif dep.sim.profile in PROFILES and dep.sim.profile != "fast" and dep.sim.kv_scale > 0.01:
+        per_token = PROFILES[dep.sim.profile].model.kv_bytes_per_token
+        mib = per_token * 2048 * dep.sim.kv_scale / 2**20
+        yield c.at("PD025", "warning", "config", "sim.kv_scale",
+                   f"with profile {dep.sim.profile!r} each 2048-token prompt really moves {mib:.0f} MiB through "
+                   "loopback, which costs this machine's CPU and distorts the timings",
+                   "set kv_scale = 0.001: simulated transfer times still use the full size")  # fmt: skip
+
+
 RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _devices, _ports,
-                           _mappings)  # fmt: skip
+                           _mappings, _sim)  # fmt: skip
 
 
 def run_checks(

@@ -277,3 +277,14 @@ def test_chunked_prefill_off_needs_max_model_len_within_batch(recipe_files) -> N
     assert found["PD024"][0].severity == "error" and "vLLM refuses to start" in found["PD024"][0].message
     assert "PD024" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 8192"}))
     assert "PD024" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = true"}))
+
+
+def test_sim_profile_link_and_kv_scale(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    sim = {'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\n', 'backend = "nixl"': 'backend = "nixl"\nlink = "carrier-pigeon"'}
+    found = codes(*recipe_files(sim))
+    assert found["PD025"][0].key == "kv_transfer.link" and "tcp-1g" in (found["PD025"][0].hint or "")
+    ok = {'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\n'}
+    assert "PD025" not in codes(*recipe_files(ok))
+    big = codes(*recipe_files(ok, config_append='\n[sim]\nprofile = "h100"\n'))
+    assert big["PD025"][0].severity == "warning" and big["PD025"][0].key == "sim.kv_scale"
+    assert "PD025" not in codes(*recipe_files(ok, config_append='\n[sim]\nprofile = "h100"\nkv_scale = 0.001\n'))

@@ -1,0 +1,410 @@
+"""The simulator's HTTP front end: a raw ASGI app with vLLM's OpenAI-compatible endpoints and shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from pdctl.sim.engine import SimEngine, SimRequest, StreamEvent
+from pdctl.sim.text import VOCAB_SIZE, apply_chat_template
+
+__all__ = ["SimApp"]
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+VLLM_VERSION = "0.32.0"
+FINGERPRINT = f"vllm-{VLLM_VERSION}-sim"
+_PHRASES = {400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class HTTPError(Exception):
+    """An error answered in vLLM's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ``ErrorResponse``: ``code`` is the status, ``type`` its phrase."""
+    return {"error": {"message": message, "type": _PHRASES.get(status, "Error"), "param": param, "code": status}}
+
+
+class SimApp:
+    """ASGI app over one ``SimEngine``; ``reported_model`` is the id shown (and accepted)."""
+
+    def __init__(self, engine: SimEngine, reported_model: str, on_crash: Callable[[int], None]) -> None:
+        self.engine = engine
+        self.model = reported_model
+        self.root = engine.cfg.model
+        self.created = int(time.time())
+        self._on_crash = on_crash
+        self.ready = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        try:
+            if path == "/health" and method == "GET":
+                await _respond(send, 200 if self.ready else 503, b"", [])
+            elif path == "/v1/models" and method == "GET":
+                await _json(send, 200, self._models())
+            elif path == "/version" and method == "GET":
+                await _json(send, 200, {"version": VLLM_VERSION})
+            elif path == "/metrics" and method == "GET":
+                body = self.engine.metrics.render()
+                await _respond(send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+            elif path == "/tokenize" and method == "POST":
+                await _json(send, 200, self._tokenize(await _read_json(receive)))
+            elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+                await self._generate(scope, receive, send, chat=path.endswith("chat/completions"))
+            elif path in ("/health", "/v1/models", "/version", "/metrics", "/tokenize", "/v1/completions",
+                          "/v1/chat/completions"):  # fmt: skip
+                await _json(send, 405, error_body(405, "Method Not Allowed"))
+            else:
+                await _json(send, 404, {"detail": "Not Found"})
+        except HTTPError as e:
+            await _json(send, e.status, error_body(e.status, e.message, e.param))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "vllm",
+                    "root": self.root,
+                    "parent": None,
+                    "max_model_len": self.engine.cfg.max_model_len,
+                    "permission": [],
+                }
+            ],
+        }
+
+    def _tokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if "messages" in body:
+            text = apply_chat_template(_messages(body), bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise HTTPError(400, "Either 'prompt' (a string) or 'messages' is required.", "prompt")
+        ids = self.engine.tokenizer.encode(text)
+        return {"count": len(ids), "max_model_len": self.engine.cfg.max_model_len, "tokens": ids, "token_strs": None}
+
+    # ------------------------------------------------------------------ generation
+    def _check_model(self, body: Mapping[str, Any]) -> None:
+        name = body.get("model")
+        if name is not None and name != self.model:
+            raise HTTPError(404, f"The model `{name}` does not exist.", "model")
+
+    def _prompt_ids(self, body: Mapping[str, Any], chat: bool) -> list[int]:
+        tok = self.engine.tokenizer
+        if chat:
+            return tok.encode(apply_chat_template(_messages(body)))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < VOCAB_SIZE), None)
+            if bad is not None:
+                raise HTTPError(400, f"Token id {bad} is out of vocabulary", "prompt")
+            return list(prompt)
+        raise HTTPError(400, "'prompt' must be a string, a list of one string, or a list of token ids.", "prompt")
+
+    def _max_tokens(self, body: Mapping[str, Any], prompt_len: int) -> tuple[int, bool]:
+        limit = self.engine.cfg.max_model_len
+        if prompt_len > limit:
+            raise HTTPError(
+                400,
+                f"The decoder prompt (length {prompt_len}) is longer than the maximum model length of {limit}. "
+                "Make sure that `max_model_len` is no smaller than the number of text tokens.",
+                "prompt",
+            )
+        raw = body.get("max_completion_tokens", body.get("max_tokens"))
+        if raw is None:
+            return max(1, limit - prompt_len), True
+        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+            raise HTTPError(400, f"max_tokens must be at least 1, got {raw}.", "max_tokens")
+        if prompt_len + raw > limit:
+            raise HTTPError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {raw}. This model's maximum context "
+                f"length is {limit} tokens and your request has {prompt_len} input tokens "
+                f"({raw} > {limit} - {prompt_len}).",
+                "max_tokens",
+            )
+        return raw, False
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        body = await _read_json(receive)
+        self._check_model(body)
+        try:
+            ids = self._prompt_ids(body, chat)
+        except ValueError as e:
+            raise HTTPError(400, str(e), "messages") from None
+        max_tokens, default_len = self._max_tokens(body, len(ids))
+        temperature = body.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise HTTPError(400, "temperature must be a number >= 0.", "temperature")
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, Mapping):
+            raise HTTPError(400, "kv_transfer_params must be an object.", "kv_transfer_params")
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1") or secrets.token_hex(16)
+        resp_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        seed = body.get("seed")
+        req = SimRequest(
+            request_id=self.engine.new_request_id(resp_id),
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            seed=seed if isinstance(seed, int) else None,
+            eos_allowed=default_len and not body.get("ignore_eos", False),
+            cache_salt=body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None,
+            kv_params=params,
+        )
+        self.engine.add(req)
+        extra = [(b"x-request-id", rid.encode("latin-1"))]
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            if body.get("stream"):
+                await self._stream(send, req, body, chat, resp_id, extra, watcher)
+            else:
+                await self._complete(send, req, body, chat, resp_id, extra, watcher)
+        finally:
+            watcher.cancel()
+            self.engine.abort(req)
+
+    async def _next(self, req: SimRequest, watcher: asyncio.Future[None]) -> StreamEvent | None:
+        """The next engine event, or None when the client went away."""
+        if not req.events.empty():
+            return req.events.get_nowait()
+        getter: asyncio.Future[StreamEvent] = asyncio.ensure_future(req.events.get())
+        waits: set[asyncio.Future[Any]] = {getter, watcher}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        return None
+
+    async def _complete(
+        self,
+        send: Send,
+        req: SimRequest,
+        body: Mapping[str, Any],
+        chat: bool,
+        resp_id: str,
+        extra: list[tuple[bytes, bytes]],
+        watcher: asyncio.Future[None],
+    ) -> None:
+        while True:
+            ev = await self._next(req, watcher)
+            if ev is None:
+                return
+            if ev.kind == "error":
+                raise HTTPError(ev.status, ev.message)
+            if ev.kind == "finish":
+                break
+        text = self.engine.tokenizer.decode(req.output_ids)
+        want_ids = bool(body.get("return_token_ids"))
+        usage = _usage(req)
+        out: dict[str, Any]
+        if chat:
+            out = {
+                "id": resp_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                                    "audio": None, "function_call": None, "tool_calls": [], "reasoning": None},
+                        "logprobs": None,
+                        "finish_reason": req.finish_reason,
+                        "stop_reason": None,
+                        "token_ids": list(req.output_ids) if want_ids else None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": FINGERPRINT,
+                "usage": usage,
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(req.prompt_ids) if want_ids else None,
+                "kv_transfer_params": req.result_params,
+            }  # fmt: skip
+        else:
+            out = {
+                "id": resp_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": req.finish_reason,
+                        "stop_reason": None,
+                        "token_ids": list(req.output_ids) if want_ids else None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": list(req.prompt_ids) if want_ids else None,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": FINGERPRINT,
+                "usage": usage,
+                "kv_transfer_params": req.result_params,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        await _json(send, 200, out, extra)
+
+    async def _stream(
+        self,
+        send: Send,
+        req: SimRequest,
+        body: Mapping[str, Any],
+        chat: bool,
+        resp_id: str,
+        extra: list[tuple[bytes, bytes]],
+        watcher: asyncio.Future[None],
+    ) -> None:
+        # Errors found before the first token (e.g. a failed KV pull) are answered as plain HTTP errors.
+        first = await self._next(req, watcher)
+        if first is None:
+            return
+        if first.kind == "error":
+            raise HTTPError(first.status, first.message)
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE + extra})
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        want_ids = bool(body.get("return_token_ids"))
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, Mapping) and bool(opts.get("include_usage"))
+        crash = self.engine.faults.get("crash-mid-stream")
+        crash_at = int(crash.num(3)) if crash is not None and crash.fires() else 0
+        tok = self.engine.tokenizer
+        head = f'{{"id":"{resp_id}","object":"{obj}","created":{created},"model":{json.dumps(self.model)},'
+
+        async def chunk(payload: str) -> None:
+            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
+
+        if chat:
+            await chunk(head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                        '"logprobs":null,"finish_reason":null}],"prompt_token_ids":'
+                        + (json.dumps(req.prompt_ids) if want_ids else "null") + "}")  # fmt: skip
+        sent = 0
+        ev: StreamEvent | None = first
+        while ev is not None:
+            if ev.kind == "error":
+                await chunk(json.dumps(error_body(ev.status, ev.message)))
+                break
+            if ev.kind == "finish":
+                break
+            # Coalesce a finish that is already queued into the last token's chunk, as vLLM does.
+            nxt = req.events.get_nowait() if not req.events.empty() else None
+            reason = json.dumps(req.finish_reason) if nxt is not None and nxt.kind == "finish" else "null"
+            text = json.dumps(tok.token_text(ev.token))
+            ids = f',"token_ids":[{ev.token}]' if want_ids else ""
+            if chat:
+                await chunk(head + f'"choices":[{{"index":0,"delta":{{"content":{text}}},"logprobs":null,'
+                            f'"finish_reason":{reason}{ids}}}]}}')  # fmt: skip
+            else:
+                await chunk(head + f'"choices":[{{"index":0,"text":{text},"logprobs":null,'
+                            f'"finish_reason":{reason},"stop_reason":null{ids}}}]}}')  # fmt: skip
+            sent += 1
+            if crash_at and sent == crash_at:
+                self.engine.crash(137)
+            if nxt is not None and nxt.kind == "finish":
+                break
+            ev = nxt if nxt is not None else await self._next(req, watcher)
+        if ev is None:
+            return
+        if include_usage and req.finish_reason is not None and ev.kind != "error":
+            await chunk(head + f'"choices":[],"usage":{json.dumps(_usage(req))}}}')
+        if ev.kind != "error":
+            await chunk("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _usage(req: SimRequest) -> dict[str, Any]:
+    return {
+        "prompt_tokens": req.prompt_len,
+        "total_tokens": req.prompt_len + len(req.output_ids),
+        "completion_tokens": len(req.output_ids),
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def _messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, Mapping) for m in msgs):
+        raise HTTPError(400, "'messages' must be a non-empty list of message objects.", "messages")
+    return msgs
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _read_json(receive: Receive) -> dict[str, Any]:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise HTTPError(400, "client disconnected")
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    try:
+        body = json.loads(b"".join(chunks) or b"null")
+    except ValueError as e:
+        raise HTTPError(400, f"Invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "The request body must be a JSON object.")
+    return body
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Send, status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    with contextlib.suppress(OSError):
+        await _respond(send, status, json.dumps(obj).encode(), _JSON + (extra or []))
