@@ -25,5 +25,5 @@ $py -m pytest -m "not real and not gpu and not soak" -q "$@"
 
 if [[ $fast == 0 ]]; then
   echo "== real vLLM CPU end to end"
-  $py -m pytest -m real -q -p no:randomly "$@"
+  PDCTL_REQUIRE_REAL=1 $py -m pytest -m real -q "$@"
 fi

