@@ -1,5 +1,486 @@
-"""CLI commands (placeholder until this group lands)."""
+"""``pdctl up`` / ``down`` / ``status`` / ``logs``: launch, supervise, inspect and stop a deployment."""
 
 from __future__ import annotations
 
-from pdctl.cli._app import app  # noqa: F401
+import contextlib
+import json
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import psutil
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from pdctl.cli._app import app, console, err_console, handle_errors
+from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
+from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
+from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
+from pdctl.plan import Plan, build_plan
+from pdctl.rundir import (
+    RunState,
+    collect_status,
+    gateway_counters,
+    is_running,
+    kill_recorded,
+    owned_process,
+    read_state,
+    write_state,
+)
+from pdctl.supervisor import Event
+
+ConfigOpt = Annotated[Path, typer.Option("-c", "--config", help="config.toml of the deployment.")]
+SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="settings.json of the deployment.")]
+RunDirOpt = Annotated[
+    Path | None, typer.Option("--run-dir", help="Run directory (default: supervisor.run_dir of the config).")
+]
+
+Item = LogLine | Callable[[], None] | None
+
+
+# ------------------------------------------------------------------------------------------- shared
+
+
+def _run_dir(config: Path, settings: Path, run_dir: Path | None) -> Path:
+    if run_dir is not None:
+        return run_dir
+    try:
+        return load(config, settings).run_dir
+    except ConfigError:
+        # down/status/logs must work even if the files were edited into an invalid state since `up`.
+        return config.resolve().parent / ".pdctl"
+
+
+def _checks(dep: Deployment) -> None:
+    from pdctl.check import run_checks
+
+    findings = run_checks(dep, for_up=True)
+    errors = [f for f in findings if f.severity == "error"]
+    for f in findings:
+        if f.severity == "info":
+            continue
+        where = f.file + (f":{f.line}" if f.line else "")
+        key = f"{f.key}: " if f.key else ""
+        colour = "red" if f.severity == "error" else "yellow"
+        err_console.print(f"[{colour}]{f.severity}[/] {f.code} {escape(where)}: {escape(key + f.message)}")
+        if f.hint:
+            err_console.print(f"  [dim]hint:[/] {escape(f.hint)}")
+    if errors:
+        raise LaunchError(
+            f"`pdctl check` found {len(errors)} error(s); nothing was started",
+            hint="fix the findings above (`pdctl check` shows them all)",
+        )
+
+
+def summary_table(state: RunState) -> Table:
+    """process, pid, role, URL, GPUs/cores, state."""
+    table = Table(title="pdctl deployment", title_justify="left")
+    for col in ("process", "pid", "role", "URL", "GPUs/cores", "state"):
+        table.add_column(col)
+    for rec in state.processes:
+        gpus = ",".join(map(str, rec.get("gpu_ids", [])))
+        cores = ",".join(map(str, rec.get("cpu_ids", [])))
+        binding = " ".join(x for x in (f"gpu {gpus}" if gpus else "", f"cpu {cores}" if cores else "") if x) or "-"
+        table.add_row(rec["name"], str(rec.get("pid", "")), rec.get("role", ""), rec.get("url", ""), binding,
+                      rec.get("state", ""))  # fmt: skip
+    return table
+
+
+def curl_commands(dep: Deployment) -> list[str]:
+    """The recipe's two verification requests through the gateway (the key stays a shell variable)."""
+    url = dep.gateway.url
+    model = dep.decode[0].model_name if dep.decode else "MODEL"
+    var = dep.gateway.api_key_env
+    auth = f'-H "Authorization: Bearer ${var}" -H "Content-Type: application/json"'
+    one = json.dumps({"model": model, "messages": [{"role": "user", "content": "用一句话解释 KV Cache"}],
+                      "max_tokens": 32, "stream": False}, ensure_ascii=False, separators=(",", ":"))  # fmt: skip
+    two = json.dumps({"model": model, "messages": [{"role": "user", "content": "写一段 200 字的自我介绍"}],
+                      "max_tokens": 256, "stream": True}, ensure_ascii=False, separators=(",", ":"))  # fmt: skip
+    return [
+        f"curl -s {url}/v1/chat/completions {auth} -d '{one}'",
+        f"curl -N {url}/v1/chat/completions {auth} -d '{two}'",
+    ]
+
+
+def _print_ready(dep: Deployment, state: RunState) -> None:
+    console.print(summary_table(state))
+    console.print(f"gateway: {dep.gateway.url}   logs: {dep.run_dir / 'logs'}   stop: pdctl down")
+    console.print("verify (non-streaming, then streaming):")
+    for cmd in curl_commands(dep):
+        console.print(cmd, markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ up
+
+
+@app.command("up")
+@handle_errors
+def up(
+    config: ConfigOpt = Path(DEFAULT_CONFIG),
+    settings: SettingsOpt = Path(DEFAULT_SETTINGS),
+    detach: Annotated[
+        bool, typer.Option("-d", "--detach", help="Return once ready; supervise in the background.")
+    ] = False,
+    no_check: Annotated[bool, typer.Option("--no-check", help="Skip `pdctl check` (not recommended).")] = False,
+) -> None:
+    """Check, start prefill/decode, probe the KV link, start the gateway, and supervise them."""
+    from pdctl.daemon import ensure_not_running, prepare_run_dir
+
+    dep = load(config, settings)
+    ensure_not_running(dep)
+    if not no_check:
+        _checks(dep)
+    plan = build_plan(dep)
+    prepare_run_dir(dep)
+    if detach:
+        _up_detached(dep, plan)
+    else:
+        _up_foreground(dep, plan)
+
+
+def _up_foreground(dep: Deployment, plan: Plan) -> None:
+    from pdctl.daemon import Runner
+
+    q: queue.Queue[Item] = queue.Queue()
+    printer = Printer(sys.stdout, [p.name for p in plan.processes])
+
+    def pump() -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, LogLine):
+                printer.write(item)
+            else:
+                item()
+
+    def on_event(ev: Event) -> None:
+        q.put(LogLine(PDCTL_NAME, ev.message, ev.ts))
+
+    runner = Runner(dep, plan, detached=False, on_line=q.put, on_event=on_event)
+    thread = threading.Thread(target=pump, name="pdctl-printer", daemon=True)
+    thread.start()
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        if runner.request_stop():
+            q.put(LogLine(PDCTL_NAME, f"{signal.Signals(signum).name}: stopping (Ctrl-C again to force)", time.time()))
+        else:
+            q.put(LogLine(PDCTL_NAME, "forcing: SIGKILL to every process", time.time()))
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    reason: str | None = None
+    try:
+        try:
+            runner.start()
+        except PdctlError:
+            q.put(None)
+            thread.join(timeout=5)
+            raise
+        q.put(lambda: _print_ready(dep, runner.state))
+        reason = runner.serve()
+        runner.stop(reason)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        q.put(None)
+        thread.join(timeout=5)
+    if reason:
+        raise LaunchError(reason, hint=f"see `pdctl logs` ({dep.run_dir / 'logs'})")
+
+
+def _up_detached(dep: Deployment, plan: Plan) -> None:
+    run_dir = dep.run_dir
+    log_dir = run_dir / "logs"
+    daemon_log = (log_dir / "daemon.log").open("ab")
+    argv = [sys.executable, "-m", "pdctl.daemon", "-c", dep.config_path, "-s", dep.settings_path]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=daemon_log, stderr=subprocess.STDOUT,
+                            start_new_session=True, close_fds=True)  # fmt: skip
+    daemon_log.close()
+    tail = _EventTail(log_dir / "pdctl.log")
+    sup = dep.supervisor
+    waves = len({p.wave for p in plan.processes})
+    deadline = time.monotonic() + sup.ready_timeout_s * waves + (sup.warmup_timeout_s if sup.warmup else 0) + 60
+    printer = Printer(sys.stdout, [p.name for p in plan.processes])
+    state: RunState | None = None
+    try:
+        while True:
+            tail.print_new(printer)
+            state = _state_of(run_dir, proc.pid)
+            if state is not None and state.status in ("ready", "failed", "stopped"):
+                break
+            if proc.poll() is not None:
+                state = _state_of(run_dir, proc.pid)
+                break
+            if time.monotonic() > deadline:
+                proc.send_signal(signal.SIGTERM)
+                raise LaunchError("the detached supervisor did not report ready in time; it was asked to stop")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=sup.stop_timeout_s * 3 + 30)
+        raise
+    tail.print_new(printer)
+    if state is None or state.status != "ready":
+        proc.wait(timeout=sup.stop_timeout_s * 3 + 30)
+        error = state.error if state and state.error else _tail(log_dir / "daemon.log")
+        raise LaunchError(f"up failed:\n{error}", hint=f"see {log_dir}")
+    _print_ready(dep, state)
+
+
+_EVENT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \S+\s+(.*)$")
+
+
+class _EventTail:
+    """New complete lines of the detached supervisor's event log, printed as ``pdctl`` lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def print_new(self, printer: Printer) -> None:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for raw in data[:end].splitlines():
+            text = raw.decode("utf-8", errors="replace")
+            m = _EVENT_LINE.match(text)
+            printer.write(LogLine(PDCTL_NAME, m.group(1) if m else text, time.time()))
+
+
+def _state_of(run_dir: Path, pid: int) -> RunState | None:
+    try:
+        state = read_state(run_dir)
+    except NotRunningError:
+        return None
+    return state if state.supervisor_pid == pid else None
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+    except OSError:
+        return f"(no output in {path})"
+
+
+# ---------------------------------------------------------------------------------------------- down
+
+
+@app.command("down")
+@handle_errors
+def down(
+    config: ConfigOpt = Path(DEFAULT_CONFIG),
+    settings: SettingsOpt = Path(DEFAULT_SETTINGS),
+    run_dir: RunDirOpt = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the ordered stop before SIGKILL.")] = 120.0,
+) -> None:
+    """Stop a running deployment (from any shell): gateway, decode, prefill; nothing survives."""
+    rd = _run_dir(config, settings, run_dir)
+    state = read_state(rd)
+    sup = owned_process(state.supervisor_pid, state.supervisor_create_time, state.supervisor_argv)
+    if sup is not None:
+        console.print(f"stopping the deployment (supervisor pid {sup.pid})")
+        sup.terminate()
+        deadline = time.monotonic() + timeout
+        # Poll rather than psutil's wait(): a supervisor that exited but is not yet reaped by its parent
+        # (a zombie) is gone for our purposes.
+        while time.monotonic() < deadline and is_running(state):
+            time.sleep(0.2)
+        if is_running(state):
+            err_console.print(f"supervisor did not stop within {timeout:g} s: killing it and every process")
+            with contextlib.suppress(psutil.Error):
+                sup.kill()
+    elif state.status not in ("stopped", "failed"):
+        console.print(f"the supervisor (pid {state.supervisor_pid}) is gone; stopping its processes directly")
+    left = kill_recorded(read_state(rd), grace_s=10.0)
+    if left:
+        err_console.print(f"killed {len(left)} leftover process(es): {', '.join(map(str, left))}")
+    state = read_state(rd)
+    if state.status not in ("stopped", "failed"):
+        state.status = "stopped"
+        write_state(rd, state)
+    console.print("stopped")
+
+
+# -------------------------------------------------------------------------------------------- status
+
+
+def _fmt_uptime(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return str(timedelta(seconds=int(s)))
+
+
+def _fmt_mem(b: int | None) -> str:
+    return "-" if b is None else f"{b / (1 << 20):.0f} MiB"
+
+
+@app.command("status")
+@handle_errors
+def status(
+    config: ConfigOpt = Path(DEFAULT_CONFIG),
+    settings: SettingsOpt = Path(DEFAULT_SETTINGS),
+    run_dir: RunDirOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Per process: state, pid, uptime, restarts, health, CPU/RSS of its tree, GPU memory; gateway counters."""
+    rd = _run_dir(config, settings, run_dir)
+    state = read_state(rd)
+    running = is_running(state)
+    rows = collect_status(state)
+    counters = gateway_counters(state.gateway_url) if state.gateway_url and running else None
+    overall = state.status if running or state.status in ("stopped", "failed") else "supervisor gone"
+    if as_json:
+        out = {
+            "status": overall,
+            "supervisor_pid": state.supervisor_pid,
+            "supervisor_running": running,
+            "run_dir": str(rd),
+            "error": state.error,
+            "processes": [r.to_json() for r in rows],
+            "gateway_requests": counters,
+        }
+        console.print_json(json.dumps(out))
+        return
+    table = Table(title=f"pdctl {overall} ({rd})", title_justify="left")
+    for col in ("process", "role", "state", "pid", "uptime", "restarts", "health", "CPU %", "RSS", "GPU mem"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.name, r.role, r.state, str(r.pid) if r.alive else "-", _fmt_uptime(r.uptime_s),
+                      str(r.restarts), r.health, "-" if r.cpu_percent is None else f"{r.cpu_percent:.0f}",
+                      _fmt_mem(r.rss_bytes), "-" if r.gpu_mem_mib is None else f"{r.gpu_mem_mib:.0f} MiB")  # fmt: skip
+    console.print(table)
+    if counters is not None:
+        total = sum(counters.values())
+        parts = ", ".join(f"{k}={v:g}" for k, v in sorted(counters.items())) or "none yet"
+        console.print(f"gateway requests: {total:g} ({parts})")
+    if state.error:
+        console.print(f"last error: {state.error}", markup=False)
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+_SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_since(text: str) -> float:
+    """``30s`` / ``10m`` / ``2h`` / ``1d`` ago, or an ISO time, as a Unix time."""
+    m = _SINCE.match(text.strip())
+    if m:
+        mult = {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        return time.time() - float(m.group(1)) * mult
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        raise PdctlError(
+            f"--since: cannot read {text!r}", hint="use a duration (30s, 10m, 2h) or an ISO time (2026-11-30T14:05)"
+        ) from None
+
+
+def _log_files(rd: Path, names: list[str]) -> dict[str, Path]:
+    log_dir = rd / "logs"
+    known: list[str] = []
+    try:
+        known = [p["name"] for p in read_state(rd).processes]
+    except NotRunningError:
+        pass
+    files = {n: log_dir / f"{n}.log" for n in known}
+    for path in sorted(log_dir.glob("*.log")):
+        name = path.stem
+        if name == "daemon":
+            continue
+        files.setdefault(name, path)
+    if not files and not log_dir.exists():
+        raise NotRunningError(f"no logs in {log_dir}", hint="start a deployment with `pdctl up`")
+    if names:
+        unknown = [n for n in names if n not in files]
+        if unknown:
+            raise PdctlError(f"no process named {', '.join(unknown)}", hint=f"known: {', '.join(files)}")
+        files = {n: files[n] for n in names}
+    return files
+
+
+@app.command("logs")
+@handle_errors
+def logs(
+    names: Annotated[list[str] | None, typer.Argument(help="Processes to show (default: all).")] = None,
+    config: ConfigOpt = Path(DEFAULT_CONFIG),
+    settings: SettingsOpt = Path(DEFAULT_SETTINGS),
+    run_dir: RunDirOpt = None,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines.")] = False,
+    since: Annotated[str | None, typer.Option(help="Only lines since 30s / 10m / 2h ago or an ISO time.")] = None,
+    kv: Annotated[bool, typer.Option("--kv", help="Only KV-transfer events, classified.")] = False,
+    request: Annotated[str | None, typer.Option("--request", help="Follow one request id across processes.")] = None,
+    tail: Annotated[int | None, typer.Option("-n", "--tail", help="Only the last N lines.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Show the per-process log files of the deployment, merged by time."""
+    rd = _run_dir(config, settings, run_dir)
+    files = _log_files(rd, list(names or []))
+    since_ts = parse_since(since) if since else None
+    lines = read_logs(files, since=since_ts, request_id=request, tail=None if kv else tail)
+    if kv:
+        _print_kv(lines, as_json, tail)
+    else:
+        printer = Printer(sys.stdout, list(files))
+        for ln in lines:
+            _emit_line(ln, printer, as_json)
+    if not follow:
+        return
+    printer = Printer(sys.stdout, list(files))
+    for ln in follow_logs(files):
+        if request and request not in ln.text:
+            continue
+        if kv:
+            _print_kv([ln], as_json, None)
+        else:
+            _emit_line(ln, printer, as_json)
+
+
+def _emit_line(ln: LogLine, printer: Printer, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(ln.to_json(), ensure_ascii=False) + "\n")
+    else:
+        sys.stdout.write(printer.format(ln) + "\n")
+    sys.stdout.flush()
+
+
+def _print_kv(lines: list[LogLine], as_json: bool, tail: int | None) -> None:
+    from pdctl.kvevents import scan
+
+    events = []
+    for ln in lines:
+        for ev in scan([ln.text], ln.name):
+            events.append((ln, ev))
+    if tail is not None:
+        events = events[-tail:] if tail > 0 else []
+    for ln, ev in events:
+        if as_json:
+            obj = {
+                "time": ev.time or ln.to_json()["time"],
+                "process": ln.name,
+                "phase": ev.phase,
+                "detail": ev.detail,
+                "request_id": ev.request_id,
+                "line": ev.line,
+            }
+            sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        else:
+            when = ev.time or (time.strftime("%H:%M:%S", time.localtime(ln.ts)) if ln.ts else "-")
+            rid = ev.request_id or "-"
+            sys.stdout.write(f"{when} {ln.name} {ev.phase} {rid} {ev.detail}\n    {ev.line}\n")
+    sys.stdout.flush()

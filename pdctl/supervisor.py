@@ -1,0 +1,414 @@
+"""Start a :class:`~pdctl.plan.Plan` in waves, keep it running, stop it in order.
+
+States of one process (supervisord's, simplified)::
+
+    STOPPED --start--> STARTING --ready_url 200--> READY
+                         |                           |
+                         +-----------exits-----------+
+                                       |
+                 restart = "on-failure" and failures < max_restarts?
+                   yes: BACKOFF --delay 1, 2, 4 ... s (cap backoff_max_s)--> STARTING
+                   no:  FATAL (restart = "on-failure") or EXITED (restart = "never");
+                        either way the whole deployment stops
+    any --shutdown--> STOPPING --> STOPPED
+
+A start counts as a failure only if the process exits less than ``start_secs`` after it was started;
+a process that ran longer has its failure count reset first. While ``up`` is still starting, nothing is
+restarted: a crash fails the start at once with the exit code, the log tail and a diagnosis.
+
+Start order: equal ``wave`` numbers start together and the next wave starts when the previous one is
+ready; the warm-up probe runs before the wave that holds the gateway. Stop order: gateway (it drains its
+streams on SIGTERM), then decode, then prefill.
+
+The supervisor never prints: it reports :class:`Event` s to a callback and child output to a sink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdctl.config import SupervisorConfig
+from pdctl.errors import LaunchError
+from pdctl.logs import LogLine
+from pdctl.plan import Plan, ProcessSpec
+from pdctl.process import ExitInfo, ManagedProcess, ProcessExitedError, signal_name
+from pdctl.watchdog import Watchdog
+
+__all__ = ["Event", "ProcState", "StartInterrupted", "Supervisor", "SupervisorOptions"]
+
+STOP_ORDER = ("gateway", "decode", "prefill")
+REFRESH_S = 2.0
+
+
+class ProcState(str, enum.Enum):
+    """Where one process is in its life (see the module docstring)."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    EXITED = "exited"
+    FATAL = "fatal"
+
+
+class StartInterrupted(LaunchError):
+    """The start was interrupted (Ctrl-C, SIGTERM, ``pdctl down``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something the supervisor did or saw, for the CLI, the daemon log and state.json."""
+
+    kind: str  # starting ready exited backoff restart fatal stopping stopped killed warmup info
+    name: str
+    message: str
+    ts: float = field(default_factory=time.time)
+    delay_s: float | None = None
+    exit: ExitInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorOptions:
+    """Timing and restart policy (``[supervisor]`` in config.toml, plus the gateway's drain timeout)."""
+
+    ready_timeout_s: float = 900.0
+    stop_timeout_s: float = 20.0
+    max_restarts: int = 3
+    start_secs: float = 10.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    gateway_stop_timeout_s: float | None = None
+    poll_s: float = 0.25
+
+    @classmethod
+    def from_config(cls, cfg: SupervisorConfig, drain_timeout_s: float | None = None) -> SupervisorOptions:
+        """Options from ``[supervisor]``; the gateway gets its drain time plus a margin to exit."""
+        return cls(
+            ready_timeout_s=cfg.ready_timeout_s,
+            stop_timeout_s=cfg.stop_timeout_s,
+            max_restarts=cfg.max_restarts,
+            start_secs=cfg.start_secs,
+            backoff_max_s=cfg.backoff_max_s,
+            gateway_stop_timeout_s=None if drain_timeout_s is None else drain_timeout_s + 5.0,
+        )
+
+
+@dataclass(slots=True)
+class _Slot:
+    spec: ProcessSpec
+    proc: ManagedProcess | None = None
+    state: ProcState = ProcState.STOPPED
+    restarts: int = 0
+    failures: int = 0
+    next_start: float = 0.0
+    last_exit: ExitInfo | None = None
+
+
+class Supervisor:
+    """Runs every process of a plan: :meth:`start`, then :meth:`run` (or :meth:`watch_once`), then :meth:`shutdown`."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        options: SupervisorOptions,
+        log_dir: Path,
+        *,
+        on_event: Callable[[Event], None] | None = None,
+        on_line: Callable[[LogLine], None] | None = None,
+        warmup: Callable[[], None] | None = None,
+        rewarm: Callable[[str], None] | None = None,
+        watchdog: Watchdog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.plan = plan
+        self.options = options
+        self.log_dir = Path(log_dir)
+        self._on_event = on_event
+        self._on_line = on_line
+        self._warmup = warmup
+        self._rewarm = rewarm
+        self._watchdog = watchdog
+        self._clock = clock
+        self._slots = {s.name: _Slot(s) for s in plan.processes}
+        self.stop_event = threading.Event()
+        self.force_event = threading.Event()
+        self.failure: str | None = None
+        self._http = httpx.Client()
+        self._last_refresh = 0.0
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------------------------- helpers
+
+    def _emit(self, kind: str, name: str, message: str, **extra: Any) -> None:
+        if self._on_event is not None:
+            self._on_event(Event(kind, name, message, **extra))
+
+    def _spawn(self, slot: _Slot) -> None:
+        proc = ManagedProcess(slot.spec, self.log_dir, self._on_line)
+        proc.start()
+        slot.proc = proc
+        slot.state = ProcState.STARTING
+        if self._watchdog is not None:
+            self._watchdog.watch_group(proc.pgid)
+        self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), waiting for "
+                   f"{slot.spec.ready_url}")  # fmt: skip
+
+    def processes(self) -> dict[str, ManagedProcess | None]:
+        """Name -> current process (None before its first start)."""
+        return {n: s.proc for n, s in self._slots.items()}
+
+    def state_of(self, name: str) -> ProcState:
+        """The state of one process."""
+        return self._slots[name].state
+
+    def restarts_of(self, name: str) -> int:
+        """How many times one process was restarted."""
+        return self._slots[name].restarts
+
+    # --------------------------------------------------------------------------------------- start
+
+    def start(self) -> None:
+        """Start every wave and wait for each to be ready; on any failure stop what started and raise."""
+        waves = sorted({s.wave for s in self.plan.processes})
+        warmed = False
+        try:
+            for wave in waves:
+                slots = [s for s in self._slots.values() if s.spec.wave == wave]
+                if self._warmup is not None and not warmed and any(s.spec.role == "gateway" for s in slots):
+                    self._emit("warmup", "pdctl", "warm-up probe: one two-leg request through each P->D pair")
+                    self._warmup()
+                    warmed = True
+                    self._emit("warmup", "pdctl", "warm-up probe passed")
+                for slot in slots:
+                    self._check_stop()
+                    self._spawn(slot)
+                self._wait_ready(slots)
+        except BaseException:
+            self.shutdown(force=self.force_event.is_set())
+            raise
+        self._emit("ready", "pdctl", "all processes are ready")
+
+    def _check_stop(self) -> None:
+        if self.stop_event.is_set():
+            raise StartInterrupted("start interrupted; stopping what was started")
+
+    def _wait_ready(self, slots: list[_Slot]) -> None:
+        deadline = self._clock() + self.options.ready_timeout_s
+        pending = list(slots)
+        while pending:
+            for slot in list(pending):
+                proc = slot.proc
+                assert proc is not None
+                if proc.poll() is not None:
+                    info = proc.exit_info()
+                    slot.state, slot.last_exit = ProcState.EXITED, info
+                    self._emit("exited", slot.spec.name, f"{slot.spec.name} exited while starting "
+                               f"({signal_name(info.returncode)})", exit=info)  # fmt: skip
+                    raise ProcessExitedError(info)
+                if proc.is_ready(self._http):
+                    slot.state = ProcState.READY
+                    pending.remove(slot)
+                    self._emit("ready", slot.spec.name, f"{slot.spec.name} is ready ({slot.spec.url})")
+            if not pending:
+                return
+            self._refresh()
+            if self._clock() > deadline:
+                names = ", ".join(s.spec.name for s in pending)
+                raise LaunchError(
+                    f"{names} did not answer 200 on /health within {self.options.ready_timeout_s:g} s",
+                    hint="see `pdctl logs`; raise supervisor.ready_timeout_s for slow model loads",
+                )
+            self._check_stop()
+            self.stop_event.wait(self.options.poll_s)
+
+    # ---------------------------------------------------------------------------------- supervision
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if now - self._last_refresh < REFRESH_S:
+            return
+        self._last_refresh = now
+        for slot in self._slots.values():
+            if slot.proc is None or not slot.proc.alive:
+                continue
+            before = slot.proc.known_pids()
+            slot.proc.refresh_descendants()
+            if self._watchdog is None:
+                continue
+            for pid in slot.proc.known_pids() - before:
+                with contextlib.suppress(OSError):
+                    if os.getpgid(pid) != slot.proc.pgid:
+                        self._watchdog.watch_pid(pid)
+
+    def watch_once(self) -> bool:
+        """One supervision step; False once the deployment must stop (see :attr:`failure`)."""
+        with self._lock:
+            now = self._clock()
+            for slot in self._slots.values():
+                proc = slot.proc
+                if slot.state in (ProcState.STARTING, ProcState.READY) and proc is not None:
+                    if proc.poll() is not None:
+                        if not self._handle_exit(slot, proc, now):
+                            return False
+                    elif slot.state is ProcState.STARTING:
+                        if proc.is_ready(self._http):
+                            slot.state = ProcState.READY
+                            self._emit("ready", slot.spec.name, f"{slot.spec.name} is ready again "
+                                       f"(restart {slot.restarts})")  # fmt: skip
+                            if self._rewarm is not None and slot.spec.role != "gateway":
+                                # The new engine has a new engine_id: pay for its lazy NIXL handshake now.
+                                threading.Thread(
+                                    target=self._rewarm, args=(slot.spec.name,), name="pdctl-rewarm", daemon=True
+                                ).start()
+                        elif proc.uptime_s() > self.options.ready_timeout_s:
+                            self._emit("info", slot.spec.name, f"{slot.spec.name} not ready after "
+                                       f"{self.options.ready_timeout_s:g} s; stopping it")  # fmt: skip
+                            proc.stop(self.options.stop_timeout_s)
+                            if not self._handle_exit(slot, proc, now):
+                                return False
+                elif slot.state is ProcState.BACKOFF and now >= slot.next_start:
+                    slot.restarts += 1
+                    self._emit("restart", slot.spec.name, f"restarting {slot.spec.name} "
+                               f"(restart {slot.restarts})")  # fmt: skip
+                    try:
+                        self._spawn(slot)
+                    except LaunchError as exc:
+                        self.failure = str(exc)
+                        slot.state = ProcState.FATAL
+                        return False
+            self._refresh()
+            return True
+
+    def _handle_exit(self, slot: _Slot, proc: ManagedProcess, now: float) -> bool:
+        info = proc.exit_info()
+        ran_s = proc.uptime_s()
+        # Sweep what the dead process left behind (vLLM's EngineCore would keep GPU memory).
+        proc.finish_stop()
+        if self._watchdog is not None:
+            self._watchdog.forget_group(proc.pgid)
+        slot.last_exit = info
+        name = slot.spec.name
+        self._emit("exited", name, f"{name} exited ({signal_name(info.returncode)}) after {ran_s:.1f} s", exit=info)
+        if slot.spec.restart != "on-failure":
+            slot.state = ProcState.EXITED
+            self.failure = f"{name} exited ({signal_name(info.returncode)}) and its restart policy is 'never'"
+            return False
+        if ran_s >= self.options.start_secs:
+            slot.failures = 0
+        if slot.failures >= self.options.max_restarts:
+            slot.state = ProcState.FATAL
+            self.failure = (
+                f"{name} failed {slot.failures + 1} time(s) in a row, each within start_secs "
+                f"({self.options.start_secs:g} s); max_restarts = {self.options.max_restarts} reached"
+            )
+            self._emit("fatal", name, self.failure, exit=info)
+            return False
+        slot.failures += 1
+        delay = min(self.options.backoff_max_s, self.options.backoff_base_s * 2 ** (slot.failures - 1))
+        slot.state = ProcState.BACKOFF
+        slot.next_start = now + delay
+        self._emit("backoff", name, f"restarting {name} in {delay:g} s (failure {slot.failures} of "
+                   f"{self.options.max_restarts} allowed)", delay_s=delay)  # fmt: skip
+        return True
+
+    def run(self, tick: Callable[[], None] | None = None) -> str | None:
+        """Supervise until :attr:`stop_event` is set (returns None) or the deployment fails (the reason)."""
+        while not self.stop_event.is_set():
+            if not self.watch_once():
+                return self.failure
+            if tick is not None:
+                tick()
+            self.stop_event.wait(self.options.poll_s)
+        return None
+
+    # ----------------------------------------------------------------------------------------- stop
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop everything: gateway, then decode, then prefill; SIGTERM, grace, SIGKILL, sweep."""
+        if force:
+            self.force_event.set()
+        with self._lock:
+            for role in STOP_ORDER:
+                slots = [s for s in self._slots.values() if s.spec.role == role]
+                self._stop_group(slots, role)
+            if self._watchdog is not None:
+                self._watchdog.close()
+        self._http.close()
+
+    def _stop_group(self, slots: list[_Slot], role: str) -> None:
+        running = [s for s in slots if s.proc is not None and s.proc.started and s.state is not ProcState.STOPPED]
+        for s in slots:
+            if s.state is ProcState.BACKOFF:
+                s.state = ProcState.STOPPED
+        if not running:
+            return
+        grace = self.options.stop_timeout_s
+        if role == "gateway" and self.options.gateway_stop_timeout_s is not None:
+            grace = self.options.gateway_stop_timeout_s
+        for s in running:
+            assert s.proc is not None
+            if s.proc.alive:
+                s.state = ProcState.STOPPING
+                self._emit("stopping", s.spec.name, f"sending SIGTERM to {s.spec.name} (pid {s.proc.pid})")
+            s.proc.begin_stop()
+        deadline = time.monotonic() + (0.0 if self.force_event.is_set() else grace)
+        while time.monotonic() < deadline and any(s.proc is not None and s.proc.alive for s in running):
+            if self.force_event.is_set():
+                break
+            time.sleep(0.05)
+        for s in running:
+            assert s.proc is not None
+            was_alive = s.proc.alive
+            killed = s.proc.finish_stop()
+            if was_alive:
+                self._emit("killed", s.spec.name, f"{s.spec.name} ignored SIGTERM for {grace:g} s: sent SIGKILL "
+                           f"to its group")  # fmt: skip
+            elif killed:
+                self._emit("killed", s.spec.name, f"killed {len(killed)} leftover descendant(s) of "
+                           f"{s.spec.name}: {', '.join(map(str, killed))}")  # fmt: skip
+            if self._watchdog is not None:
+                self._watchdog.forget_group(s.proc.pgid)
+            if s.state is not ProcState.FATAL and s.state is not ProcState.EXITED:
+                s.state = ProcState.STOPPED
+            self._emit("stopped", s.spec.name, f"{s.spec.name} stopped")
+
+    # ---------------------------------------------------------------------------------------- state
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Per-process records for state.json."""
+        out = []
+        for slot in self._slots.values():
+            p, spec = slot.proc, slot.spec
+            out.append(
+                {
+                    "name": spec.name,
+                    "role": spec.role,
+                    "state": slot.state.value,
+                    "pid": p.pid if p else 0,
+                    "pgid": p.pgid if p else 0,
+                    "create_time": p.create_time if p else 0.0,
+                    "started_at": p.started_wall if p else 0.0,
+                    "argv": list(spec.argv),
+                    "url": spec.url,
+                    "ready_url": spec.ready_url,
+                    "ports": list(spec.ports),
+                    "gpu_ids": list(spec.gpu_ids),
+                    "cpu_ids": list(spec.cpu_ids),
+                    "log_file": str(self.log_dir / f"{spec.name}.log"),
+                    "restarts": slot.restarts,
+                    "exit_code": slot.last_exit.returncode if slot.last_exit else None,
+                    "descendants": [list(r) for r in p.descendant_records()] if p else [],
+                }
+            )
+        return out

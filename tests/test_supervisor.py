@@ -1,0 +1,246 @@
+"""The real Supervisor driving fake workers: waves, warm-up, crash at start, restarts, ordered shutdown."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pdctl.errors import LaunchError
+from pdctl.plan import Plan
+from pdctl.probe import probe_pair
+from pdctl.process import ProcessExitedError
+from pdctl.supervisor import Event, ProcState, Supervisor, SupervisorOptions
+from pdctl.watchdog import Watchdog
+from tests.fakes.helpers import alive, fake_spec, kill_tree_of_groups, port_free
+
+OPTS = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=0.2, poll_s=0.1)
+
+
+@pytest.fixture
+def sups():
+    made: list[Supervisor] = []
+    yield made
+    for s in made:
+        kill_tree_of_groups([p.pid for p in s.processes().values() if p is not None and p.pid])
+
+
+def make(
+    sups: list[Supervisor], plan: Plan, tmp_path: Path, opts: SupervisorOptions = OPTS, **kw
+) -> tuple[Supervisor, list[Event]]:
+    events: list[Event] = []
+    sup = Supervisor(plan, opts, tmp_path / "logs", on_event=events.append, **kw)
+    sups.append(sup)
+    return sup, events
+
+
+def test_waves_warmup_then_ordered_shutdown(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan(
+        (
+            fake_spec("prefill", "prefill", "--prefill", wave=0),
+            fake_spec("decode", "decode", wave=0),
+            fake_spec("gateway", "gateway", wave=1),
+        )
+    )
+    seen: dict[str, object] = {}
+
+    def warmup() -> None:
+        procs = sup.processes()
+        seen["workers_ready"] = [sup.state_of(n) for n in ("prefill", "decode")]
+        seen["gateway_started"] = procs["gateway"] is not None
+        res = probe_pair(plan.get("prefill").url, plan.get("decode").url, "fake", timeout_s=30)
+        seen["probe_ok"] = res.ok
+
+    sup, events = make(sups, plan, tmp_path, warmup=warmup, watchdog=Watchdog())
+    sup._watchdog.start()  # type: ignore[union-attr]
+    sup.start()
+    assert seen == {"workers_ready": [ProcState.READY, ProcState.READY], "gateway_started": False, "probe_ok": True}
+    assert all(sup.state_of(n) is ProcState.READY for n in ("prefill", "decode", "gateway"))
+    pids = {n: p.pid for n, p in sup.processes().items() if p}
+    assert sup.watch_once()
+    sup.shutdown()
+    stopping = [e.name for e in events if e.kind == "stopping"]
+    assert stopping == ["gateway", "decode", "prefill"]
+    assert not any(alive(pid) for pid in pids.values())
+    assert all(port_free(plan.get(n).ports[0]) for n in pids)
+    snap = {r["name"]: r for r in sup.snapshot()}
+    assert snap["decode"]["state"] == "stopped" and snap["decode"]["pid"] == pids["decode"]
+
+
+def test_crash_at_start_fails_fast_and_cleans_up(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan(
+        (
+            fake_spec("prefill", "prefill", "--spawn-grandchild", wave=0),
+            fake_spec(
+                "decode",
+                "decode",
+                "--exit-after",
+                "0.5",
+                "--exit-code",
+                "7",
+                "--fail-line",
+                "ValueError: Unsupported connector type P2pNcclConnector",
+                wave=0,
+            ),
+            fake_spec("gateway", "gateway", wave=1),
+        )
+    )
+    sup, _ = make(sups, plan, tmp_path)
+    with pytest.raises(ProcessExitedError) as err:
+        sup.start()
+    assert err.value.info.returncode == 7
+    assert err.value.info.diagnosis is not None and err.value.info.diagnosis.code == "unknown_connector"
+    assert sup.processes()["gateway"] is None  # never started
+    prefill = sup.processes()["prefill"]
+    assert prefill is not None and not alive(prefill.pid)
+    assert not prefill.descendants()  # the grandchild was swept too
+
+
+def test_not_ready_in_time_is_a_launch_error(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("prefill", "prefill", "--startup-delay", "60"),))
+    opts = SupervisorOptions(ready_timeout_s=1.0, stop_timeout_s=5, poll_s=0.1)
+    sup, _ = make(sups, plan, tmp_path, opts)
+    with pytest.raises(LaunchError, match="within 1 s"):
+        sup.start()
+    p = sup.processes()["prefill"]
+    assert p is not None and not alive(p.pid)
+
+
+def test_crash_after_ready_restarts_with_growing_delays_then_fatal(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan(
+        (
+            fake_spec("prefill", "prefill", "--crash-after-ready", "0.3", "--exit-code", "9", restart="on-failure"),
+            fake_spec("decode", "decode", wave=1),
+        )
+    )
+    opts = SupervisorOptions(
+        ready_timeout_s=60,
+        stop_timeout_s=5,
+        start_secs=60,
+        max_restarts=3,
+        backoff_base_s=0.2,
+        backoff_max_s=0.5,
+        poll_s=0.05,
+    )
+    sup, events = make(sups, plan, tmp_path, opts)
+    sup.start()
+    deadline = time.monotonic() + 120
+    reason = None
+    while time.monotonic() < deadline:
+        if not sup.watch_once():
+            reason = sup.failure
+            break
+        time.sleep(0.05)
+    assert reason is not None and "max_restarts = 3" in reason
+    delays = [e.delay_s for e in events if e.kind == "backoff"]
+    assert delays == [0.2, 0.4, 0.5]  # doubling, capped at backoff_max_s
+    assert sup.restarts_of("prefill") == 3
+    assert sup.state_of("prefill") is ProcState.FATAL
+    exits = [e.exit.returncode for e in events if e.kind == "exited" and e.exit]
+    assert exits == [9, 9, 9, 9]
+    sup.shutdown()
+    assert all(p is None or not p.alive for p in sup.processes().values())
+
+
+def test_never_policy_stops_on_exit(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("decode", "decode", "--crash-after-ready", "0.3", "--exit-code", "4"),))
+    sup, events = make(sups, plan, tmp_path)
+    sup.start()
+    reason = sup.run()
+    assert reason is not None and "exit code 4" in reason and "'never'" in reason
+    assert not [e for e in events if e.kind == "backoff"]
+    sup.shutdown()
+
+
+def test_stop_event_ends_run_and_interrupts_start(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("prefill", "prefill", "--startup-delay", "60"),))
+    sup, _ = make(sups, plan, tmp_path)
+    sup.stop_event.set()
+    with pytest.raises(LaunchError, match="interrupted"):
+        sup.start()
+    p = sup.processes()["prefill"]
+    assert p is None or not p.alive
+
+
+def test_force_skips_the_grace_period(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("prefill", "prefill", "--ignore-sigterm"),))
+    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=300, poll_s=0.1)
+    sup, events = make(sups, plan, tmp_path, opts)
+    sup.start()
+    p = sup.processes()["prefill"]
+    assert p is not None
+    sup.shutdown(force=True)  # with a 300 s grace this would hang without force
+    assert not alive(p.pid)
+    assert any(e.kind == "killed" for e in events)
+
+
+def test_probe_retries_with_fresh_request_id(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("prefill", "prefill", "--prefill"), fake_spec("decode", "decode", "--fail-kv", "2")))
+    sup, _ = make(sups, plan, tmp_path)
+    sup.start()
+    res = probe_pair(plan.get("prefill").url, plan.get("decode").url, "fake", timeout_s=60)
+    assert res.ok
+    assert [a.error is None for a in res.attempts] == [False, False, True]
+    assert "HTTP 500" in (res.attempts[0].error or "")
+    assert len({a.request_id for a in res.attempts}) == 3
+    log_file = tmp_path / "logs" / "decode.log"
+    deadline = time.monotonic() + 20  # the reader thread copies the pipe to the file asynchronously
+    while not all(a.request_id in log_file.read_text() for a in res.attempts) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(a.request_id in log_file.read_text() for a in res.attempts)
+    sup.shutdown()
+
+
+def test_probe_without_kv_params_fails_without_retry(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("prefill", "prefill"), fake_spec("decode", "decode")))
+    sup, _ = make(sups, plan, tmp_path)
+    sup.start()
+    res = probe_pair(plan.get("prefill").url, plan.get("decode").url, "fake", timeout_s=60)
+    assert not res.ok and len(res.attempts) == 1
+    assert "no usable kv_transfer_params (missing)" in (res.error or "")
+    sup.shutdown()
+
+
+def test_restart_recovers_and_rewarms(tmp_path: Path, sups: list[Supervisor]) -> None:
+    flag = tmp_path / "crashed-once"
+    plan = Plan((
+        fake_spec("prefill", "prefill", "--prefill", "--crash-after-ready", "0.5", "--crash-once-file", str(flag),
+                  restart="on-failure"),
+        fake_spec("decode", "decode"),
+    ))  # fmt: skip
+    rewarmed: list[str] = []
+    sup, events = make(sups, plan, tmp_path, rewarm=rewarmed.append)
+    sup.start()
+    first = sup.processes()["prefill"]
+    assert first is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (sup.restarts_of("prefill") == 1 and sup.state_of("prefill") is
+                                                ProcState.READY):  # fmt: skip
+        assert sup.watch_once(), sup.failure
+        time.sleep(0.05)
+    again = sup.processes()["prefill"]
+    assert again is not None and again.pid != first.pid and again.alive
+    assert sup.state_of("prefill") is ProcState.READY and sup.state_of("decode") is ProcState.READY
+    wait = time.monotonic() + 10
+    while not rewarmed and time.monotonic() < wait:
+        time.sleep(0.05)
+    assert rewarmed == ["prefill"]
+    assert [e.delay_s for e in events if e.kind == "backoff"] == [0.2]
+    assert probe_pair(plan.get("prefill").url, plan.get("decode").url, "fake", timeout_s=30).ok
+    sup.shutdown()
+
+
+def test_long_uptime_resets_the_failure_count(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("decode", "decode", "--crash-after-ready", "0.3", restart="on-failure"),))
+    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=0.0, max_restarts=1,
+                             backoff_base_s=0.1, poll_s=0.05)  # fmt: skip
+    sup, events = make(sups, plan, tmp_path, opts)
+    sup.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sup.restarts_of("decode") < 3:
+        assert sup.watch_once(), sup.failure  # max_restarts = 1, but every run outlived start_secs
+        time.sleep(0.05)
+    assert sup.restarts_of("decode") >= 3
+    assert {e.delay_s for e in events if e.kind == "backoff"} == {0.1}
+    sup.shutdown()
