@@ -273,14 +273,21 @@ def test_check_cli_usage_error_exit_2(cli) -> None:  # type: ignore[no-untyped-d
 
 
 def test_chunked_prefill_off_needs_max_model_len_within_batch(recipe_files) -> None:  # type: ignore[no-untyped-def]
-    found = codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 16384"}))
+    found = codes(
+        *recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 16384"})
+    )
     assert found["PD024"][0].severity == "error" and "vLLM refuses to start" in found["PD024"][0].message
-    assert "PD024" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 8192"}))
+    assert "PD024" not in codes(
+        *recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = false\nmax_model_len = 8192"})
+    )
     assert "PD024" not in codes(*recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = true"}))
 
 
 def test_sim_profile_link_and_kv_scale(recipe_files) -> None:  # type: ignore[no-untyped-def]
-    sim = {'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\n', 'backend = "nixl"': 'backend = "nixl"\nlink = "carrier-pigeon"'}
+    sim = {
+        'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\n',
+        'backend = "nixl"': 'backend = "nixl"\nlink = "carrier-pigeon"',
+    }
     found = codes(*recipe_files(sim))
     assert found["PD025"][0].key == "kv_transfer.link" and "tcp-1g" in (found["PD025"][0].hint or "")
     ok = {'role = "prefill"\n': 'role = "prefill"\nengine = "sim"\n'}

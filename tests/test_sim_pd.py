@@ -136,7 +136,9 @@ def test_corrupt_kv_on_decode_side_changes_output(workers: dict[str, SimProcess]
     _, d = _pd(workers["prefill"], workers["decode_corrupt"], body)
     assert d["choices"][0]["token_ids"] != _colocated(workers["decode_corrupt"], body)
     _, clean = _pd(workers["prefill"], workers["decode"], body | {"prompt": body["prompt"] + " again"})
-    assert clean["choices"][0]["token_ids"] == _colocated(workers["decode"], body | {"prompt": body["prompt"] + " again"})
+    assert clean["choices"][0]["token_ids"] == _colocated(
+        workers["decode"], body | {"prompt": body["prompt"] + " again"}
+    )
 
 
 def test_missing_params_is_a_silent_local_fallback(workers: dict[str, SimProcess]) -> None:
