@@ -331,8 +331,8 @@ async def run_once(
         if offsets is not None:
             tasks: list[asyncio.Task[None]] = []
             for i, off in enumerate(offsets):
-                delay = t0 + off - time.perf_counter()
-                if delay > 0:
+                # The event loop's timer may wake up to a millisecond early: never send before the schedule.
+                while (delay := t0 + off - time.perf_counter()) > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(i, off)))
             await asyncio.gather(*tasks)
