@@ -295,3 +295,28 @@ def test_sim_profile_link_and_kv_scale(recipe_files) -> None:  # type: ignore[no
     big = codes(*recipe_files(ok, config_append='\n[sim]\nprofile = "h100"\n'))
     assert big["PD025"][0].severity == "warning" and big["PD025"][0].key == "sim.kv_scale"
     assert "PD025" not in codes(*recipe_files(ok, config_append='\n[sim]\nprofile = "h100"\nkv_scale = 0.001\n'))
+
+
+def test_shared_storage_without_path_and_listen_scope(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    ss = {
+        'kv_connector = "NixlConnector"': 'kv_connector = "ExampleConnector"',
+        'backend = "nixl"': 'backend = "shared_storage"',
+    }
+    sset = {'"kv_connector": "NixlConnector"': '"kv_connector": "ExampleConnector"'}
+    found = codes(*recipe_files(ss, sset))
+    assert [f.severity for f in found["PD002"]] == ["warning"] and "/tmp/pdctl-kv" in found["PD002"][0].message
+    ss_path = {**ss, 'backend = "nixl"': 'backend = "shared_storage"\nshared_storage_path = "/srv/kv"'}
+    assert "PD002" not in codes(*recipe_files(ss_path, sset))
+    local = recipe_files(
+        {'gateway_host = "0.0.0.0"': 'gateway_host = "127.0.0.1"'},
+        {'"listen": "0.0.0.0:8000"': '"listen": "127.0.0.1:8000"'},
+    )
+    assert "PD022" not in codes(*local)
+
+
+def test_cpu_core_that_does_not_exist(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    n = os.cpu_count() or 1
+    found = codes(*recipe_files({"gpu_ids = [0]": f"cpu_ids = [{n + 3}]"}), for_up=True)
+    assert any(f.key == "prefill.cpu_ids" and f.severity == "error" for f in found["PD014"])

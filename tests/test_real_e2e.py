@@ -337,3 +337,37 @@ def test_shared_storage_up_verify_down(shared_storage: Deployment) -> None:
     assert any((shared_storage.dir / ".pdctl" / "kv").iterdir())
     shared_storage.down()
     shared_storage.assert_nothing_left(recorded)
+
+
+@pytest.fixture
+def mismatched(root: Path) -> Iterator[Deployment]:
+    """The recipe's §5.1 mistake on real engines: prefill on NixlConnector, decode on ExampleConnector."""
+    dep = Deployment(root, "cpu")
+    cfg = dep.dir / "config.toml"
+    text = cfg.read_text(encoding="utf-8")
+    assert "\n[decode]\n" in text
+    cfg.write_text(text.replace("\n[decode]\n", '\n[decode]\nkv_connector = "ExampleConnector"\n', 1), encoding="utf-8")
+    try:
+        yield dep
+    finally:
+        if (dep.run_dir / "state.json").exists():
+            dep.pdctl("down", timeout=600)
+        dep.sweep()
+
+
+def test_connector_mismatch_fails_verify_with_5_1(mismatched: Deployment) -> None:
+    # check refuses this config (PD001); --no-check starts it anyway, as a person wiring it by hand would.
+    proc = mismatched.pdctl("check", "--json", timeout=120)
+    assert proc.returncode == 1 and '"PD001"' in proc.stdout, proc.stdout
+    taken = [p for p in PORTS if not _port_free(p)]
+    assert not taken, f"ports {taken} are in use"
+    proc = mismatched.pdctl("up", "-d", "--no-check", timeout=UP_TIMEOUT_S)
+    assert proc.returncode == 0, f"pdctl up failed:\n{proc.stdout}\n{proc.stderr}\n{mismatched.log_tails()}"
+    recorded = _recorded(mismatched.run_dir)
+    proc = mismatched.pdctl("verify", "--json", "--timeout", str(REQUEST_TIMEOUT_S), timeout=1200)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1 and not report["ok"]
+    failed = [c for c in report["checks"] if c["ok"] is False]
+    assert any("§5.1" in (c.get("cause") or "") for c in failed), failed
+    mismatched.down()
+    mismatched.assert_nothing_left(recorded)
