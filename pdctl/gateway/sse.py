@@ -152,7 +152,9 @@ async def relay(ex: Exchange, resp: httpx.Response, stream: bool, first_timeout_
             chunk = pending + chunk
             pending = b""
         if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-            cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"))
+            # Every blank line contains one of these pairs, whatever mix of CR, LF and CRLF the worker uses.
+            cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
+                      _end_of(chunk, b"\n\r"))  # fmt: skip
             chunk, pending = chunk[:cut], chunk[cut:]
             if not chunk:
                 return

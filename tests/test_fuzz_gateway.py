@@ -1,0 +1,235 @@
+"""F1: Hypothesis against the gateway's HTTP API, with simulator workers and a fake upstream behind it.
+
+Generated requests mix valid and broken parts: methods and paths, ``Authorization`` forms, JSON bodies
+whose fields have the right or a wrong type or range, raw bytes (invalid UTF-8, deep nesting, NaN,
+duplicate keys, huge numbers), content types. For every answer: no 5xx, every 4xx in the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}`` with string-or-null ``param``/``code``, every 200 a
+complete answer (N1), no key in any body (N5). At the end the gateway's counters balance (N1) and the
+workers are idle (N2).
+
+``PDCTL_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_gateway.py`` runs a longer search (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdctl.gateway.settings import LocalModel
+from pdctl.invariants import (
+    ClientTally,
+    check_n1,
+    check_n2,
+    check_n5,
+    client_outcome,
+    gateway_outcomes,
+)
+from pdctl.sim.testing import SimProcess, start_sim
+from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings
+
+EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "150"))
+MAX_MODEL_LEN = 2048
+
+
+class Stack:
+    """Simulator prefill + decode, a fake upstream, the gateway; plus what the fuzzer saw."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.sims: list[SimProcess] = []
+        self.fakes: list[FakeProc] = []
+        self.gw: GatewayThread | None = None
+        args = ["--max-model-len", str(MAX_MODEL_LEN)]
+        self.sims.append(start_sim(args, str(tmp), name="prefill", role="kv_producer"))
+        self.sims.append(start_sim(args, str(tmp), name="decode", role="kv_consumer"))
+        self.fakes.append(FakeProc("fake_upstream.py", {"key": UPSTREAM_KEY, "models": ["up-model"]}))
+        self.gw = GatewayThread(
+            make_settings(
+                [self.sims[0].url], [self.sims[1].url], upstream=self.fakes[0].url,
+                models=(LocalModel("sim-model", MAX_MODEL_LEN),), max_body_bytes=64 * 1024, max_retries=0,
+            ),
+            upstream_key=UPSTREAM_KEY,
+        )  # fmt: skip
+        self.client = httpx.Client(base_url=self.gw.url, timeout=60)
+        self.tally = ClientTally()
+        self.bodies: dict[str, bytes] = {}
+        self.completions = 0
+
+    def close(self) -> None:
+        self.client.close()
+        if self.gw is not None:
+            self.gw.stop()
+        for f in self.fakes:
+            f.kill()
+        for s in self.sims:
+            s.stop(grace_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("fuzz-gateway"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------------- strategies
+
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+words = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=60)
+
+
+def maybe_wrong(good: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Usually a valid value, sometimes any JSON value (wrong type or range)."""
+    return st.one_of(good, good, good, json_values)
+
+
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": words}),
+    min_size=1, max_size=3,
+)  # fmt: skip
+max_tokens = st.one_of(st.integers(1, 24), st.integers(-3, 0), st.sampled_from([MAX_MODEL_LEN, 10**9, 2**63]))
+
+
+@st.composite
+def completion_bodies(draw: st.DrawFn, chat: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": draw(maybe_wrong(st.sampled_from(["sim-model", "sim-model", "up-model", "nope"])))}
+    if chat:
+        if draw(st.integers(0, 9)):
+            body["messages"] = draw(maybe_wrong(messages))
+    elif draw(st.integers(0, 9)):
+        body["prompt"] = draw(maybe_wrong(st.one_of(words, st.lists(st.integers(0, 2000), min_size=1, max_size=8))))
+    for name, strategy in (
+        ("max_tokens", max_tokens),
+        ("stream", st.booleans()),
+        ("n", st.integers(-1, 70)),
+        ("temperature", st.floats(0, 2)),
+        ("stop", st.lists(st.text(max_size=4), max_size=3)),
+        ("stream_options", st.fixed_dictionaries({"include_usage": st.booleans()})),
+        ("seed", st.integers(0, 2**31)),
+    ):
+        if draw(st.booleans()):
+            body[name] = draw(maybe_wrong(strategy))
+    if draw(st.integers(0, 4)) == 0:
+        body.update(draw(st.dictionaries(st.text(max_size=10), json_values, max_size=2)))
+    return body
+
+
+raw_bodies = st.sampled_from(
+    [
+        b"",
+        b"{",
+        b"\xff\xfe{}",
+        b'{"model": "sim-model", "prompt": "a\xc3"}',
+        b"[" * 5000 + b"]" * 5000,
+        b'{"a":' * 3000 + b"1" + b"}" * 3000,
+        b'{"model": "sim-model", "prompt": "x", "max_tokens": NaN}',
+        b'{"model": "sim-model", "model": "up-model", "prompt": "x"}',
+        b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e999999}',
+        b'{"model": "sim-model", "prompt": "x", "max_tokens": 123456789012345678901234567890}',
+        b"null",
+        b'"just a string"',
+        b"x" * (70 * 1024),
+    ]
+) | st.binary(max_size=200)
+
+auth_headers = st.one_of(
+    *[st.just(f"Bearer {KEY}")] * 6,
+    st.none(),
+    st.sampled_from(["Bearer", f"bearer{KEY}", f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer  {KEY}"]),
+    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(str.strip),
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["completions", "chat", "completions", "chat", "raw", "other"]))
+    headers: dict[str, str] = {}
+    auth = draw(auth_headers)
+    if auth is not None:
+        headers["authorization"] = auth
+    if draw(st.booleans()):
+        headers["content-type"] = draw(st.sampled_from(["application/json", "text/plain", "application/x-www-form"]))
+    if kind == "other":
+        method = draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
+        path = draw(st.sampled_from(["/v1/models", "/health", "/ready", "/metrics", "/v1/completions",
+                                     "/invocations", "/pause", "/abort_requests", "/tokenize", "/v1/embeddings",
+                                     "/v1/chat/completions", "/../etc/passwd", "/v1/models/sim-model"]))  # fmt: skip
+        return {"method": method, "path": path, "headers": headers, "content": None, "stream": False}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    if kind == "raw":
+        return {"method": "POST", "path": path, "headers": headers, "content": draw(raw_bodies), "stream": False}
+    body = draw(completion_bodies(kind == "chat"))
+    content = json.dumps(body).encode()
+    return {
+        "method": "POST",
+        "path": path,
+        "headers": headers,
+        "content": content,
+        "stream": body.get("stream") is True,
+    }
+
+
+# -------------------------------------------------------------------------------------------------- tests
+
+
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(req=requests())
+def test_gateway_never_5xx_and_errors_are_openai_shaped(stack: Stack, req: dict[str, Any]) -> None:
+    r = stack.client.request(req["method"], req["path"], headers=req["headers"], content=req["content"])
+    label = f"{req['method']} {req['path']}"
+    assert r.status_code < 500, (label, r.status_code, r.text[:500])
+    assert KEY.encode() not in r.content and UPSTREAM_KEY.encode() not in r.content
+    completion = req["path"] in ("/v1/completions", "/v1/chat/completions")
+    if completion:
+        stack.completions += 1
+        stack.bodies[f"response {stack.completions}"] = r.content
+    if r.status_code >= 400:
+        out = client_outcome(r.status_code, r.content, stream=False)
+        assert out.violation is None, (label, r.status_code, out.violation, r.text[:300])
+        if r.status_code in (401,):
+            assert json.loads(r.content)["error"]["code"] == "invalid_api_key"
+    elif completion:
+        stream = r.headers.get("content-type", "").startswith("text/event-stream")
+        out = client_outcome(r.status_code, r.content, stream=stream)
+        assert out.violation is None, (label, out.violation, r.text[:300])
+    if completion and req["method"] == "POST":
+        stack.tally.record(client_outcome(r.status_code, r.content, stream=req["stream"] and r.status_code == 200))
+
+
+def test_after_fuzzing_counters_balance_and_workers_idle(stack: Stack) -> None:
+    """Runs after the fuzz test (same module stack): nothing lost, nothing left running, no key leaked."""
+    assert stack.gw is not None
+    outcomes = gateway_outcomes(stack.gw.metrics_text())
+    n1 = check_n1(outcomes)
+    assert n1.ok, n1.detail
+    assert outcomes is not None and outcomes.accepted >= stack.tally.sent > 0
+    print("fuzz statuses:", dict(stack.tally.statuses), dict(outcomes.by_status))
+    n2 = check_n2({"prefill": stack.sims[0].url, "decode": stack.sims[1].url}, timeout_s=35)
+    assert n2.ok, n2.detail
+    logs = [Path(s.log_path) for s in stack.sims]
+    n5 = check_n5(
+        [KEY, UPSTREAM_KEY],
+        files=logs,
+        texts=stack.bodies,
+        all_cmdlines=True,
+        exclude_pids=[f.proc.pid for f in stack.fakes],
+    )  # the fake upstream gets its key on argv
+    assert n5.ok, n5.detail
