@@ -18,6 +18,7 @@ import httpx
 
 from pdctl.config import Deployment
 from pdctl.errors import LaunchError
+from pdctl.identity import fetch_identity, identity_problems
 from pdctl.protocol import ConnectorKind, build_decode_body, build_prefill_body, check_kv_params, connector_kind
 
 __all__ = ["ProbeAttempt", "ProbeResult", "probe_pair", "run_warmup"]
@@ -136,6 +137,19 @@ def run_warmup(
                 continue
             kind = connector_kind(dep.connector_for(p))
             label = f"{p.name}->{d.name}"
+            # S6: a decode that serves another model (or tokenizes differently) must never become ready.
+            with httpx.Client(timeout=30.0) as client:
+                probe_text = "pdctl identity probe: 用一句话解释 KV Cache"
+                problems = identity_problems(
+                    p.name, fetch_identity(client, p.url, p.model_name, probe_text),
+                    d.name, fetch_identity(client, d.url, d.model_name, probe_text), require_tokenize=False,
+                )  # fmt: skip
+            if problems and raise_on_failure:
+                raise LaunchError(
+                    f"{p.name} and {d.name} do not serve the same model: " + "; ".join(problems),
+                    hint="give both the identical model, served_model_name and max_model_len (recipe §5.4); "
+                    "vLLM must be the same version on both",
+                )
             report: Callable[[ProbeAttempt], None] | None = None
             if on_attempt is not None:
                 report = functools.partial(on_attempt, label)

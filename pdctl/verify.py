@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdctl import kvevents
 from pdctl.config import Deployment, WorkerConfig
+from pdctl.identity import fetch_identity, identity_problems
 from pdctl.protocol import (
     ConnectorKind,
     build_decode_body,
@@ -711,38 +712,17 @@ class _Verifier:
     def _identity(
         self, p: WorkerConfig, d: WorkerConfig, pc: str, dc: str
     ) -> tuple[bool | None, str, str | None, str | None]:
-        facts: dict[str, dict[str, Any]] = {}
-        for w in (p, d):
-            models = self.http.call("GET", f"{w.url}/v1/models")
-            version = self.http.call("GET", f"{w.url}/version")
-            entry: Mapping[str, Any] = {}
-            if isinstance(models.body, Mapping) and isinstance(models.body.get("data"), list) and models.body["data"]:
-                first = models.body["data"][0]
-                entry = first if isinstance(first, Mapping) else {}
-            ver = version.body.get("version") if isinstance(version.body, Mapping) else None
-            facts[w.name] = {
-                "id": entry.get("id"),
-                "root": entry.get("root"),
-                "max_model_len": entry.get("max_model_len"),
-                "version": ver,
-            }
-        problems = []
-        fp, fd = facts[p.name], facts[d.name]
-        for key in ("id", "root", "max_model_len", "version"):
-            if fp[key] != fd[key]:
-                problems.append(f"{key}: {p.name} {fp[key]!r} != {d.name} {fd[key]!r}")
         probe_text = f"pdctl verify {self.nonce}: {CHAT_PROMPT}"
-        toks = {w.name: self._tokenize(w, probe_text) for w in (p, d)}
-        if toks[p.name] is None or toks[d.name] is None:
-            problems.append("/tokenize unavailable on " + ", ".join(k for k, v in toks.items() if v is None))
-        elif toks[p.name] != toks[d.name]:
-            problems.append(f"/tokenize differs ({len(toks[p.name] or ())} vs {len(toks[d.name] or ())} tokens)")
+        ip, idd = (
+            fetch_identity(self.http.client, w.url, w.model_name, probe_text, self.http.timeout_s) for w in (p, d)
+        )
+        problems = identity_problems(p.name, ip, d.name, idd)
         seen_p, seen_d = pc, dc
         mismatch = connector_kind(seen_p) != connector_kind(seen_d) or (
             connector_kind(seen_p) == "unknown" and _norm_conn(seen_p) != _norm_conn(seen_d)
         )
         summary = (
-            f"model {fd['id']!r} (root {fd['root']!r}), max_model_len {fd['max_model_len']}, vLLM {fd['version']}, "
+            f"model {idd.model_id!r} (root {idd.root!r}), max_model_len {idd.max_model_len}, vLLM {idd.version}, "
             f"connector {seen_p}/{seen_d}"
         )
         if mismatch:

@@ -423,3 +423,14 @@ def test_docs_describe_every_flag() -> None:
             for opt in param.opts:
                 if opt.startswith("-") and opt != "--help":
                     assert f"`{opt}" in section, f"pdctl {name} {opt} missing from docs/lifecycle.md"
+
+
+def test_up_refuses_a_decode_that_tokenizes_differently(deploy_dir: Path) -> None:
+    """Reliability case S6: never ready when decode serves another tokenizer; the mismatch is named; all torn down."""
+    d = deploy_dir
+    write_deployment(d, decode_extra=["--sim-fault", "tokenizer"])
+    r = pdctl(d, "up", "-d")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "do not serve the same model" in r.stderr and "/tokenize differs" in r.stderr
+    assert "§5.4" in r.stderr
+    wait_for(lambda: not any(alive(p) for p in recorded_pids(d)[2:]), 30, "every process of the run to exit")
