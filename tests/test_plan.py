@@ -75,9 +75,12 @@ def test_shared_gpu_starts_sequentially(recipe_files) -> None:  # type: ignore[n
 
 def test_cpu_binding_and_shared_storage(recipe_files) -> None:  # type: ignore[no-untyped-def]
     cpath, spath = recipe_files(
-        {"gpu_ids = [0]": "cpu_ids = [0]", "gpu_ids = [1]": "cpu_ids = [1]",
-         'kv_connector = "NixlConnector"': 'kv_connector = "ExampleConnector"',
-         'backend = "nixl"': 'backend = "shared_storage"\nshared_storage_path = "kv"'},
+        {
+            "gpu_ids = [0]": "cpu_ids = [0]",
+            "gpu_ids = [1]": "cpu_ids = [1]",
+            'kv_connector = "NixlConnector"': 'kv_connector = "ExampleConnector"',
+            'backend = "nixl"': 'backend = "shared_storage"\nshared_storage_path = "kv"',
+        },
         {'"kv_connector": "NixlConnector"': '"kv_connector": "ExampleConnector"'},
     )
     plan = build_plan(load(cpath, spath), CPU)
@@ -135,6 +138,7 @@ def test_console_script_installed() -> None:
     exe = Path(sys.executable).parent / "pdctl"
     if not exe.exists():
         pytest.skip("pdctl is not installed as a console script in this environment")
-    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True,
-                         env={**os.environ, "NO_COLOR": "1"})
+    out = subprocess.run(
+        [str(exe), "--version"], capture_output=True, text=True, check=True, env={**os.environ, "NO_COLOR": "1"}
+    )
     assert out.stdout.startswith("pdctl ")
