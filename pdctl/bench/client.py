@@ -23,6 +23,7 @@ from typing import Any, Literal
 import httpx
 
 from pdctl.bench.workload import BenchRequest
+from pdctl.transport import AiohttpTransport
 
 __all__ = ["BenchClient", "Endpoint", "RequestResult", "SSEParser"]
 
@@ -175,7 +176,9 @@ class BenchClient:
             headers=headers,
             limits=limits,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
-            transport=transport,
+            # httpx's own transport cannot read streams fast enough at a few hundred requests/s on 2 cores:
+            # aiohttp underneath keeps the client ahead of the server (docs/performance.md, section 3).
+            transport=transport if transport is not None else AiohttpTransport(max_connections=max_connections),
         )
 
     async def __aenter__(self) -> BenchClient:

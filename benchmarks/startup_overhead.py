@@ -1,0 +1,165 @@
+"""Real vLLM CPU: time from ``pdctl up`` to gateway ready vs starting the two engines by hand.
+
+1. ``pdctl up -d -c CONFIG -s SETTINGS`` (returns once the gateway is ready: workers healthy, warm-up P->D
+   request done, gateway listening), timed; each output line is stamped so the phases can be read; then
+   ``pdctl down``.
+2. By hand: the two worker processes exactly as ``pdctl plan --json`` lists them (argv, env, unset env),
+   started together in their own sessions; timed until both answer ``/health`` 200, and then until one PD
+   request by hand (leg 1 on prefill, leg 2 on decode, :mod:`pdctl.protocol`) has finished, which pays the
+   lazy NIXL handshake that ``pdctl up``'s warm-up pays.
+
+Overhead = pdctl up - by hand (health + first PD request); target <= 5 %. Uses the ports in the config
+(examples/cpu: 8000, 8100, 8200, 5600, 5700): nothing else may be using them. Needs the tiny model
+(``pdctl model tiny models/tiny-qwen3``) and vLLM CPU in .venv.
+
+    PDCTL_API_KEY=... .venv/bin/python benchmarks/startup_overhead.py [-c examples/cpu/config.toml]
+        [-s examples/cpu/settings.json] [--order up-first|hand-first]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as H
+
+from pdctl.protocol import build_decode_body, build_prefill_body
+
+BENCH = Path(__file__).resolve().parent
+PDCTL = str(Path(H.PY).parent / "pdctl")
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=2.0).status_code == 200
+    return False
+
+
+def time_up(config: str, settings: str, env: dict[str, str]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [PDCTL, "up", "-d", "-c", config, "-s", settings], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env, text=True, cwd=H.ROOT,
+    )  # fmt: skip
+    lines: list[tuple[float, str]] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append((round(time.monotonic() - t0, 2), line.rstrip()))
+    rc = proc.wait()
+    total = time.monotonic() - t0
+    plan = json.loads(subprocess.run([PDCTL, "plan", "-c", config, "-s", settings, "--json"], capture_output=True,
+                                     text=True, env=env, check=True, cwd=H.ROOT).stdout)  # fmt: skip
+    gw = next(p for p in plan["processes"] if p["role"] == "gateway")
+    ready = _healthy(gw["url"] + "/ready")
+    down = subprocess.run([PDCTL, "down", "-c", config, "-s", settings], capture_output=True, text=True, env=env,
+                          cwd=H.ROOT, timeout=300)  # fmt: skip
+    return {"rc": rc, "seconds": total, "gateway_ready_after": ready, "lines": lines[-60:], "down_rc": down.returncode}
+
+
+def time_by_hand(config: str, settings: str, env: dict[str, str]) -> dict[str, Any]:
+    plan = json.loads(subprocess.run([PDCTL, "plan", "-c", config, "-s", settings, "--json"], capture_output=True,
+                                     text=True, env=env, check=True, cwd=H.ROOT).stdout)  # fmt: skip
+    workers = [p for p in plan["processes"] if p["role"] in ("prefill", "decode")]
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Any] = []
+    out: dict[str, Any] = {"argv": [p["argv"] for p in workers]}
+    t0 = time.monotonic()
+    try:
+        for p in workers:
+            penv = {k: v for k, v in env.items() if k not in p.get("unset_env", [])} | p["env"]
+            log = open(f"/tmp/pdbench-hand-{p['name']}.log", "wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(p["argv"], env=penv, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        pending = {p["name"]: p["ready_url"] for p in workers}
+        deadline = t0 + 1200
+        while pending and time.monotonic() < deadline:
+            for name, url in list(pending.items()):
+                if _healthy(url):
+                    out[f"{name}_healthy_s"] = round(time.monotonic() - t0, 2)
+                    del pending[name]
+            for pr in procs:
+                if pr.poll() is not None:
+                    raise RuntimeError(f"a worker exited with {pr.returncode}; see /tmp/pdbench-hand-*.log")
+            time.sleep(0.2)
+        if pending:
+            raise RuntimeError(f"not healthy after 1200 s: {sorted(pending)}")
+        out["health_s"] = time.monotonic() - t0
+        pre = next(p for p in workers if p["role"] == "prefill")
+        dec = next(p for p in workers if p["role"] == "decode")
+        model = pre["argv"][pre["argv"].index("--served-model-name") + 1]
+        body = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4}
+        with httpx.Client(timeout=900) as c:
+            r1 = c.post(pre["url"] + "/v1/completions", json=build_prefill_body(body)).json()
+            r2 = c.post(dec["url"] + "/v1/completions", json=build_decode_body(body, r1.get("kv_transfer_params")))
+        out["first_pd_status"] = r2.status_code
+        out["seconds"] = time.monotonic() - t0
+    finally:
+        for pr in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pr.pid, signal.SIGTERM)
+        for pr in procs:
+            try:
+                pr.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pr.pid, signal.SIGKILL)
+                pr.wait(30)
+        for log in logs:
+            log.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-c", "--config", default="examples/cpu/config.toml")
+    ap.add_argument("-s", "--settings", default="examples/cpu/settings.json")
+    ap.add_argument("--order", choices=["up-first", "hand-first"], default="up-first")
+    ap.add_argument("--out", default=str(BENCH / "results" / "startup_overhead.json"))
+    args = ap.parse_args(argv)
+    env = dict(os.environ)
+    env.setdefault("PDCTL_API_KEY", "pdbench-startup-key")
+    report: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python", "benchmarks/startup_overhead.py", *sys.argv[1:]]),
+        "machine_before": H.machine(),
+        "order": args.order,
+    }
+    steps = ["up", "hand"] if args.order == "up-first" else ["hand", "up"]
+    for step in steps:
+        print(f"# {step} ...", file=sys.stderr, flush=True)
+        if step == "up":
+            report["up"] = time_up(args.config, args.settings, env)
+        else:
+            report["hand"] = time_by_hand(args.config, args.settings, env)
+        print(f"# {step}: {report[step]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        time.sleep(5)  # let the ports and memory free up between the two
+    up_s, hand_s, health_s = report["up"]["seconds"], report["hand"]["seconds"], report["hand"]["health_s"]
+    report["overhead_pct_vs_first_pd"] = 100 * (up_s - hand_s) / hand_s
+    report["overhead_pct_vs_health"] = 100 * (up_s - health_s) / health_s
+    report["machine_after"] = H.machine()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print("| measurement | seconds |\n|---|---:|")
+    print(f"| pdctl up -d (workers healthy, warm-up P->D request, gateway ready) | {up_s:.1f} |")
+    print(f"| by hand: both workers /health 200 | {health_s:.1f} |")
+    print(f"| by hand: + first PD request done (pays the NIXL handshake as up's warm-up does) | {hand_s:.1f} |")
+    print(f"\noverhead vs by hand incl. first PD request: {report['overhead_pct_vs_first_pd']:+.1f} %")
+    print(f"overhead vs by hand, health only: {report['overhead_pct_vs_health']:+.1f} %")
+    print(f"machine before: {report['machine_before']}\nmachine after: {report['machine_after']}\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""pdctl.transport.AiohttpTransport against small real asyncio HTTP servers: httpx's API and errors over aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from pdctl.transport import AiohttpTransport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length) if length else b""
+
+
+async def _sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        try:
+            head, body = await _read_request(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        if head.startswith(b"POST /stream"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(3):
+                event = b'data: {"n": %d}\n\n' % i
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            done = b"data: [DONE]\n\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        elif head.startswith(b"POST /long"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            try:
+                for _ in range(500):
+                    writer.write(b"6\r\ndata:\n\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            except ConnectionError:
+                return
+        elif head.startswith(b"POST /echo"):
+            out = b'{"got": %d, "rid": "%s"}' % (len(body), _header(head, b"x-request-id"))
+            writer.write(b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(out), out))  # fmt: skip
+        elif head.startswith(b"GET /stall"):
+            await asyncio.sleep(30)
+        await writer.drain()
+
+
+def _header(head: bytes, name: bytes) -> bytes:
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(name + b":"):
+            return line.split(b":", 1)[1].strip()
+    return b""
+
+
+async def _server(handler: Handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def test_post_stream_and_connection_reuse() -> None:
+    peers: set[int] = set()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.add(writer.get_extra_info("peername")[1])
+        await _sse(reader, writer)
+
+    async def main() -> None:
+        server, base = await _server(handler)
+        async with server:
+            client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
+            try:
+                r = await client.post("/echo", content=b"x" * 100, headers={"x-request-id": "abc"})
+                assert r.status_code == 201
+                assert r.json() == {"got": 100, "rid": "abc"}
+                for _ in range(3):
+                    async with client.stream("POST", "/stream", content=b"{}") as resp:
+                        assert resp.headers["content-type"] == "text/event-stream"
+                        data = b"".join([c async for c in resp.aiter_raw()])
+                    assert data.count(b"data:") == 4 and data.endswith(b"data: [DONE]\n\n")
+            finally:
+                await client.aclose()
+        assert len(peers) == 1  # one keep-alive connection served all four requests
+
+    asyncio.run(main())
+
+
+def test_connect_error_on_a_closed_port() -> None:
+    async def main() -> None:
+        server, base = await _server(_sse)
+        server.close()
+        await server.wait_closed()
+        client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await client.get("/health")
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_read_timeout_from_the_request_timeout() -> None:
+    async def main() -> None:
+        server, base = await _server(_sse)
+        async with server:
+            client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport(), timeout=httpx.Timeout(0.3))
+            try:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.get("/stall")
+            finally:
+                await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_early_closes_the_connection() -> None:
+    async def main() -> None:
+        gone = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _sse(reader, writer)
+            gone.set()
+
+        server, base = await _server(handler)
+        async with server:
+            client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
+            try:
+                resp = await client.send(client.build_request("POST", "/long", content=b"{}"), stream=True)
+                first = await resp.aiter_raw().__anext__()
+                assert first.startswith(b"data:")
+                await resp.aclose()
+                # The server sees the client leave (as vLLM does, and aborts the request) long before 500 events.
+                await asyncio.wait_for(gone.wait(), timeout=3.0)
+            finally:
+                await client.aclose()
+
+    asyncio.run(main())
