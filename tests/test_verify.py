@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +26,7 @@ import pytest
 from pdctl import config, kvevents
 from pdctl.config import Deployment
 from pdctl.plan import ProcessSpec, build_plan
+from pdctl.sim.testing import free_port
 from pdctl.verify import CheckResult, VerifyReport, metric_total, run_verify
 
 KEY_ENV = "PDCTL_VERIFY_TEST_KEY"
@@ -34,12 +34,6 @@ KEY = "test-key-0123456789"
 HAS_GATEWAY = importlib.util.find_spec("pdctl.gateway.app") is not None
 needs_gateway = pytest.mark.skipif(not HAS_GATEWAY, reason="pdctl.gateway.app has not landed yet")
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-cpu"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import uvicorn
 from pdctl.config import GatewayConfig, LoggingConfig, RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
+from pdctl.sim.testing import free_port
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-test-client-key-0123456789"
@@ -77,12 +77,6 @@ class FakeProc:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(timeout=10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_settings(

@@ -13,14 +13,9 @@ from typing import Any
 import psutil
 
 from pdctl.plan import ProcessSpec
+from pdctl.sim.testing import free_port
 
 FAKE_WORKER = str(Path(__file__).with_name("fake_worker.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fake_spec(
