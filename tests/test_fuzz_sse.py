@@ -18,30 +18,41 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.invariants import client_outcome
 from pdctl.invariants import sse_events as parse_sse
+from pdctl.transport import TransportError
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "300"))
 
 
-class FakeDecodeStream(httpx.AsyncByteStream):
-    """A decode worker's body, chunk by chunk; optionally the connection breaks at the end."""
+class FakeDecodeStream:
+    """A decode worker's body (the relay's ``Body``), chunk by chunk; optionally the connection breaks at the end.
+
+    Empty chunks are dropped, as a transport never hands one over mid-stream (``b""`` means the end).
+    """
 
     def __init__(self, chunks: list[bytes], error: bool) -> None:
-        self.chunks = chunks
+        self.chunks = iter([c for c in chunks if c])
         self.error = error
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self._iter()])
+
+    async def chunk(self) -> bytes:
+        await asyncio.sleep(0)
         for c in self.chunks:
-            await asyncio.sleep(0)
-            yield c
+            return c
         if self.error:
-            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+            raise TransportError("broken", "peer closed connection without sending complete message body")
+        return b""
+
+    async def _iter(self) -> AsyncIterator[bytes]:
+        while c := await self.chunk():
+            yield c
 
 
 async def _relay(chunks: list[bytes], error: bool) -> tuple[bytes, Any]:
@@ -52,7 +63,7 @@ async def _relay(chunks: list[bytes], error: bool) -> tuple[bytes, Any]:
 
     now = time.monotonic()
     ex = Exchange(send=send, request_id="fuzz", started=now, deadline=now + 30, stream=True)
-    resp = httpx.Response(200, stream=FakeDecodeStream(chunks, error))
+    resp = FakeDecodeStream(chunks, error)
     result = await relay(ex, resp, stream=True)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     bodies = sent[1:]

@@ -142,6 +142,35 @@ def test_g5_decode_dies_mid_stream(fakes: list[FakeProc], gateways: list[Gateway
     assert g.metric("pdctl_requests_total", path="disagg", status="stream_error") == 1
 
 
+def test_prefill_crash_is_not_counted_against_decode(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+    """A prefill dies with leg 1 of three requests answered; decode's KV pulls fail (HTTP 500, as vLLM's NIXL
+    read from a dead prefill). Those failures are the prefill's: decode's breaker stays closed, prefill is out."""
+    p = _fake(fakes, exit_after_replies=3)
+    d = _fake(fakes, delay=0.5, pull_fail_status=500)
+    g = _gw(gateways, [p.url], [d.url], breaker_threshold=2, health_interval_s=60.0)
+    with g.client() as c:
+        results: list[int] = []
+
+        def one() -> None:
+            results.append(c.post("/v1/chat/completions", json=CHAT).status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == [502, 502, 502], results
+        assert len(d.completions()) == 3  # every request reached decode, and decode failed each one
+
+        def instances() -> dict[str, dict[str, object]]:
+            return {i["name"]: i for i in c.get("/ready").json()["instances"]}
+
+        assert wait_for(lambda: instances()["prefill"]["healthy"] is False, timeout=5)
+        time.sleep(0.3)  # let every failure be counted
+        state = instances()
+        assert state["decode"]["breaker_open"] is False and state["decode"]["healthy"] is True, state
+
+
 def test_g6_decode_stall_hits_idle_timeout(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
     """G6 (N1, N2): the idle timeout fires, an SSE error is sent and the fake decode sees the abort."""
     p = _fake(fakes)

@@ -18,12 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.routing import Instance, Role
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
+from pdctl.transport import TransportError
 
 if TYPE_CHECKING:
     from pdctl.gateway.app import Gateway
@@ -43,6 +42,7 @@ class LegResult:
     retryable: bool
     elapsed_s: float
     request_id: str
+    instance: Instance | None = None
 
 
 def _dumps(body: Mapping[str, Any]) -> bytes:
@@ -62,37 +62,47 @@ async def _prefill_once(
     start = time.monotonic()
     try:
         with inst.track(tokens):
-            resp = await asyncio.wait_for(
-                inst.client.post(endpoint, content=body, headers=_headers(gw, request_id)), timeout=timeout_s
+            # total_timeout_s bounds the whole leg (headers and body): leg 1 is one short JSON answer.
+            resp = await inst.client.request(
+                "POST", endpoint, body=body, headers=_headers(gw, request_id), total_timeout_s=timeout_s
             )
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+            try:
+                payload = await resp.read()
+            finally:
+                resp.close()
+    except TransportError as exc:
         gw.pool.record_failure(inst)
-        err = ApiError(504, f"prefill {inst.name} did not answer within {timeout_s:.1f}s", code="prefill_timeout")
-        return LegResult(None, err, True, time.monotonic() - start, request_id)
-    except httpx.HTTPError as exc:
-        gw.pool.record_failure(inst)
-        if isinstance(exc, httpx.ConnectError):
+        if exc.kind in ("timeout", "connect_timeout"):
+            err = ApiError(504, f"prefill {inst.name} did not answer within {timeout_s:.1f}s", code="prefill_timeout")
+            return LegResult(None, err, True, time.monotonic() - start, request_id)
+        if exc.kind == "connect":
             inst.set_healthy(False)  # out of the pool until a /health probe brings it back
-        err = ApiError(502, f"prefill {inst.name} failed: {type(exc).__name__}", code="prefill_unavailable")
+        err = ApiError(502, f"prefill {inst.name} failed: {_what(exc)}", code="prefill_unavailable")
         return LegResult(None, err, True, time.monotonic() - start, request_id)
     elapsed = time.monotonic() - start
-    if resp.status_code == 200:
+    if resp.status == 200:
         try:
-            reply = resp.json()
+            reply = json.loads(payload)
         except ValueError:
             reply = None
         if isinstance(reply, dict):
             gw.pool.record_success(inst)
-            return LegResult(reply, None, False, elapsed, request_id)
+            return LegResult(reply, None, False, elapsed, request_id, inst)
         gw.pool.record_failure(inst)
         err = ApiError(502, f"prefill {inst.name} answered invalid JSON", code="prefill_failed")
         return LegResult(None, err, True, elapsed, request_id)
-    err = translate_worker_error(resp.status_code, resp.content[:_MAX_ERROR_BODY], gw.secrets)
-    if resp.status_code >= 500 and err.status != 400:
+    err = translate_worker_error(resp.status, payload[:_MAX_ERROR_BODY], gw.secrets)
+    if resp.status >= 500 and err.status != 400:
         gw.pool.record_failure(inst)
         err = ApiError(502, f"prefill {inst.name}: {err.message}", code="prefill_failed")
         return LegResult(None, err, True, elapsed, request_id)
     return LegResult(None, err, False, elapsed, request_id)
+
+
+def _what(exc: TransportError) -> str:
+    return {"connect": "ConnectError", "connect_timeout": "ConnectTimeout", "timeout": "ReadTimeout"}.get(
+        exc.kind, "RemoteProtocolError"
+    )
 
 
 def _no_instance(gw: Gateway, roles: tuple[Role, ...], what: str) -> ApiError:
@@ -126,7 +136,9 @@ async def serve_pd(gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any
             continue
         dbody = _decode_body(gw, ex, body, leg)
         try:
-            await _decode(gw, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode")
+            await _decode(
+                gw, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode", source=leg.instance
+            )
             return
         except _DecodeFailed as err:
             if last or ex.headers_sent or ex.remaining() <= 0.05:
@@ -210,47 +222,53 @@ async def _decode(
     prompt_tokens: int,
     roles: tuple[Role, ...],
     what: str,
+    source: Instance | None = None,
 ) -> None:
+    """Leg 2 (or the whole colocated request) on the least-loaded of ``roles``; ``source``: the prefill holding
+    the KV this request pulls."""
     inst = gw.pool.choose(roles)
     if inst is None:
         raise _no_instance(gw, roles, what)
     ex.decode = inst.name
     stream = ex.stream
     concurrency = sum(i.in_flight for i in gw.pool.instances if i.role in roles)
-    req = inst.client.build_request("POST", endpoint, content=_dumps(body), headers=_headers(gw, request_id))
+    payload = _dumps(body)
+    headers = _headers(gw, request_id)
     sent = time.monotonic()
     with inst.track(prompt_tokens):
         try:
             resp = await asyncio.wait_for(
-                inst.client.send(req, stream=True), timeout=max(0.05, ex.remaining() + gw.settings.kv_timeout_s)
+                inst.client.request("POST", endpoint, body=payload, headers=headers),
+                timeout=max(0.05, ex.remaining() + gw.settings.kv_timeout_s),
             )
-        except (asyncio.TimeoutError, httpx.TimeoutException):
-            gw.pool.record_failure(inst)
-            raise _DecodeFailed(504, f"{what} {inst.name} did not answer in time", code="decode_timeout") from None
-        except httpx.HTTPError as exc:
-            gw.pool.record_failure(inst)
-            if isinstance(exc, httpx.ConnectError):
+        except (asyncio.TimeoutError, TransportError) as exc:
+            _count_failure(gw, inst, source)
+            if isinstance(exc, asyncio.TimeoutError) or exc.kind in ("timeout", "connect_timeout"):
+                raise _DecodeFailed(504, f"{what} {inst.name} did not answer in time", code="decode_timeout") from None
+            if exc.kind == "connect":
                 inst.set_healthy(False)
-            raise _DecodeFailed(
-                502, f"{what} {inst.name} failed: {type(exc).__name__}", code="decode_unavailable"
-            ) from None
+            raise _DecodeFailed(502, f"{what} {inst.name} failed: {_what(exc)}", code="decode_unavailable") from None
         try:
             headers_at = time.monotonic()
             gw.metrics.leg.labels("handoff").observe(headers_at - sent)
-            if resp.status_code != 200:
-                payload = await resp.aread()
-                err = translate_worker_error(resp.status_code, payload[:_MAX_ERROR_BODY], gw.secrets)
-                if resp.status_code >= 500 and err.status != 400:
-                    gw.pool.record_failure(inst)
+            if resp.status != 200:
+                try:
+                    err_body = await resp.read()
+                except TransportError:
+                    err_body = b""
+                err = translate_worker_error(resp.status, err_body[:_MAX_ERROR_BODY], gw.secrets)
+                if resp.status >= 500 and err.status != 400:
+                    _count_failure(gw, inst, source)
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
             result = await relay(ex, resp, stream, gw.settings.kv_timeout_s + max(0.0, ex.remaining()))
         finally:
-            await resp.aclose()
+            resp.close()
     if result.error is None:
         gw.pool.record_success(inst)
     else:
-        gw.pool.record_failure(inst)
+        # After a first token the KV was already pulled: whatever broke is decode's.
+        _count_failure(gw, inst, source if result.first_chunk_at is None else None)
         gw.metrics.stream_errors.labels(result.error.code or "error").inc()
     ex.tokens = result.completion_tokens
     # Only a stream's first chunk is a first token; a non-streamed body arrives when decode is done.
@@ -265,6 +283,27 @@ async def _decode(
             gw.admission.observe_itl(tpot, max(1, concurrency + 1))
     if result.prompt_tokens is not None and ex.prompt_tokens is None:
         ex.prompt_tokens = result.prompt_tokens
+
+
+def _count_failure(gw: Gateway, inst: Instance, source: Instance | None) -> None:
+    """Count a failed call against ``inst``, unless it may be the KV source's fault (see :func:`_blame`)."""
+    if source is None or source is inst:
+        gw.pool.record_failure(inst)
+    else:
+        gw.spawn(_blame(gw, inst, source))
+
+
+async def _blame(gw: Gateway, decode: Instance, prefill: Instance) -> None:
+    """A decode failed before its first token, so maybe while pulling KV from ``prefill``. When that prefill is
+    down (it fails a ``/health`` probe now), the failure is the prefill's: counting it against decode would
+    eject a healthy decode for every request that was in flight when a prefill crashed."""
+    await gw.pool.probe(prefill)
+    if prefill.healthy is False:
+        gw.pool.record_failure(prefill)
+        log.warning("decode %s failed pulling KV from prefill %s, which is down: counted against %s",
+                    decode.name, prefill.name, prefill.name)  # fmt: skip
+    else:
+        gw.pool.record_failure(decode)
 
 
 async def _release_after(gw: Gateway, task: asyncio.Future[LegResult], endpoint: str, body: Mapping[str, Any]) -> None:
@@ -289,11 +328,15 @@ async def _release_after(gw: Gateway, task: asyncio.Future[LegResult], endpoint:
         return
     try:
         with inst.track(0):
-            resp = await inst.client.post(
-                endpoint, content=_dumps(dbody), headers=_headers(gw, f"{leg.request_id}-release"),
-                timeout=gw.settings.kv_timeout_s + gw.settings.gateway.request_timeout_s,
+            resp = await inst.client.request(
+                "POST", endpoint, body=_dumps(dbody), headers=_headers(gw, f"{leg.request_id}-release"),
+                total_timeout_s=gw.settings.kv_timeout_s + gw.settings.gateway.request_timeout_s,
             )  # fmt: skip
-        gw.metrics.kv_release.labels("ok" if resp.status_code == 200 else "error").inc()
-    except httpx.HTTPError:
+            try:
+                await resp.read()
+            finally:
+                resp.close()
+        gw.metrics.kv_release.labels("ok" if resp.status == 200 else "error").inc()
+    except TransportError:
         gw.metrics.kv_release.labels("error").inc()
     log.info("request %s: client left during leg 1; release leg sent to %s", leg.request_id, inst.name)

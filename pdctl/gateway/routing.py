@@ -14,11 +14,9 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import httpx
-
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
-from pdctl.transport import AiohttpTransport
+from pdctl.transport import Client, TransportError
 
 __all__ = ["Instance", "Pool"]
 
@@ -28,7 +26,7 @@ Role = Literal["prefill", "decode"]
 class Instance:
     """One worker: its pooled HTTP client, load and health."""
 
-    def __init__(self, spec: InstanceSpec, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
+    def __init__(self, spec: InstanceSpec, client: Client, metrics: GatewayMetrics) -> None:
         self.spec = spec
         self.name = spec.name
         self.role: Role = spec.role
@@ -78,17 +76,16 @@ class Pool:
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         self.settings = settings
         g = settings.gateway
-        self._timeout = httpx.Timeout(g.request_timeout_s, connect=min(settings.connect_timeout_s, g.request_timeout_s))
         self.instances = [
             Instance(
                 spec,
-                httpx.AsyncClient(
-                    base_url=spec.url,
-                    timeout=self._timeout,
+                Client(
+                    spec.url,
+                    read_timeout_s=g.request_timeout_s,
+                    connect_timeout_s=min(settings.connect_timeout_s, g.request_timeout_s),
+                    # Idle connections go after 4 s, before vLLM's (uvicorn's) 5 s keep-alive ends them.
+                    keepalive_s=4.0,
                     headers={"accept-encoding": "identity"},
-                    # httpx's API over aiohttp's C parser: about half the CPU per streamed chunk and no per-request
-                    # pool scan (docs/performance.md). Idle connections go after 4 s, before vLLM's (uvicorn's) 5 s.
-                    transport=AiohttpTransport(keepalive_expiry_s=4.0),
                 ),
                 metrics,
             )
@@ -149,18 +146,28 @@ class Pool:
     async def probe(self, inst: Instance) -> None:
         """One ``/health`` probe; a half-open breaker whose cooldown passed closes on success."""
         try:
-            resp = await inst.client.get("/health", timeout=min(5.0, self.settings.health_interval_s + 1))
-            ok = resp.status_code == 200
-        except httpx.HTTPError:
+            resp = await inst.client.request(
+                "GET", "/health", total_timeout_s=min(5.0, self.settings.health_interval_s + 1)
+            )
+            try:
+                await resp.read()
+            finally:
+                resp.close()
+            ok = resp.status == 200
+        except TransportError:
             ok = False
         if ok and inst.breaker_open and time.monotonic() >= inst.open_until:
             inst.open_until = 0.0
             inst.failures = self.settings.breaker_threshold - 1
         inst.set_healthy(ok)
         if ok and not inst.models:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                resp = await inst.client.get("/v1/models", timeout=5.0)
-                data = resp.json().get("data") if resp.status_code == 200 else None
+            with contextlib.suppress(TransportError, ValueError, AttributeError):
+                resp = await inst.client.request("GET", "/v1/models", total_timeout_s=5.0)
+                try:
+                    payload = await resp.json()
+                finally:
+                    resp.close()
+                data = payload.get("data") if resp.status == 200 else None
                 if isinstance(data, list):
                     inst.models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 

@@ -1,7 +1,9 @@
 """The response side of one request: headers, bodies, and the chunk-by-chunk SSE relay.
 
 The relay forwards each chunk as it arrives. Per chunk it only counts ``data:`` occurrences (a C-level
-``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end.
+``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end. It reads
+any :class:`Body` (a worker's :class:`pdctl.transport.Response`, or the upstream's adapter), whose failures are
+:class:`pdctl.transport.TransportError`.
 """
 
 from __future__ import annotations
@@ -11,13 +13,12 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import Any, Protocol
 
 from pdctl.gateway.errors import ApiError, error_event
+from pdctl.transport import TransportError
 
-__all__ = ["Exchange", "RelayResult", "relay"]
+__all__ = ["Body", "Exchange", "RelayResult", "relay"]
 
 ASGISend = Any
 _TAIL = 4096
@@ -97,6 +98,14 @@ class Exchange:
             await self.body(error_event(err))
 
 
+class Body(Protocol):
+    """A response body to relay: whole, or piece by piece (``b""`` at its end)."""
+
+    async def read(self) -> bytes: ...
+
+    async def chunk(self) -> bytes: ...
+
+
 @dataclass(slots=True)
 class RelayResult:
     """What a relay saw."""
@@ -110,7 +119,7 @@ class RelayResult:
     error: ApiError | None = None
 
 
-async def relay(ex: Exchange, resp: httpx.Response, stream: bool, first_timeout_s: float | None = None) -> RelayResult:
+async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float | None = None) -> RelayResult:
     """Forward a 200 response to the client; a failure after headers ends with one SSE error event.
 
     Streams: ``first_timeout_s`` bounds the wait for the first chunk; every later wait is bounded by the
@@ -119,13 +128,11 @@ async def relay(ex: Exchange, resp: httpx.Response, stream: bool, first_timeout_
     out = RelayResult()
     if not stream:
         try:
-            data = await resp.aread()
-        except httpx.TimeoutException:
-            raise ApiError(504, "the worker did not finish in time", code="upstream_timeout") from None
-        except httpx.HTTPError as exc:
-            raise ApiError(
-                502, f"the worker failed mid-response ({type(exc).__name__})", code="upstream_error"
-            ) from None
+            data = await resp.read()
+        except TransportError as exc:
+            if exc.kind == "timeout":
+                raise ApiError(504, "the worker did not finish in time", code="upstream_timeout") from None
+            raise ApiError(502, f"the worker failed mid-response ({exc.kind})", code="upstream_error") from None
         out.first_chunk_at = out.last_chunk_at = time.monotonic()
         m = _COMPLETION_TOKENS.search(data)
         out.completion_tokens = int(m.group(1)) if m else None
@@ -137,46 +144,47 @@ async def relay(ex: Exchange, resp: httpx.Response, stream: bool, first_timeout_
     await ex.start(200, b"text/event-stream; charset=utf-8")
     tail = b""
     send = ex.send
-    chunks = resp.aiter_raw()
+    read = resp.chunk
     pending = b""  # an event split across chunks, held until its blank line arrives
-
-    async def forward(chunk: bytes) -> None:
-        nonlocal tail, pending
-        now = time.monotonic()
-        if out.first_chunk_at is None:
-            out.first_chunk_at = now
-        out.last_chunk_at = now
-        out.events += chunk.count(b"data:")
-        tail = (tail + chunk)[-_TAIL:]
-        if pending:
-            chunk = pending + chunk
-            pending = b""
-        if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-            # Every blank line contains one of these pairs, whatever mix of CR, LF and CRLF the worker uses.
-            cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
-                      _end_of(chunk, b"\n\r"))  # fmt: skip
-            chunk, pending = chunk[:cut], chunk[cut:]
-            if not chunk:
-                return
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
+    events = 0
+    now = 0.0
+    # The loop below runs once per streamed chunk: everything in it is on every token's path, so it stays
+    # inline (no per-chunk helper coroutine) and touches only locals.
     try:
         if first_timeout_s is not None:
             # The first token waits for the KV handoff: its own deadline (kv_transfer.timeout_ms).
-            first = await asyncio.wait_for(anext(chunks, b""), timeout=first_timeout_s)
-            if first:
-                await forward(first)
-        async for chunk in chunks:
+            chunk = await asyncio.wait_for(read(), timeout=first_timeout_s)
+        else:
+            chunk = await read()
+        while chunk:
+            now = time.monotonic()
+            if out.first_chunk_at is None:
+                out.first_chunk_at = now
+            events += chunk.count(b"data:")
+            tail = (tail + chunk)[-_TAIL:] if len(chunk) < _TAIL else chunk[-_TAIL:]
+            if pending:
+                chunk = pending + chunk
+                pending = b""
+            if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                # Every blank line contains one of these pairs, whatever mix of CR, LF and CRLF the worker uses.
+                cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
+                          _end_of(chunk, b"\n\r"))  # fmt: skip
+                chunk, pending = chunk[:cut], chunk[cut:]
             if chunk:
-                await forward(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            chunk = await read()
     except asyncio.TimeoutError:
         out.error = ApiError(
             504, f"no first token within {first_timeout_s}s (the KV handoff deadline)", code="upstream_timeout"
         )
-    except httpx.TimeoutException:
-        out.error = ApiError(504, "the worker stalled: no data within the read timeout", code="upstream_timeout")
-    except httpx.HTTPError as exc:
-        out.error = ApiError(502, f"the worker's stream broke ({type(exc).__name__})", code="upstream_error")
+    except TransportError as exc:
+        if exc.kind == "timeout":
+            out.error = ApiError(504, "the worker stalled: no data within the read timeout", code="upstream_timeout")
+        else:
+            out.error = ApiError(502, f"the worker's stream broke ({exc.kind})", code="upstream_error")
+    out.events = events
+    if out.first_chunk_at is not None:
+        out.last_chunk_at = now
     out.done = b"[DONE]" in tail and not pending.strip()
     if out.error is None and not out.done:
         out.error = ApiError(502, "the worker's stream ended before its final event", code="upstream_error")

@@ -26,6 +26,7 @@ import httpx
 
 from pdctl.gateway.errors import ApiError, sanitize
 from pdctl.gateway.sse import Exchange, relay
+from pdctl.transport import TransportError
 
 if TYPE_CHECKING:
     from pdctl.gateway.app import Gateway
@@ -55,6 +56,35 @@ def _retry_after(resp: httpx.Response) -> float | None:
         with contextlib.suppress(ValueError):
             return max(0.0, float(value))
     return None
+
+
+class _HttpxBody:
+    """An httpx response as the relay reads it (:class:`pdctl.gateway.sse.Body`), failures as ``TransportError``."""
+
+    def __init__(self, resp: httpx.Response) -> None:
+        self._resp = resp
+        self._chunks = resp.aiter_raw()
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.aread()
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+
+    async def chunk(self) -> bytes:
+        try:
+            async for data in self._chunks:
+                if data:
+                    return data
+            return b""
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+
+
+def _transport_error(exc: httpx.HTTPError) -> TransportError:
+    if isinstance(exc, httpx.TimeoutException):
+        return TransportError("timeout", str(exc) or type(exc).__name__)
+    return TransportError("broken", str(exc) or type(exc).__name__)
 
 
 class Upstream:
@@ -119,7 +149,7 @@ class Upstream:
                 try:
                     if resp.status_code == 200:
                         gw.metrics.upstream_calls.labels("ok").inc()
-                        result = await relay(ex, resp, ex.stream)
+                        result = await relay(ex, _HttpxBody(resp), ex.stream)
                         if ex.stream and result.first_chunk_at is not None:
                             ex.ttft_s = result.first_chunk_at - ex.started
                         ex.tokens = result.completion_tokens

@@ -6,7 +6,10 @@ Run: python tests/fakes/fake_pd_worker.py --port 0 --spec '{"role": "prefill", .
 model, max_model_len, kv ("good" | "missing" | "partial"), chunks (stream events), chunk_delay (s),
 delay (s before answering), fail_first (answer fail_status to the first N completions), fail_status,
 reset_first (reset the connection of the first N completions), die_after (exit the process after N
-stream chunks), stall_after (stop sending after N chunks), lease_s (prefill blocks expiry).
+stream chunks), stall_after (stop sending after N chunks), lease_s (prefill blocks expiry),
+exit_after_replies (prefill: exit the process once N leg-1 replies went out), pull_fail_status (decode:
+answer this status when the KV pull from the prefill fails, as vLLM's decode answers 500 when NIXL's
+transfer from a dead prefill fails).
 
 Introspection: GET /_log (requests seen: path, headers, body, aborted), GET /metrics
 (``held_blocks``, ``num_requests_running``), POST /_control (merge JSON into the spec).
@@ -153,6 +156,9 @@ async def _answer(req: Request, res: Response, body: dict[str, Any], entry: dict
         }
         entry["finished"] = True
         await res.json(200, reply)
+        STATE["replies"] = STATE.get("replies", 0) + 1
+        if SPEC.get("exit_after_replies") and STATE["replies"] >= SPEC["exit_after_replies"]:
+            asyncio.get_running_loop().call_later(0.05, os._exit, 3)
         return
     if kvp.get("remote_request_id"):
         try:
@@ -165,7 +171,9 @@ async def _answer(req: Request, res: Response, body: dict[str, Any], entry: dict
                 timeout=5,
             )
         except httpx.HTTPError:
-            pass
+            if SPEC.get("pull_fail_status"):
+                await res.json(SPEC["pull_fail_status"], {"error": {"message": "KV transfer failed", "code": 500}})
+                return
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
     count = min(int(SPEC.get("chunks", 5)), int(max_tokens))
     delay = float(SPEC.get("chunk_delay", 0.0))
