@@ -235,12 +235,15 @@ async def _decode(
     payload = _dumps(body)
     headers = _headers(gw, request_id)
     sent = time.monotonic()
+    # Until the first token: the request's deadline plus the KV handoff's. Each read is also bounded by the
+    # client's read timeout (request_timeout_s), so an explicit deadline (a Task per wait) is only needed
+    # when it is the shorter one, e.g. after a slow leg 1.
+    first_deadline = ex.remaining() + gw.settings.kv_timeout_s
+    bounded = first_deadline if first_deadline < gw.settings.gateway.request_timeout_s else None
     with inst.track(prompt_tokens):
         try:
-            resp = await asyncio.wait_for(
-                inst.client.request("POST", endpoint, body=payload, headers=headers),
-                timeout=max(0.05, ex.remaining() + gw.settings.kv_timeout_s),
-            )
+            call = inst.client.request("POST", endpoint, body=payload, headers=headers)
+            resp = await (call if bounded is None else asyncio.wait_for(call, timeout=max(0.05, bounded)))
         except (asyncio.TimeoutError, TransportError) as exc:
             _count_failure(gw, inst, source)
             if isinstance(exc, asyncio.TimeoutError) or exc.kind in ("timeout", "connect_timeout"):
@@ -261,7 +264,9 @@ async def _decode(
                     _count_failure(gw, inst, source)
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
-            result = await relay(ex, resp, stream, gw.settings.kv_timeout_s + max(0.0, ex.remaining()))
+            result = await relay(
+                ex, resp, stream, None if bounded is None else max(0.05, bounded - (time.monotonic() - sent))
+            )
         finally:
             resp.close()
     if result.error is None:
