@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
-from pdctl.transport import AiohttpTransport
+from pdctl.transport import AiohttpTransport, Client, TransportError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -141,6 +141,107 @@ def test_closing_a_stream_early_closes_the_connection() -> None:
                 assert first.startswith(b"data:")
                 await resp.aclose()
                 # The server sees the client leave (as vLLM does, and aborts the request) long before 500 events.
+                await asyncio.wait_for(gone.wait(), timeout=3.0)
+            finally:
+                await client.aclose()
+
+    asyncio.run(main())
+
+
+# ---- the gateway's native client (pdctl.transport.Client): the same sockets without httpx
+
+
+def test_client_reads_whole_and_chunked_bodies_over_one_connection() -> None:
+    peers: set[int] = set()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.add(writer.get_extra_info("peername")[1])
+        await _sse(reader, writer)
+
+    async def main() -> None:
+        server, base = await _server(handler)
+        async with server:
+            client = Client(base, read_timeout_s=5.0, headers={"x-request-id": "default"})
+            try:
+                r = await client.request("POST", "/echo", body=b"x" * 10, headers={"x-request-id": "abc"})
+                assert r.status == 201 and await r.json() == {"got": 10, "rid": "abc"}
+                r.close()
+                r = await client.request("POST", "/echo", body=b"")
+                assert await r.json() == {"got": 0, "rid": "default"}  # the client's default header
+                r.close()
+                r = await client.request("POST", "/stream", body=b"{}")
+                assert r.headers["content-type"] == "text/event-stream"
+                pieces = []
+                while piece := await r.chunk():
+                    pieces.append(piece)
+                r.close()
+                data = b"".join(pieces)
+                assert data.count(b"data:") == 4 and data.endswith(b"data: [DONE]\n\n")
+                assert len(pieces) >= 2  # pieces arrive as sent (10 ms apart), not after the end
+            finally:
+                await client.aclose()
+        assert len(peers) == 1  # every call went over one keep-alive connection
+
+    asyncio.run(main())
+
+
+def test_client_failures_have_kinds() -> None:
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata:\n\r\n")
+        await writer.drain()
+        writer.close()  # mid-body, without the last chunk
+
+    async def main() -> None:
+        server, base = await _server(_sse)
+        async with server:
+            client = Client(base, read_timeout_s=0.3)
+            try:
+                with pytest.raises(TransportError) as info:
+                    await client.request("GET", "/stall")
+                assert info.value.kind == "timeout"
+                with pytest.raises(TransportError) as info:
+                    await client.request("GET", "/stall", total_timeout_s=0.1)
+                assert info.value.kind == "timeout"
+            finally:
+                await client.aclose()
+        closed = Client(base)
+        with pytest.raises(TransportError) as info:
+            await closed.request("GET", "/health")
+        assert info.value.kind == "connect"
+        await closed.aclose()
+        server, base = await _server(broken)
+        async with server:
+            client = Client(base, read_timeout_s=5.0)
+            try:
+                r = await client.request("POST", "/x", body=b"{}")
+                assert await r.chunk() == b"data:\n"
+                with pytest.raises(TransportError) as info:
+                    while await r.chunk():
+                        pass
+                assert info.value.kind == "broken"
+                r.close()
+            finally:
+                await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_client_closing_a_stream_early_drops_the_connection() -> None:
+    async def main() -> None:
+        gone = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _sse(reader, writer)
+            gone.set()
+
+        server, base = await _server(handler)
+        async with server:
+            client = Client(base)
+            try:
+                r = await client.request("POST", "/long", body=b"{}")
+                assert (await r.chunk()).startswith(b"data:")
+                r.close()
                 await asyncio.wait_for(gone.wait(), timeout=3.0)
             finally:
                 await client.aclose()
