@@ -32,6 +32,9 @@ import httptools
 import httpx
 import psutil
 
+# Re-exported: the benchmarks call it as H.pct (percent, linear interpolation, NaN when empty).
+from pdctl.sim.experiment import percentile as pct  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 KEY = "pdbench-key-not-secret"
@@ -451,17 +454,6 @@ def run_loop(coro: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------- statistics
-
-
-def pct(values: Sequence[float], p: float) -> float:
-    """Percentile with linear interpolation (numpy's default)."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def machine() -> dict[str, Any]:

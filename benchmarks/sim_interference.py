@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
+from pdctl.sim.experiment import percentile
 from pdctl.sim.testing import SimProcess, start_sim
 
 MODEL = "Qwen/Qwen3-8B"
@@ -136,16 +137,6 @@ async def _run_mode(mode: str, target: str, prefill: str | None, args: argparse.
     return res
 
 
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def summarize(res: Result, speed: float) -> dict[str, Any]:
     """Percentiles in simulated milliseconds."""
     ms = 1000.0 * speed
@@ -158,10 +149,10 @@ def summarize(res: Result, speed: float) -> dict[str, Any]:
         "short_requests": len(res.streams),
         "long_requests": len(res.long_ttft_s),
         "errors": res.errors,
-        "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90)},
-        "tpot_ms": {"p50": _pct(tpot, 50), "p90": _pct(tpot, 90), "max": max(tpot, default=float("nan"))},
-        "itl_ms": {"p50": _pct(itl, 50), "p90": _pct(itl, 90), "p99": _pct(itl, 99)},
-        "long_ttft_ms": {"p50": _pct(longt, 50), "p90": _pct(longt, 90)},
+        "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
+        "tpot_ms": {"p50": percentile(tpot, 50), "p90": percentile(tpot, 90), "max": max(tpot, default=float("nan"))},
+        "itl_ms": {"p50": percentile(itl, 50), "p90": percentile(itl, 90), "p99": percentile(itl, 99)},
+        "long_ttft_ms": {"p50": percentile(longt, 50), "p90": percentile(longt, 90)},
         "mean_tpot_ms": statistics.fmean(tpot) if tpot else float("nan"),
     }
 

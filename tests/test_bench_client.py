@@ -184,3 +184,25 @@ def test_stream_is_read_to_its_end_but_a_server_stuck_after_done_is_not_a_failur
     res = run(lambda req: httpx.Response(200, stream=Trickle(parts, 0.2)), timeout_s=0.5)
     assert res.success, res.error
     assert res.output_tokens == 2
+
+
+def test_the_clock_starts_after_the_body_is_built() -> None:
+    # vllm bench serve builds its payload before taking the send time; pdctl's "send" means the same moment.
+    built_at: list[float] = []
+
+    class Recording(BenchClient):
+        def body(self, req: BenchRequest) -> dict[str, Any]:
+            out = super().body(req)
+            built_at.append(time.perf_counter())
+            return out
+
+    async def main() -> tuple[RequestResult, float]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=GOOD))
+        async with Recording("http://gw", model="m", transport=transport) as client:
+            t0 = time.perf_counter()
+            return await client.send(REQ, t0=t0), t0
+
+    res, t0 = asyncio.run(main())
+    assert res.success, res.error
+    assert len(built_at) == 1
+    assert t0 + res.sent_s >= built_at[0]

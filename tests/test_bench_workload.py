@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,24 @@ def test_sharegpt_file(tmp_path: Path) -> None:
     assert wl.size == 2
     got = sorted((wl.request(i).prompt.split("] ", 1)[1], wl.request(i).max_tokens) for i in range(2))
     assert got == [("hello there", 9), ("second", 2)]
+
+
+def test_sharegpt_order_matches_vllm_bench_serve(tmp_path: Path) -> None:
+    # vllm bench serve's ShareGPT dataset does `random.seed(seed); random.shuffle(data)`: with the same file and
+    # seed both clients send the same prompts in the same order (benchmarks/bench_agreement.py --prompts same).
+    prompts = [f"prompt number {i}" for i in range(50)]
+    data = [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "a b c"}]} for p in prompts]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    wl = make_workload(WorkloadSpec("sharegpt", path=str(path), seed=7, unique=False))
+    state = random.getstate()
+    try:
+        random.seed(7)
+        random.shuffle(data)
+    finally:
+        random.setstate(state)
+    assert [wl.request(i).prompt for i in range(50)] == [d["conversations"][0]["value"] for d in data]
+    assert {wl.request(i).max_tokens for i in range(50)} == {3}
 
 
 def test_sharegpt_errors(tmp_path: Path) -> None:

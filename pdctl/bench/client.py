@@ -7,6 +7,10 @@ Timing (``time.perf_counter``, seconds; ``t0`` is the run's start):
 * ``latency_s`` (E2EL) send -> the last chunk that carried ``choices``
 * ``output_tokens`` from the usage chunk (``stream_options.include_usage``), else the count of content chunks
 
+"send" is the moment the built body is handed to the HTTP client (which encodes and writes it), as in
+``vllm bench serve``. A chunk's time is when its bytes are read, before its JSON is parsed; vLLM takes it
+after parsing the event, a few microseconds later (docs/performance.md, section 3).
+
 The SSE parser is incremental: it splits events on blank lines as bytes arrive, skips ``:`` comments (vLLM's
 and proxies' keep-alive pings) and stops at ``data: [DONE]``. A stream that ends without ``[DONE]``, an SSE
 ``error`` event, an HTTP error and a timeout are all failures with a reason; none is dropped.
@@ -247,10 +251,13 @@ class BenchClient:
     async def _stream(self, req: BenchRequest, state: _StreamState, t0: float) -> None:
         res = state.res
         headers = {"x-request-id": res.request_id} if res.request_id else {}
+        request_body = self.body(req)
+        # The clock starts once the body is built and before the HTTP call encodes and sends it, as in
+        # vllm bench serve (its payload dict is built before ``st``; aiohttp encodes it inside ``post``).
         start = time.perf_counter()
         res.sent_s = start - t0
         state.start = start
-        async with self._client.stream("POST", self.path, json=self.body(req), headers=headers) as resp:
+        async with self._client.stream("POST", self.path, json=request_body, headers=headers) as resp:
             res.status = resp.status_code
             h = resp.headers
             res.request_id = h.get("x-request-id", res.request_id)
