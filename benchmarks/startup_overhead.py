@@ -1,8 +1,10 @@
 """Real vLLM CPU: time from ``pdctl up`` to gateway ready vs starting the two engines by hand.
 
 1. ``pdctl up -d -c CONFIG -s SETTINGS`` (returns once the gateway is ready: workers healthy, warm-up P->D
-   request done, gateway listening), timed; each output line is stamped so the phases can be read; then
-   ``pdctl down``.
+   request done, gateway listening), timed; each output line is stamped, and the phases are read from the
+   supervisor's own event log (``logs/pdctl.log``, millisecond stamps): first process started, workers
+   ready, warm-up passed, gateway released (it starts with the workers, held until then), gateway ready;
+   then ``pdctl down``.
 2. By hand: the two worker processes exactly as ``pdctl plan --json`` lists them (argv, env, unset env),
    started together in their own sessions; timed until both answer ``/health`` 200, and then until one PD
    request by hand (leg 1 on prefill, leg 2 on decode, :mod:`pdctl.protocol`) has finished, which pays the
@@ -22,19 +24,23 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _harness as H
 
+from pdctl.config import load
 from pdctl.protocol import build_decode_body, build_prefill_body
 
 BENCH = Path(__file__).resolve().parent
@@ -47,7 +53,52 @@ def _healthy(url: str) -> bool:
     return False
 
 
+_EVENT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) \S+\s+(.*)$")
+# phase name -> the supervisor's event message it starts with (the first such line counts)
+_PHASES = {
+    "first_process_started_s": "started ",
+    "prefill_ready_s": "prefill is ready",
+    "decode_ready_s": "decode is ready",
+    "warmup_passed_s": "warm-up probe passed",
+    "gateway_released_s": "released gateway",
+    "gateway_ready_s": "gateway is ready",
+}
+
+
+def up_phases(event_log: Path, t0_wall: float) -> dict[str, float]:
+    """Seconds from ``pdctl up`` to each phase, from the stamped lines of the supervisor's event log."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for line in event_log.read_text(encoding="utf-8").splitlines():
+            m = _EVENT.match(line)
+            if not m:
+                continue
+            ts = datetime.fromisoformat(m.group(1)).timestamp()
+            for phase, prefix in _PHASES.items():
+                if phase not in out and m.group(2).startswith(prefix):
+                    out[phase] = round(ts - t0_wall, 2)
+    if "prefill_ready_s" in out and "decode_ready_s" in out:
+        out["workers_ready_s"] = max(out["prefill_ready_s"], out["decode_ready_s"])
+    if "gateway_ready_s" in out and "warmup_passed_s" in out:
+        out["gateway_after_warmup_s"] = round(out["gateway_ready_s"] - out["warmup_passed_s"], 2)
+    return out
+
+
+def pdctl_cpu(run_dir: Path) -> dict[str, float]:
+    """CPU seconds (user + system) the supervisor, its watchdog and the gateway used so far."""
+    state = json.loads((run_dir / "state.json").read_text(encoding="utf-8"))
+    pids = {"supervisor": state["supervisor_pid"], "watchdog": state["watchdog_pid"]}
+    pids |= {p["name"]: p["pid"] for p in state["processes"] if p["role"] == "gateway"}
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            out[name] = round(t.user + t.system, 2)
+    return out
+
+
 def time_up(config: str, settings: str, env: dict[str, str]) -> dict[str, Any]:
+    t0_wall = time.time()
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [PDCTL, "up", "-d", "-c", config, "-s", settings], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -57,15 +108,20 @@ def time_up(config: str, settings: str, env: dict[str, str]) -> dict[str, Any]:
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append((round(time.monotonic() - t0, 2), line.rstrip()))
-    rc = proc.wait()
+    _, status, usage = os.wait4(proc.pid, 0)  # wait4: the CLI's own CPU time as well
+    rc = proc.returncode = os.waitstatus_to_exitcode(status)
     total = time.monotonic() - t0
+    run_dir = load(config, settings).run_dir
+    phases = up_phases(run_dir / "logs" / "pdctl.log", t0_wall)
+    cpu = {"cli": round(usage.ru_utime + usage.ru_stime, 2), **pdctl_cpu(run_dir)}
     plan = json.loads(subprocess.run([PDCTL, "plan", "-c", config, "-s", settings, "--json"], capture_output=True,
                                      text=True, env=env, check=True, cwd=H.ROOT).stdout)  # fmt: skip
     gw = next(p for p in plan["processes"] if p["role"] == "gateway")
     ready = _healthy(gw["url"] + "/ready")
     down = subprocess.run([PDCTL, "down", "-c", config, "-s", settings], capture_output=True, text=True, env=env,
                           cwd=H.ROOT, timeout=300)  # fmt: skip
-    return {"rc": rc, "seconds": total, "gateway_ready_after": ready, "lines": lines[-60:], "down_rc": down.returncode}
+    return {"rc": rc, "seconds": total, "phases": phases, "pdctl_cpu_s": cpu, "gateway_ready_after": ready,
+            "lines": lines[-60:], "down_rc": down.returncode}  # fmt: skip
 
 
 def time_by_hand(config: str, settings: str, env: dict[str, str]) -> dict[str, Any]:
@@ -153,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print("| measurement | seconds |\n|---|---:|")
     print(f"| pdctl up -d (workers healthy, warm-up P->D request, gateway ready) | {up_s:.1f} |")
+    for phase, secs in report["up"]["phases"].items():
+        print(f"| pdctl up: {phase} | {secs:.2f} |")
+    for name, secs in report["up"]["pdctl_cpu_s"].items():
+        print(f"| pdctl up: CPU seconds of the {name} process | {secs:.2f} |")
     print(f"| by hand: both workers /health 200 | {health_s:.1f} |")
     print(f"| by hand: + first PD request done (pays the NIXL handshake as up's warm-up does) | {hand_s:.1f} |")
     print(f"\noverhead vs by hand incl. first PD request: {report['overhead_pct_vs_first_pd']:+.1f} %")

@@ -10,25 +10,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 import psutil
 
 from pdctl.config import Deployment, load
-from pdctl.errors import LaunchError, PdctlError
+from pdctl.errors import PdctlError
 from pdctl.logs import LogLine
 from pdctl.plan import Plan, build_plan
 from pdctl.probe import ProbeAttempt, run_warmup
-from pdctl.rundir import RunState, is_running, read_state, write_state
+from pdctl.rundir import RunState, ensure_not_running, prepare_run_dir, write_state
 from pdctl.supervisor import Event, Supervisor, SupervisorOptions
 from pdctl.watchdog import Watchdog
 
@@ -36,33 +34,6 @@ __all__ = ["EVENT_LOG", "Runner", "ensure_not_running", "main", "prepare_run_dir
 
 EVENT_LOG = "pdctl.log"
 STATE_EVERY_S = 1.0
-
-
-def ensure_not_running(dep: Deployment) -> None:
-    """Raise :class:`LaunchError` if a deployment recorded in this run directory still runs."""
-    run_dir = dep.run_dir
-    try:
-        old = read_state(run_dir)
-    except PdctlError:
-        return
-    if is_running(old):
-        raise LaunchError(
-            f"a deployment is already running from {run_dir} (supervisor pid {old.supervisor_pid})",
-            hint="stop it with `pdctl down`, or set supervisor.run_dir to run a second one",
-        )
-
-
-def prepare_run_dir(dep: Deployment) -> Path:
-    """Refuse if a deployment runs from this run directory; move the last run's logs to ``logs.prev/``."""
-    ensure_not_running(dep)
-    run_dir = dep.run_dir
-    logs = run_dir / "logs"
-    if logs.exists():
-        prev = run_dir / "logs.prev"
-        shutil.rmtree(prev, ignore_errors=True)
-        logs.rename(prev)
-    logs.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def format_event(ev: Event) -> str:

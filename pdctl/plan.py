@@ -18,9 +18,25 @@ from typing import Any, Literal
 from pdctl.config import Deployment, WorkerConfig
 from pdctl.protocol import connector_kind
 
-__all__ = ["Plan", "ProcessSpec", "VllmInstall", "build_plan", "detect_vllm", "kv_transfer_config", "render_sh"]
+__all__ = [
+    "GATEWAY_GO_FILE",
+    "GATEWAY_HOLD_ENV",
+    "Plan",
+    "ProcessSpec",
+    "VllmInstall",
+    "build_plan",
+    "detect_vllm",
+    "kv_transfer_config",
+    "render_sh",
+]
 
 ProcessRole = Literal["prefill", "decode", "gateway"]
+
+#: Names a file; a gateway started with it set does all its start-up work, then waits for the file to exist
+#: before it binds its port. ``up`` starts the gateway with the workers and creates the file after the warm-up.
+GATEWAY_HOLD_ENV = "PDCTL_GATEWAY_HOLD"
+#: The go-file's name in the run directory.
+GATEWAY_GO_FILE = "gateway.go"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +104,19 @@ class ProcessSpec:
             "cpu_ids": list(self.cpu_ids),
         }
 
+    @property
+    def hold_file(self) -> str | None:
+        """The go-file this process waits for before it listens (``PDCTL_GATEWAY_HOLD``), if any."""
+        return self.env.get(GATEWAY_HOLD_ENV) or None
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The processes of one deployment in start order; equal ``wave`` numbers start together."""
+    """The processes of one deployment; lower waves start first, equal ``wave`` numbers together, in this order.
+
+    A process with a :attr:`ProcessSpec.hold_file` (the gateway) starts with its wave but is released, and
+    only then waited for, after every other wave is ready and the warm-up passed.
+    """
 
     processes: tuple[ProcessSpec, ...]
     vllm: VllmInstall = field(default_factory=lambda: VllmInstall(None, None))
@@ -237,16 +262,20 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     # Workers sharing a GPU must start one after the other (each sizes its memory from what is free).
     shared = any(set(a.gpu_ids) & set(b.gpu_ids) for i, a in enumerate(workers) for b in workers[i + 1 :])
     specs = [_worker_spec(dep, w, vllm, i if shared else 0) for i, w in enumerate(workers)]
-    gateway_wave = len(workers) if shared else 1
     g = dep.gateway
+    gateway_env = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+    if workers:
+        # The gateway starts in the first wave, so its imports and set-up overlap the engines' start, but
+        # binds its port only once the supervisor creates the go-file (workers ready, warm-up passed).
+        gateway_env[GATEWAY_HOLD_ENV] = str(dep.run_dir / GATEWAY_GO_FILE)
     gateway = ProcessSpec(
         name="gateway",
         role="gateway",
         argv=(sys.executable, "-m", "pdctl", "gateway", "-c", dep.config_path, "-s", dep.settings_path),
-        env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"},
+        env=gateway_env,
         url=g.url,
         ready_url=f"{g.url}/health",
-        wave=gateway_wave,
+        wave=0,
         engine="pdctl",
         ports=(g.listen_port,),
         restart=dep.supervisor.restart,
@@ -265,8 +294,11 @@ def render_sh(plan: Plan) -> str:
     ]
     for p in plan.processes:
         lines.append(f"# {p.name} ({p.role}), ready when {p.ready_url} answers 200")
+        if p.hold_file:
+            lines.append("# (`pdctl up` starts it with the workers, holding it until the warm-up passed; this script")
+            lines.append("# starts it after them, so it runs without the hold)")
         unset = " ".join(f"-u {shlex.quote(n)}" for n in p.unset_env)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items())
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items() if k != GATEWAY_HOLD_ENV)
         cmd = " ".join(shlex.quote(a) for a in p.argv)
         prefix = "env " + (unset + " " if unset else "") + (env + " " if env else "")
         lines.append(f"{prefix}{cmd} > {shlex.quote(p.name)}.log 2>&1 &")

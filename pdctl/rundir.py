@@ -3,12 +3,17 @@
 Layout (``Deployment.run_dir``, default ``.pdctl`` next to config.toml)::
 
     state.json          status, supervisor pid, per process: pid, pgid, create_time, argv, urls, ports, ...
+    gateway.go          created by the supervisor once the workers are ready and the warm-up passed: the
+                        gateway, started with the workers and held, listens only then (removed at each start)
     logs/<name>.log     raw output of each process (appended across restarts)
     logs/pdctl.log      the supervisor's own events
     logs/daemon.log     the detached supervisor's stdout/stderr (tracebacks if it crashes)
 
 Before signalling a recorded pid, :func:`owned_process` checks with psutil that the pid still belongs to
 the process pdctl started (same create_time, same command line): pids are reused.
+
+httpx and psutil are imported where they are used, so a command that only reads or writes state.json (such
+as ``pdctl up`` on its way to its first process) does not import them.
 """
 
 from __future__ import annotations
@@ -23,22 +28,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import psutil
+from pdctl.errors import LaunchError, NotRunningError, PdctlError
 
-from pdctl.errors import NotRunningError
+if TYPE_CHECKING:
+    import httpx
+    import psutil
+
+    from pdctl.config import Deployment
 
 __all__ = [
     "STATE_FILE",
     "ProcessStatus",
     "RunState",
     "collect_status",
+    "ensure_not_running",
     "gateway_counters",
     "is_running",
     "kill_recorded",
     "owned_process",
+    "prepare_run_dir",
     "read_state",
     "write_state",
 ]
@@ -104,6 +114,8 @@ def owned_process(pid: int, create_time: float, argv: Sequence[str] | None = Non
     """The process ``pid`` if it is still the one pdctl started (create_time and command line match)."""
     if pid <= 0:
         return None
+    import psutil
+
     try:
         p = psutil.Process(pid)
         if abs(p.create_time() - create_time) > 0.05:
@@ -125,7 +137,36 @@ def is_running(state: RunState) -> bool:
     return owned_process(state.supervisor_pid, state.supervisor_create_time, state.supervisor_argv) is not None
 
 
+def ensure_not_running(dep: Deployment) -> None:
+    """Raise :class:`LaunchError` if a deployment recorded in this run directory still runs."""
+    run_dir = dep.run_dir
+    try:
+        old = read_state(run_dir)
+    except PdctlError:
+        return
+    if is_running(old):
+        raise LaunchError(
+            f"a deployment is already running from {run_dir} (supervisor pid {old.supervisor_pid})",
+            hint="stop it with `pdctl down`, or set supervisor.run_dir to run a second one",
+        )
+
+
+def prepare_run_dir(dep: Deployment) -> Path:
+    """Refuse if a deployment runs from this run directory; move the last run's logs to ``logs.prev/``."""
+    ensure_not_running(dep)
+    run_dir = dep.run_dir
+    logs = run_dir / "logs"
+    if logs.exists():
+        prev = run_dir / "logs.prev"
+        shutil.rmtree(prev, ignore_errors=True)
+        logs.rename(prev)
+    logs.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def _tree(p: psutil.Process) -> list[psutil.Process]:
+    import psutil
+
     try:
         return [p, *p.children(recursive=True)]
     except psutil.Error:
@@ -137,6 +178,8 @@ def kill_recorded(state: RunState, grace_s: float) -> list[int]:
 
     Used by ``down`` when the supervisor is gone; returns the pids that had to be signalled.
     """
+    import psutil
+
     procs: dict[int, psutil.Process] = {}
     for rec in state.processes:
         p = owned_process(int(rec.get("pid", 0)), float(rec.get("create_time", 0.0)), rec.get("argv"))
@@ -212,6 +255,8 @@ def _gpu_memory() -> dict[int, float]:
 
 
 def _health(client: httpx.Client, url: str) -> str:
+    import httpx
+
     try:
         r = client.get(url, timeout=2.0)
     except httpx.HTTPError:
@@ -221,6 +266,9 @@ def _health(client: httpx.Client, url: str) -> str:
 
 def collect_status(state: RunState, *, sample_s: float = 0.3) -> list[ProcessStatus]:
     """Live status of each recorded process: owned? health, CPU and RSS of its tree, GPU memory."""
+    import httpx
+    import psutil
+
     trees: dict[str, list[psutil.Process]] = {}
     for rec in state.processes:
         p = owned_process(int(rec.get("pid", 0)), float(rec.get("create_time", 0.0)), rec.get("argv"))
@@ -274,6 +322,8 @@ _METRIC = re.compile(r"^pdctl_requests_total\{([^}]*)\}\s+([0-9.eE+-]+)")
 
 def gateway_counters(gateway_url: str) -> dict[str, float] | None:
     """``pdctl_requests_total`` from the gateway's /metrics, keyed ``path/status`` (None if unreachable)."""
+    import httpx
+
     try:
         r = httpx.get(f"{gateway_url}/metrics", timeout=2.0)
     except httpx.HTTPError:

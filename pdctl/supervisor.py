@@ -3,8 +3,10 @@
 States of one process (supervisord's, simplified)::
 
     STOPPED --start--> STARTING --ready_url 200--> READY
-                         |                           |
-                         +-----------exits-----------+
+       |                 ^   |                       |
+       |          release|   +-----------exits-------+
+       +--start--> HELD -+                           |
+                    +---------------exits------------+
                                        |
                  restart = "on-failure" and failures < max_restarts?
                    yes: BACKOFF --delay 1, 2, 4 ... s (cap backoff_max_s)--> STARTING
@@ -17,8 +19,12 @@ a process that ran longer has its failure count reset first. While ``up`` is sti
 restarted: a crash fails the start at once with the exit code, the log tail and a diagnosis.
 
 Start order: equal ``wave`` numbers start together and the next wave starts when the previous one is
-ready; the warm-up probe runs before the wave that holds the gateway. Stop order: gateway (it drains its
-streams on SIGTERM), then decode, then prefill.
+ready; the warm-up probe runs before the wave that holds the gateway. A process with a go-file
+(:attr:`~pdctl.plan.ProcessSpec.hold_file`, the gateway ``up`` starts) is spawned with its wave but HELD:
+it does its imports and set-up while the engines load, and binds its port only once the supervisor creates
+the go-file, after every other wave is ready and the warm-up passed; only then is it waited for. A go-file
+left by an earlier run is removed first; a restart later finds the file and does not hold. Stop order:
+gateway (it drains its streams on SIGTERM), then decode, then prefill.
 
 The supervisor never prints: it reports :class:`Event` s to a callback and child output to a sink.
 """
@@ -30,7 +36,7 @@ import enum
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +54,15 @@ __all__ = ["Event", "ProcState", "StartInterrupted", "Supervisor", "SupervisorOp
 
 STOP_ORDER = ("gateway", "decode", "prefill")
 REFRESH_S = 2.0
+# A released gateway listens about 0.1 s later: poll it faster than the engines.
+RELEASE_POLL_S = 0.05
 
 
 class ProcState(str, enum.Enum):
     """Where one process is in its life (see the module docstring)."""
 
     STOPPED = "stopped"
+    HELD = "held"
     STARTING = "starting"
     READY = "ready"
     BACKOFF = "backoff"
@@ -70,7 +79,7 @@ class StartInterrupted(LaunchError):
 class Event:
     """Something the supervisor did or saw, for the CLI, the daemon log and state.json."""
 
-    kind: str  # starting ready exited backoff restart fatal stopping stopped killed warmup info
+    kind: str  # starting release ready exited backoff restart fatal stopping stopped killed warmup info
     name: str
     message: str
     ts: float = field(default_factory=time.time)
@@ -90,6 +99,7 @@ class SupervisorOptions:
     backoff_max_s: float = 60.0
     gateway_stop_timeout_s: float | None = None
     poll_s: float = 0.25
+    ready_poll_s: float = 0.1
 
     @classmethod
     def from_config(cls, cfg: SupervisorConfig, drain_timeout_s: float | None = None) -> SupervisorOptions:
@@ -154,15 +164,19 @@ class Supervisor:
         if self._on_event is not None:
             self._on_event(Event(kind, name, message, **extra))
 
-    def _spawn(self, slot: _Slot) -> None:
+    def _spawn(self, slot: _Slot, *, held: bool = False) -> None:
         proc = ManagedProcess(slot.spec, self.log_dir, self._on_line)
         proc.start()
         slot.proc = proc
-        slot.state = ProcState.STARTING
+        slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
-        self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), waiting for "
-                   f"{slot.spec.ready_url}")  # fmt: skip
+        if held:
+            self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), held: it listens "
+                       f"once the workers are ready and the warm-up passed")  # fmt: skip
+        else:
+            self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), waiting for "
+                       f"{slot.spec.ready_url}")  # fmt: skip
 
     def processes(self) -> dict[str, ManagedProcess | None]:
         """Name -> current process (None before its first start)."""
@@ -179,35 +193,70 @@ class Supervisor:
     # --------------------------------------------------------------------------------------- start
 
     def start(self) -> None:
-        """Start every wave and wait for each to be ready; on any failure stop what started and raise."""
+        """Start every wave and wait for each to be ready; on any failure stop what started and raise.
+
+        Held processes are spawned with their wave, released after the last wave is ready and the warm-up
+        passed, and only then waited for.
+        """
         waves = sorted({s.wave for s in self.plan.processes})
         warmed = False
+        held: list[_Slot] = []
         try:
+            for slot in self._slots.values():
+                if slot.spec.hold_file:
+                    _remove_go_file(Path(slot.spec.hold_file))
             for wave in waves:
                 slots = [s for s in self._slots.values() if s.spec.wave == wave]
-                if self._warmup is not None and not warmed and any(s.spec.role == "gateway" for s in slots):
-                    self._emit("warmup", "pdctl", "warm-up probe: one two-leg request through each P->D pair")
-                    self._warmup()
-                    warmed = True
-                    self._emit("warmup", "pdctl", "warm-up probe passed")
+                gated = [s for s in slots if not s.spec.hold_file]
+                if not warmed and any(s.spec.role == "gateway" for s in gated):
+                    warmed = self._run_warmup()
                 for slot in slots:
                     self._check_stop()
-                    self._spawn(slot)
-                self._wait_ready(slots)
+                    self._spawn(slot, held=bool(slot.spec.hold_file))
+                held += [s for s in slots if s.spec.hold_file]
+                self._wait_ready(gated, watch=held)
+            if held:
+                if not warmed:
+                    warmed = self._run_warmup()
+                self._check_stop()
+                self._release(held)
+                self._wait_ready(held, poll_s=min(self.options.ready_poll_s, RELEASE_POLL_S))
         except BaseException:
             self.shutdown(force=self.force_event.is_set())
             raise
         self._emit("ready", "pdctl", "all processes are ready")
 
+    def _run_warmup(self) -> bool:
+        if self._warmup is None:
+            return False
+        self._emit("warmup", "pdctl", "warm-up probe: one two-leg request through each P->D pair")
+        self._warmup()
+        self._emit("warmup", "pdctl", "warm-up probe passed")
+        return True
+
+    def _release(self, slots: list[_Slot]) -> None:
+        for slot in slots:
+            assert slot.spec.hold_file is not None
+            path = Path(slot.spec.hold_file)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+            except OSError as exc:
+                raise LaunchError(f"cannot create {path} to release {slot.spec.name}: {exc.strerror}") from None
+            slot.state = ProcState.STARTING
+            self._emit("release", slot.spec.name, f"released {slot.spec.name} ({path.name} created), waiting for "
+                       f"{slot.spec.ready_url}")  # fmt: skip
+
     def _check_stop(self) -> None:
         if self.stop_event.is_set():
             raise StartInterrupted("start interrupted; stopping what was started")
 
-    def _wait_ready(self, slots: list[_Slot]) -> None:
+    def _wait_ready(self, slots: list[_Slot], *, watch: Sequence[_Slot] = (), poll_s: float | None = None) -> None:
+        """Wait until every slot answers its ready_url; any of ``slots`` or ``watch`` exiting fails the start."""
         deadline = self._clock() + self.options.ready_timeout_s
         pending = list(slots)
         while pending:
-            for slot in list(pending):
+            for slot in [*watch, *pending]:
                 proc = slot.proc
                 assert proc is not None
                 if proc.poll() is not None:
@@ -216,6 +265,9 @@ class Supervisor:
                     self._emit("exited", slot.spec.name, f"{slot.spec.name} exited while starting "
                                f"({signal_name(info.returncode)})", exit=info)  # fmt: skip
                     raise ProcessExitedError(info)
+            for slot in list(pending):
+                proc = slot.proc
+                assert proc is not None
                 if proc.is_ready(self._http):
                     slot.state = ProcState.READY
                     pending.remove(slot)
@@ -230,7 +282,7 @@ class Supervisor:
                     hint="see `pdctl logs`; raise supervisor.ready_timeout_s for slow model loads",
                 )
             self._check_stop()
-            self.stop_event.wait(self.options.poll_s)
+            self.stop_event.wait(self.options.ready_poll_s if poll_s is None else poll_s)
 
     # ---------------------------------------------------------------------------------- supervision
 
@@ -412,3 +464,14 @@ class Supervisor:
                 }
             )
         return out
+
+
+def _remove_go_file(path: Path) -> None:
+    # A go-file left by an earlier run would let this run's gateway listen before the warm-up passed.
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot remove {path} (left by an earlier run): {exc.strerror}",
+            hint="remove it by hand; the gateway would otherwise listen before the warm-up",
+        ) from None

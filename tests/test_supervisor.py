@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from pdctl.errors import LaunchError
-from pdctl.plan import Plan
+from pdctl.plan import GATEWAY_HOLD_ENV, Plan, ProcessSpec
 from pdctl.probe import probe_pair
 from pdctl.process import ProcessExitedError
 from pdctl.supervisor import Event, ProcState, Supervisor, SupervisorOptions
 from pdctl.watchdog import Watchdog
-from tests.fakes.helpers import alive, fake_spec, kill_tree_of_groups, port_free
+from tests.fakes.helpers import alive, fake_spec, free_port, kill_tree_of_groups, port_free
 
 OPTS = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=0.2, poll_s=0.1)
 
@@ -243,4 +249,141 @@ def test_long_uptime_resets_the_failure_count(tmp_path: Path, sups: list[Supervi
         time.sleep(0.05)
     assert sup.restarts_of("decode") >= 3
     assert {e.delay_s for e in events if e.kind == "backoff"} == {0.1}
+    sup.shutdown()
+
+
+# ------------------------------------------------------------------------- held gateway (go-file)
+
+GW_KEY_VAR = "PDCTL_HOLD_TEST_KEY"
+
+
+def held_gateway(tmp_path: Path, plan_workers: tuple[ProcessSpec, ...], **kw: Any) -> ProcessSpec:
+    """The real ``pdctl gateway`` as ``up`` starts it: wave 0, with PDCTL_GATEWAY_HOLD naming a go-file."""
+    port = free_port()
+    pre = next(w for w in plan_workers if w.role == "prefill")
+    dec = next(w for w in plan_workers if w.role == "decode")
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({
+        "gateway": {"listen": f"127.0.0.1:{port}", "api_key_env": GW_KEY_VAR, "drain_timeout_s": 1},
+        "routing": {"prefill_endpoint": pre.url, "decode_endpoint": dec.url},
+    }))  # fmt: skip
+    env = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1", GW_KEY_VAR: "sk-hold-test-0123456789",
+           GATEWAY_HOLD_ENV: str(tmp_path / "run" / "gateway.go")}  # fmt: skip
+    env.update(kw.pop("env", {}))
+    return ProcessSpec(
+        name="gateway",
+        role="gateway",
+        argv=(sys.executable, "-m", "pdctl", "gateway", "-s", str(settings)),
+        env=env,
+        url=f"http://127.0.0.1:{port}",
+        ready_url=f"http://127.0.0.1:{port}/health",
+        wave=0,
+        engine="pdctl",
+        ports=(port,),
+        **kw,
+    )
+
+
+def wait_log(path: Path, text: str, timeout: float = 60) -> None:
+    """Wait until ``text`` is in the log file (the reader thread copies the pipe asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path}: {path.read_text() if path.exists() else '(none)'}")
+
+
+HELD_LINE = "pdctl gateway: set up; held until"
+
+
+def test_gateway_starts_with_workers_held_until_go_file(tmp_path: Path, sups: list[Supervisor]) -> None:
+    workers = (fake_spec("prefill", "prefill", "--prefill", "--startup-delay", "1"),
+               fake_spec("decode", "decode", "--startup-delay", "1"))  # fmt: skip
+    gw = held_gateway(tmp_path, workers)
+    go = Path(gw.hold_file or "")
+    go.parent.mkdir(parents=True)
+    go.touch()  # a stale go-file from an earlier run
+    gw_log = tmp_path / "logs" / "gateway.log"
+    seen: dict[str, object] = {}
+
+    def warmup() -> None:
+        wait_log(gw_log, HELD_LINE)  # imports done, app built: now it only waits for the go-file
+        proc = sup.processes()["gateway"]
+        seen.update(stale_removed=not go.exists(), state=sup.state_of("gateway"), alive=proc is not None and
+                    proc.alive, bound=not port_free(gw.ports[0]),
+                    recorded={r["name"]: r["state"] for r in sup.snapshot()}["gateway"])  # fmt: skip
+
+    sup, events = make(sups, Plan((*workers, gw)), tmp_path, warmup=warmup)
+    sup.start()
+    assert seen == {"stale_removed": True, "state": ProcState.HELD, "alive": True, "bound": False, "recorded": "held"}
+    steps = [(e.kind, e.name) for e in events]
+    # Spawned in the first wave, before any worker was ready; released only after the warm-up passed.
+    assert steps.index(("starting", "gateway")) < steps.index(("ready", "prefill"))
+    assert steps.index(("starting", "gateway")) < steps.index(("ready", "decode"))
+    passed = [i for i, e in enumerate(events) if e.message == "warm-up probe passed"]
+    assert passed and passed[0] < steps.index(("release", "gateway")) < steps.index(("ready", "gateway"))
+    assert go.exists() and sup.state_of("gateway") is ProcState.READY
+    assert httpx.get(gw.ready_url, timeout=10).status_code == 200
+    assert "held" in events[steps.index(("starting", "gateway"))].message
+    assert {r["name"]: r["state"] for r in sup.snapshot()}["gateway"] == "ready"
+    sup.shutdown()
+    assert not any(alive(p.pid) for p in sup.processes().values() if p)
+
+
+def test_failed_warmup_stops_the_held_gateway(tmp_path: Path, sups: list[Supervisor]) -> None:
+    workers = (fake_spec("prefill", "prefill", "--prefill"), fake_spec("decode", "decode"))
+    gw = held_gateway(tmp_path, workers)
+    gw_log = tmp_path / "logs" / "gateway.log"
+
+    def warmup() -> None:
+        wait_log(gw_log, HELD_LINE)
+        raise LaunchError("warm-up probe prefill->decode failed: test")
+
+    sup, events = make(sups, Plan((*workers, gw)), tmp_path, warmup=warmup)
+    with pytest.raises(LaunchError, match="warm-up probe"):
+        sup.start()
+    proc = sup.processes()["gateway"]
+    assert proc is not None and not alive(proc.pid) and not proc.descendants()
+    assert proc.poll() == 0  # SIGTERM while held: a clean exit, never listened
+    assert not Path(gw.hold_file or "").exists()
+    wait_log(gw_log, "stopped while held (never listened)")
+    assert "pdctl gateway on" not in gw_log.read_text()
+    assert [e.name for e in events if e.kind == "stopping"] == ["gateway", "decode", "prefill"]
+
+
+def test_held_gateway_exit_fails_the_start_before_workers_are_ready(tmp_path: Path, sups: list[Supervisor]) -> None:
+    workers = (fake_spec("prefill", "prefill", "--startup-delay", "300"), fake_spec("decode", "decode"))
+    gw = held_gateway(tmp_path, workers, env={GW_KEY_VAR: ""})  # no API key: the gateway exits at once
+    sup, _ = make(sups, Plan((*workers, gw)), tmp_path, warmup=lambda: None)
+    with pytest.raises(ProcessExitedError) as err:
+        sup.start()  # without watching the held gateway this would wait 300 s for prefill
+    assert err.value.info.name == "gateway" and err.value.info.returncode == 1
+    assert any(f"{GW_KEY_VAR} is not set" in line for line in err.value.info.tail)
+    assert all(p is None or not alive(p.pid) for p in sup.processes().values())
+
+
+def test_restarted_gateway_does_not_hold(tmp_path: Path, sups: list[Supervisor]) -> None:
+    workers = (fake_spec("prefill", "prefill", "--prefill"), fake_spec("decode", "decode"))
+    gw = held_gateway(tmp_path, workers, restart="on-failure")
+    gw_log = tmp_path / "logs" / "gateway.log"
+    sup, events = make(sups, Plan((*workers, gw)), tmp_path, warmup=lambda: wait_log(gw_log, HELD_LINE))
+    sup.start()
+    first = sup.processes()["gateway"]
+    assert first is not None
+    os.kill(first.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (sup.restarts_of("gateway") == 1 and sup.state_of("gateway") is
+                                                ProcState.READY):  # fmt: skip
+        assert sup.watch_once(), sup.failure
+        time.sleep(0.05)
+    again = sup.processes()["gateway"]
+    assert again is not None and again.pid != first.pid and sup.state_of("gateway") is ProcState.READY
+    assert httpx.get(gw.ready_url, timeout=10).status_code == 200
+    wait = time.monotonic() + 20  # the reader thread copies the pipe to the file asynchronously
+    while gw_log.read_text().count("pdctl gateway on") < 2 and time.monotonic() < wait:
+        time.sleep(0.05)
+    log = gw_log.read_text()
+    assert log.count(HELD_LINE) == 1 and log.count("pdctl gateway on") == 2  # only the first start held
+    assert [e.kind for e in events].count("release") == 1
     sup.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,7 @@ import typer
 
 from pdctl.cli._app import app, console, handle_errors
 from pdctl.config import DEFAULT_SETTINGS, load, load_settings
+from pdctl.plan import GATEWAY_HOLD_ENV
 
 
 @app.command("gateway")
@@ -21,10 +23,14 @@ def gateway(
     host: Annotated[str | None, typer.Option(help="Listen address (default: gateway.listen).")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port (default: gateway.listen).")] = None,
 ) -> None:
-    """Run the OpenAI-compatible gateway (key from the variable named by gateway.api_key_env)."""
+    """Run the OpenAI-compatible gateway (key from the variable named by gateway.api_key_env).
+
+    With PDCTL_GATEWAY_HOLD=FILE set (as `pdctl up` does) it sets everything up, then waits for FILE to exist
+    before it listens.
+    """
     from pdctl.gateway.app import create_app
     from pdctl.gateway.auth import read_key
-    from pdctl.gateway.server import configure_logging, serve
+    from pdctl.gateway.server import configure_logging, make_server, run, wait_for_release
     from pdctl.gateway.settings import from_deployment, from_settings
 
     if config is not None:
@@ -39,10 +45,18 @@ def gateway(
     configure_logging(gw_settings.logging.level)
     listen_host = host or g.listen_host
     listen_port = port if port is not None else g.listen_port
+    server = make_server(create_app(gw_settings, key, upstream_key), listen_host, listen_port)
+    where = f"http://{listen_host}:{listen_port}"
+    hold = os.environ.get(GATEWAY_HOLD_ENV)
+    if hold and not Path(hold).exists():  # a restart under `up` finds the file: it must not hold
+        console.print(f"pdctl gateway: set up; held until {hold} exists before listening on {where}", markup=False)
+        if not wait_for_release(Path(hold)):
+            console.print("pdctl gateway: stopped while held (never listened)")
+            return
     console.print(
-        f"pdctl gateway on http://{listen_host}:{listen_port} ({gw_settings.routing.strategy}, "
+        f"pdctl gateway on {where} ({gw_settings.routing.strategy}, "
         f"{len(gw_settings.prefill)} prefill, {len(gw_settings.decode)} decode"
         + (f", upstream {g.upstream_base_url}" if g.upstream_base_url else "")
         + ")"
     )
-    serve(create_app(gw_settings, key, upstream_key), listen_host, listen_port)
+    run(server)

@@ -15,12 +15,10 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import psutil
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from pdctl.cli._app import app, console, err_console, handle_errors
 from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
@@ -37,7 +35,11 @@ from pdctl.rundir import (
     read_state,
     write_state,
 )
-from pdctl.supervisor import Event
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from pdctl.supervisor import Event
 
 ConfigOpt = Annotated[Path, typer.Option("-c", "--config", help="config.toml of the deployment.")]
 SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="settings.json of the deployment.")]
@@ -84,6 +86,8 @@ def _checks(dep: Deployment) -> None:
 
 def summary_table(state: RunState) -> Table:
     """process, pid, role, URL, GPUs/cores, state."""
+    from rich.table import Table
+
     table = Table(title="pdctl deployment", title_justify="left")
     for col in ("process", "pid", "role", "URL", "GPUs/cores", "state"):
         table.add_column(col)
@@ -133,8 +137,8 @@ def up(
     ] = False,
     no_check: Annotated[bool, typer.Option("--no-check", help="Skip `pdctl check` (not recommended).")] = False,
 ) -> None:
-    """Check, start prefill/decode, probe the KV link, start the gateway, and supervise them."""
-    from pdctl.daemon import ensure_not_running, prepare_run_dir
+    """Check, start prefill/decode (and the gateway, held), probe the KV link, release the gateway, supervise."""
+    from pdctl.rundir import ensure_not_running, prepare_run_dir
 
     dep = load(config, settings)
     ensure_not_running(dep)
@@ -208,7 +212,8 @@ def _up_detached(dep: Deployment, plan: Plan) -> None:
     daemon_log.close()
     tail = _EventTail(log_dir / "pdctl.log")
     sup = dep.supervisor
-    waves = len({p.wave for p in plan.processes})
+    # A held gateway is waited for after the last wave, under its own ready_timeout_s.
+    waves = len({p.wave for p in plan.processes}) + int(any(p.hold_file for p in plan.processes))
     deadline = time.monotonic() + sup.ready_timeout_s * waves + (sup.warmup_timeout_s if sup.warmup else 0) + 60
     printer = Printer(sys.stdout, [p.name for p in plan.processes])
     state: RunState | None = None
@@ -224,7 +229,7 @@ def _up_detached(dep: Deployment, plan: Plan) -> None:
             if time.monotonic() > deadline:
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError("the detached supervisor did not report ready in time; it was asked to stop")
-            time.sleep(0.2)
+            time.sleep(0.1)
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=sup.stop_timeout_s * 3 + 30)
@@ -289,6 +294,8 @@ def down(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the ordered stop before SIGKILL.")] = 120.0,
 ) -> None:
     """Stop a running deployment (from any shell): gateway, decode, prefill; nothing survives."""
+    import psutil
+
     rd = _run_dir(config, settings, run_dir)
     state = read_state(rd)
     sup = owned_process(state.supervisor_pid, state.supervisor_create_time, state.supervisor_argv)
@@ -338,6 +345,8 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Per process: state, pid, uptime, restarts, health, CPU/RSS of its tree, GPU memory; gateway counters."""
+    from rich.table import Table
+
     rd = _run_dir(config, settings, run_dir)
     state = read_state(rd)
     running = is_running(state)

@@ -3,23 +3,40 @@
 Drain order: ``/ready`` turns false and new completions get 503 at once; :data:`READY_GRACE_S` later the
 listener closes; in-flight requests get up to ``gateway.drain_timeout_s`` to finish; what is left is
 cancelled (a stream still open gets one SSE error event). A second signal exits at once. Exit status 0.
+
+Held start (``pdctl up``): :func:`make_server` does every import and builds the app and uvicorn's config
+while the engines load; :func:`wait_for_release` then waits for the go-file before :func:`run` binds the
+port, so no client reaches the gateway before the supervisor's warm-up passed. SIGTERM/SIGINT while held
+end the wait; the process exits 0 without ever listening.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from pdctl.gateway.app import Gateway
 
-__all__ = ["READY_GRACE_S", "DrainingServer", "configure_logging", "serve"]
+__all__ = [
+    "HOLD_POLL_S",
+    "READY_GRACE_S",
+    "DrainingServer",
+    "configure_logging",
+    "make_server",
+    "run",
+    "serve",
+    "wait_for_release",
+]
 
 READY_GRACE_S = 1.0
+HOLD_POLL_S = 0.02
 
 
 class DrainingServer(uvicorn.Server):
@@ -61,6 +78,11 @@ def configure_logging(level: str) -> None:
 
 def serve(gateway: Gateway, host: str, port: int) -> None:
     """Serve until a signal; returns after the drain."""
+    run(make_server(gateway, host, port))
+
+
+def make_server(gateway: Gateway, host: str, port: int) -> DrainingServer:
+    """The server, its config loaded (protocol classes imported, app wrapped); nothing is bound yet."""
     g = gateway.settings.gateway
     try:
         import uvloop  # noqa: F401
@@ -80,9 +102,33 @@ def serve(gateway: Gateway, host: str, port: int) -> None:
         timeout_graceful_shutdown=max(1, int(g.drain_timeout_s)) if g.drain_timeout_s > 0 else None,
         timeout_keep_alive=30,
         backlog=4096,
+        # The gateway reads no client address, so X-Forwarded-* need no rewriting: one ASGI layer less per request.
+        proxy_headers=False,
     )
-    server = DrainingServer(config, gateway)
-    asyncio.run(server.serve()) if loop == "asyncio" else uvloop_run(server)
+    config.load()
+    return DrainingServer(config, gateway)
+
+
+def run(server: DrainingServer) -> None:
+    """Bind, serve until a signal, drain; returns after the drain."""
+    asyncio.run(server.serve()) if server.config.loop == "asyncio" else uvloop_run(server)
+
+
+def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
+    """Block until ``go_file`` exists (True), or until SIGTERM/SIGINT asks to stop (False)."""
+    stop: list[int] = []
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        stop.append(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop and not go_file.exists():
+            time.sleep(poll_s)
+        return not stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def uvloop_run(server: uvicorn.Server) -> None:
