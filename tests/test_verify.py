@@ -25,7 +25,7 @@ import pytest
 
 from pdctl import config, kvevents
 from pdctl.config import Deployment
-from pdctl.plan import ProcessSpec, build_plan
+from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
 from pdctl.sim.testing import free_port
 from pdctl.verify import CheckResult, VerifyReport, metric_total, run_verify
 
@@ -127,6 +127,8 @@ speed = 20
 def _spawn(spec: ProcessSpec, logs: Path, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in spec.unset_env}
     env.update(spec.env)
+    # Started by hand after the workers (as `pdctl plan --format sh` does): nothing will release a held gateway.
+    env.pop(GATEWAY_HOLD_ENV, None)
     env.update(extra_env)
     with (logs / f"{spec.name}.log").open("wb") as out:
         return subprocess.Popen(
