@@ -145,7 +145,10 @@ def test_duration_bound_closed_loop() -> None:
     server = FakeServer(ttft_s=0.02)
     run = run_async(run_once(target(server), LoadShape(concurrency=2, num_requests=None, duration_s=0.3, warmup=0)))
     assert run.summary.completed >= 2
-    assert all(r.sent_s < 0.3 for r in run.results)
+    # The loop starts no request once the duration is over. (Its send stamp comes a loop hop later, after the
+    # client's task starts, so on a loaded machine it may land just past 0.3 s: the decision is what is tested.)
+    assert all(r.scheduled_s < 0.3 for r in run.results)
+    assert all(r.sent_s >= r.scheduled_s for r in run.results)
 
 
 def test_duration_needs_rate_or_concurrency() -> None:
