@@ -41,6 +41,14 @@ def make(
     return sup, events
 
 
+def _wait_restarted(sup: Supervisor, name: str, timeout_s: float) -> None:
+    """Run the watch loop until ``name`` has been restarted once and is ready again (or the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (sup.restarts_of(name) == 1 and sup.state_of(name) is ProcState.READY):
+        assert sup.watch_once(), sup.failure
+        time.sleep(0.05)
+
+
 def test_waves_warmup_then_ordered_shutdown(tmp_path: Path, sups: list[Supervisor]) -> None:
     plan = Plan(
         (
@@ -220,11 +228,7 @@ def test_restart_recovers_and_rewarms(tmp_path: Path, sups: list[Supervisor]) ->
     sup.start()
     first = sup.processes()["prefill"]
     assert first is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (sup.restarts_of("prefill") == 1 and sup.state_of("prefill") is
-                                                ProcState.READY):  # fmt: skip
-        assert sup.watch_once(), sup.failure
-        time.sleep(0.05)
+    _wait_restarted(sup, "prefill", 60)
     again = sup.processes()["prefill"]
     assert again is not None and again.pid != first.pid and again.alive
     assert sup.state_of("prefill") is ProcState.READY and sup.state_of("decode") is ProcState.READY
@@ -372,11 +376,7 @@ def test_restarted_gateway_does_not_hold(tmp_path: Path, sups: list[Supervisor])
     first = sup.processes()["gateway"]
     assert first is not None
     os.kill(first.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (sup.restarts_of("gateway") == 1 and sup.state_of("gateway") is
-                                                ProcState.READY):  # fmt: skip
-        assert sup.watch_once(), sup.failure
-        time.sleep(0.05)
+    _wait_restarted(sup, "gateway", 90)
     again = sup.processes()["gateway"]
     assert again is not None and again.pid != first.pid and sup.state_of("gateway") is ProcState.READY
     assert httpx.get(gw.ready_url, timeout=10).status_code == 200

@@ -124,28 +124,36 @@ def test_read_timeout_from_the_request_timeout() -> None:
     asyncio.run(main())
 
 
+async def _server_sees_client_leave(
+    read_one_then_close: Callable[[str], Awaitable[Callable[[], Awaitable[None]]]],
+) -> None:
+    """``read_one_then_close(base)`` opens a 500-event stream, reads one piece and closes that response early,
+    returning how to close its client. Before the client itself closes (which would drop every connection
+    anyway) the server must see the client leave, as vLLM does (it aborts the request)."""
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _sse(reader, writer)
+        gone.set()
+
+    server, base = await _server(handler)
+    async with server:
+        close_client = await read_one_then_close(base)
+        try:
+            await asyncio.wait_for(gone.wait(), timeout=3.0)
+        finally:
+            await close_client()
+
+
 def test_closing_a_stream_early_closes_the_connection() -> None:
-    async def main() -> None:
-        gone = asyncio.Event()
+    async def read_one_then_close(base: str) -> Callable[[], Awaitable[None]]:
+        client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
+        resp = await client.send(client.build_request("POST", "/long", content=b"{}"), stream=True)
+        assert (await resp.aiter_raw().__anext__()).startswith(b"data:")
+        await resp.aclose()
+        return client.aclose
 
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _sse(reader, writer)
-            gone.set()
-
-        server, base = await _server(handler)
-        async with server:
-            client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
-            try:
-                resp = await client.send(client.build_request("POST", "/long", content=b"{}"), stream=True)
-                first = await resp.aiter_raw().__anext__()
-                assert first.startswith(b"data:")
-                await resp.aclose()
-                # The server sees the client leave (as vLLM does, and aborts the request) long before 500 events.
-                await asyncio.wait_for(gone.wait(), timeout=3.0)
-            finally:
-                await client.aclose()
-
-    asyncio.run(main())
+    asyncio.run(_server_sees_client_leave(read_one_then_close))
 
 
 # ---- the gateway's native client (pdctl.transport.Client): the same sockets without httpx
@@ -228,22 +236,11 @@ def test_client_failures_have_kinds() -> None:
 
 
 def test_client_closing_a_stream_early_drops_the_connection() -> None:
-    async def main() -> None:
-        gone = asyncio.Event()
+    async def read_one_then_close(base: str) -> Callable[[], Awaitable[None]]:
+        client = Client(base)
+        r = await client.request("POST", "/long", body=b"{}")
+        assert (await r.chunk()).startswith(b"data:")
+        r.close()
+        return client.aclose
 
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _sse(reader, writer)
-            gone.set()
-
-        server, base = await _server(handler)
-        async with server:
-            client = Client(base)
-            try:
-                r = await client.request("POST", "/long", body=b"{}")
-                assert (await r.chunk()).startswith(b"data:")
-                r.close()
-                await asyncio.wait_for(gone.wait(), timeout=3.0)
-            finally:
-                await client.aclose()
-
-    asyncio.run(main())
+    asyncio.run(_server_sees_client_leave(read_one_then_close))
