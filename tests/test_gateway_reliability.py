@@ -149,17 +149,21 @@ def test_prefill_crash_is_not_counted_against_decode(fakes: list[FakeProc], gate
     d = _fake(fakes, delay=0.5, pull_fail_status=500)
     g = _gw(gateways, [p.url], [d.url], breaker_threshold=2, health_interval_s=60.0)
     with g.client() as c:
-        results: list[int] = []
+        results: list[tuple[int, str]] = []
 
         def one() -> None:
-            results.append(c.post("/v1/chat/completions", json=CHAT).status_code)
+            r = c.post("/v1/chat/completions", json=CHAT)
+            results.append((r.status_code, r.json()["error"]["code"]))
 
         threads = [threading.Thread(target=one) for _ in range(3)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert sorted(results) == [502, 502, 502], results
+        # Each retry meets the dead prefill (502), or finds it already ejected by the failures counted so far (503):
+        # which one depends on how the three requests interleave. Neither is ever blamed on decode.
+        assert len(results) == 3, results
+        assert all(r in {(502, "prefill_unavailable"), (503, "server_overloaded")} for r in results), results
         assert len(d.completions()) == 3  # every request reached decode, and decode failed each one
 
         def instances() -> dict[str, dict[str, object]]:
