@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.text import Text
 
 from pdctl import config
 from pdctl.cli._app import app, console, handle_errors
-from pdctl.verify import CheckResult, VerifyReport, run_verify
+
+if TYPE_CHECKING:
+    from pdctl.verify import CheckResult, VerifyReport
 
 _MARK = {True: ("✓", "green"), False: ("✗", "bold red"), None: ("-", "yellow")}
 
@@ -41,6 +43,8 @@ def verify(
     Exit 0: every check passed; 1: a check failed; 2: the deployment could not be reached.
     The key is read from the variable named by gateway.api_key_env (never from the command line).
     """
+    from pdctl.verify import run_verify  # httpx and the KV checks: only this command pays for them
+
     dep = config.load(config_path, settings_path)
     key = os.environ.get(dep.gateway.api_key_env) or None
     logs = dep.run_dir / "logs"
