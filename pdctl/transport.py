@@ -134,16 +134,14 @@ class Client:
         self._keepalive_s = keepalive_s
         self._headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+        # Streams (no total) share one object; a total is per call (leg 1's is what is left of its deadline).
+        self._idle_timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=read_timeout_s)
 
     def _timeout(self, total_s: float | None) -> aiohttp.ClientTimeout:
-        t = self._timeouts.get(total_s)
-        if t is None:
-            t = aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s,
-                                      sock_read=self._read_timeout_s)  # fmt: skip
-            if len(self._timeouts) < 64:
-                self._timeouts[total_s] = t
-        return t
+        if total_s is None:
+            return self._idle_timeout
+        return aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s,
+                                     sock_read=self._read_timeout_s)  # fmt: skip
 
     async def request(
         self,
