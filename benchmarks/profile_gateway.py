@@ -33,12 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--tpot-ms", type=float, default=0.0, help="pace the workers (0: as fast as the CPU allows)")
+    ap.add_argument(
+        "--tokens",
+        default=None,
+        help="output tokens per request, MIN,MAX (default 8,24 paced, 128,384 unpaced); 1,1 profiles the "
+        "per-request path",
+    )
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--out", default="/tmp/pdbench-profile.txt", help="collapsed stacks")
     args = ap.parse_args(argv)
     pyspy = shutil.which("py-spy") or str(Path(H.PY).parent / "py-spy")
     with tempfile.TemporaryDirectory(prefix="pdbench-prof-") as logs:
         speed = 0.2 / args.tpot_ms if args.tpot_ms > 0 else 1000.0
+        lo, hi = (
+            (int(x) for x in args.tokens.split(",")) if args.tokens else (8, 24) if args.tpot_ms > 0 else (128, 384)
+        )
         s = G.Setup(H.start_sim("prefill", "kv_producer", logs, speed),
                     H.start_sim("decode", "kv_consumer", logs, speed), logs)  # fmt: skip
         proc = None
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             def load() -> None:
                 box.append(H.run_loop(H.closed_loop(
                     H.Target(port, H.Counter(), pd_prefill_port=pport), args.streams, warmup_s=0.5,
-                    measure_s=args.duration, tokens=(8, 24) if args.tpot_ms > 0 else (128, 384), prompt_words=48, seed=0, cpu_probe=proc.cpu_s,
+                    measure_s=args.duration, tokens=(lo, hi), prompt_words=48, seed=0, cpu_probe=proc.cpu_s,
                 )))  # fmt: skip
 
             t = threading.Thread(target=load)
@@ -64,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             t.join()
             spy.wait(60)
             w = box[0]
-            print(f"{w.chunks_per_s:.0f} chunks/s, proxy CPU {1e6 * w.proxy_cpu_s / max(1, w.chunks):.1f} us/chunk")
+            n = len(w.results)
+            print(
+                f"{w.chunks_per_s:.0f} chunks/s, {n / w.seconds:.0f} requests/s, proxy CPU "
+                f"{1e6 * w.proxy_cpu_s / max(1, w.chunks):.1f} us/chunk, {1e6 * w.proxy_cpu_s / max(1, n):.0f} us/request"
+            )
         finally:
             if proc is not None:
                 proc.stop()

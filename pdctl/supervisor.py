@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,7 +56,7 @@ __all__ = ["Event", "ProcState", "StartInterrupted", "Supervisor", "SupervisorOp
 STOP_ORDER = ("gateway", "decode", "prefill")
 REFRESH_S = 2.0
 # A released gateway listens about 0.1 s later: poll it faster than the engines.
-RELEASE_POLL_S = 0.05
+RELEASE_POLL_S = 0.01
 
 
 class ProcState(str, enum.Enum):
@@ -243,6 +244,9 @@ class Supervisor:
                 path.touch()
             except OSError as exc:
                 raise LaunchError(f"cannot create {path} to release {slot.spec.name}: {exc.strerror}") from None
+            if slot.proc is not None:
+                # Wakes the held process at once (it also re-checks the file a few times a second).
+                slot.proc.send_signal_group(signal.SIGCONT)
             slot.state = ProcState.STARTING
             self._emit("release", slot.spec.name, f"released {slot.spec.name} ({path.name} created), waiting for "
                        f"{slot.spec.ready_url}")  # fmt: skip

@@ -314,6 +314,9 @@ def test_gateway_starts_with_workers_held_until_go_file(tmp_path: Path, sups: li
     def warmup() -> None:
         wait_log(gw_log, HELD_LINE)  # imports done, app built: now it only waits for the go-file
         proc = sup.processes()["gateway"]
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGCONT)  # the wake-up signal alone, without the go-file, must not release it
+        time.sleep(0.3)
         seen.update(stale_removed=not go.exists(), state=sup.state_of("gateway"), alive=proc is not None and
                     proc.alive, bound=not port_free(gw.ports[0]),
                     recorded={r["name"]: r["state"] for r in sup.snapshot()}["gateway"])  # fmt: skip

@@ -26,6 +26,7 @@ from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
 from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
 from pdctl.plan import Plan, build_plan
 from pdctl.rundir import (
+    STATE_FILE,
     RunState,
     collect_status,
     gateway_counters,
@@ -217,10 +218,14 @@ def _up_detached(dep: Deployment, plan: Plan) -> None:
     deadline = time.monotonic() + sup.ready_timeout_s * waves + (sup.warmup_timeout_s if sup.warmup else 0) + 60
     printer = Printer(sys.stdout, [p.name for p in plan.processes])
     state: RunState | None = None
+    seen: tuple[int, int, int] | None = None
     try:
         while True:
             tail.print_new(printer)
-            state = _state_of(run_dir, proc.pid)
+            stamp = _stamp(run_dir / STATE_FILE)
+            if stamp != seen:  # parse state.json only when it was rewritten
+                seen = stamp
+                state = _state_of(run_dir, proc.pid)
             if state is not None and state.status in ("ready", "failed", "stopped"):
                 break
             if proc.poll() is not None:
@@ -265,6 +270,15 @@ class _EventTail:
             text = raw.decode("utf-8", errors="replace")
             m = _EVENT_LINE.match(text)
             printer.write(LogLine(PDCTL_NAME, m.group(1) if m else text, time.time()))
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    # Each write is a new file (os.replace), so the inode changes too; the daemon rewrites it every second anyway.
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _state_of(run_dir: Path, pid: int) -> RunState | None:
