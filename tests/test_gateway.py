@@ -5,8 +5,11 @@ Workers are tests/fakes/fake_pd_worker.py processes; the gateway runs on a threa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,3 +341,46 @@ def test_docs_cover_settings_metrics_and_case_mapping() -> None:
     # every test the case table names exists in the file it names
     for file, test in re.findall(r"`(test_gateway\w*\.py)::(test_\w+)`", doc):
         assert f"def {test}(" in (root / "tests" / file).read_text(), (file, test)
+
+
+class _BlackHole:
+    """A TCP listener that accepts connections and never answers: a worker hung while loading."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.conns.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        for c in [*self.conns, self.sock]:
+            c.close()
+
+
+def test_listens_before_the_first_probe_when_the_models_are_known() -> None:
+    """With config.toml (model names known) the gateway listens at once and /ready stays false until a probe
+    answers; with settings.json alone it must learn the models first, so it listens after that first round."""
+    p, d = _BlackHole(), _BlackHole()
+    try:
+        g = GatewayThread(make_settings([p.url], [d.url], health_interval_s=1.0))  # probes time out after 2 s
+        try:
+            r = httpx.get(g.url + "/ready", timeout=10)
+            assert r.status_code == 503
+            assert [i["healthy"] for i in r.json()["instances"]] == [None, None]  # still waiting for the probes
+        finally:
+            g.stop()
+        g = GatewayThread(make_settings([p.url], [d.url], models=(), health_interval_s=1.0))
+        try:
+            r = httpx.get(g.url + "/ready", timeout=10)
+            assert r.status_code == 503
+            assert [i["healthy"] for i in r.json()["instances"]] == [False, False]  # the first round timed out
+        finally:
+            g.stop()
+    finally:
+        p.close()
+        d.close()

@@ -175,15 +175,26 @@ class Pool:
         """Probe every instance once, concurrently."""
         await asyncio.gather(*(self.probe(i) for i in self.instances))
 
-    async def _loop(self) -> None:
+    async def _loop(self, first_done: bool) -> None:
+        if not first_done:
+            await self.probe_all()
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             await self.probe_all()
 
     async def start(self) -> None:
-        """First probe, then the background loop."""
-        await self.probe_all()
-        self._task = asyncio.create_task(self._loop(), name="pdctl-health")
+        """Start the health loop; its first round of probes runs at once.
+
+        The gateway waits for that round only when it must learn the model names from the workers'
+        ``/v1/models`` (settings.json alone). With a config.toml the names are known, so it listens at once,
+        routing to instances not yet probed as available; ``/ready`` turns true with their first successful
+        probe. Under ``pdctl up`` the warm-up has just proved the workers, and a loaded vLLM can take a few
+        hundred ms to answer the probes.
+        """
+        wait = not self.settings.models
+        if wait:
+            await self.probe_all()
+        self._task = asyncio.create_task(self._loop(first_done=wait), name="pdctl-health")
 
     async def close(self) -> None:
         """Stop probing and close the clients."""
