@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fakes"))
 
 from gateway_harness import KEY, FakeProc, GatewayThread, make_settings, wait_for
 
+from pdctl.gateway.settings import LocalModel
+
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5}
 
 
@@ -366,21 +368,19 @@ def test_listens_before_the_first_probe_when_the_models_are_known() -> None:
     """With config.toml (model names known) the gateway listens at once and /ready stays false until a probe
     answers; with settings.json alone it must learn the models first, so it listens after that first round."""
     p, d = _BlackHole(), _BlackHole()
+    cases = [
+        ((LocalModel("tiny", 2048),), [None, None]),  # listening while the probes still wait for an answer
+        ((), [False, False]),  # listening only after the first round timed out (probes time out after 2 s)
+    ]
     try:
-        g = GatewayThread(make_settings([p.url], [d.url], health_interval_s=1.0))  # probes time out after 2 s
-        try:
-            r = httpx.get(g.url + "/ready", timeout=10)
-            assert r.status_code == 503
-            assert [i["healthy"] for i in r.json()["instances"]] == [None, None]  # still waiting for the probes
-        finally:
-            g.stop()
-        g = GatewayThread(make_settings([p.url], [d.url], models=(), health_interval_s=1.0))
-        try:
-            r = httpx.get(g.url + "/ready", timeout=10)
-            assert r.status_code == 503
-            assert [i["healthy"] for i in r.json()["instances"]] == [False, False]  # the first round timed out
-        finally:
-            g.stop()
+        for models, healthy in cases:
+            g = GatewayThread(make_settings([p.url], [d.url], models=models, health_interval_s=1.0))
+            try:
+                r = httpx.get(g.url + "/ready", timeout=10)
+                assert r.status_code == 503
+                assert [i["healthy"] for i in r.json()["instances"]] == healthy, models
+            finally:
+                g.stop()
     finally:
         p.close()
         d.close()
