@@ -14,7 +14,7 @@ from rich.console import Console
 from pdctl import __version__
 from pdctl.errors import PdctlError
 
-__all__ = ["app", "console", "err_console", "fail", "handle_errors"]
+__all__ = ["app", "console", "err_console", "exit_without_teardown", "fail", "handle_errors"]
 
 app = typer.Typer(
     name="pdctl",
@@ -79,9 +79,30 @@ def _root(
     """pdctl: prefill/decode disaggregated vLLM, as one tool."""
 
 
+class _Exit:
+    fast = False
+
+
+def exit_without_teardown() -> None:
+    """Have :func:`run` end the process as soon as the command returns, without the interpreter's teardown.
+
+    For a command that leaves nothing of its own to clean up (``up -d``: the supervisor runs detached). With
+    vLLM CPU engines spinning both cores, that teardown ended ``up -d`` 0.6 s after its last line (50 ms on an
+    idle machine). Only the console script honours it; an in-process caller (``CliRunner``) is unaffected.
+    """
+    _Exit.fast = True
+
+
 def run() -> None:
     """Entry point used by the console script."""
     try:
         app()
     except BrokenPipeError:
         sys.exit(0)
+    except SystemExit as exc:
+        if not _Exit.fast:
+            raise
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from pdctl.cli._app import app, console, err_console, handle_errors
+from pdctl.cli._app import app, console, err_console, exit_without_teardown, handle_errors
 from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
 from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
 from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
@@ -245,6 +245,7 @@ def _up_detached(dep: Deployment, plan: Plan) -> None:
         error = state.error if state and state.error else _tail(log_dir / "daemon.log")
         raise LaunchError(f"up failed:\n{error}", hint=f"see {log_dir}")
     _print_ready(dep, state)
+    exit_without_teardown()
 
 
 _EVENT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \S+\s+(.*)$")
