@@ -442,3 +442,24 @@ def test_up_refuses_a_decode_that_tokenizes_differently(deploy_dir: Path) -> Non
     assert "do not serve the same model" in r.stderr and "/tokenize differs" in r.stderr
     assert "§5.4" in r.stderr
     wait_for(lambda: not any(alive(p) for p in recorded_pids(d)[2:]), 30, "every process of the run to exit")
+
+
+def test_exit_without_teardown_keeps_output_and_exit_code(tmp_path: Path) -> None:
+    """The console script's fast exit (as ``up -d`` uses it): output flushed, the command's exit code kept, and
+    the interpreter's teardown (atexit handlers included) skipped."""
+    script = (
+        "import atexit, typer\n"
+        "from pdctl.cli._app import app, exit_without_teardown, run\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "@app.command('fast-exit-probe')\n"
+        "def probe(code: int = 0) -> None:\n"
+        "    print('x' * 70000)\n"  # more than a pipe holds: only a flush gets it all out
+        "    exit_without_teardown()\n"
+        "    raise typer.Exit(code)\n"
+        "run()\n"
+    )
+    for code in (0, 3):
+        r = subprocess.run([sys.executable, "-c", script, "fast-exit-probe", "--code", str(code)],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+        assert r.returncode == code, r.stderr
+        assert r.stdout.count("x") == 70000 and "teardown ran" not in r.stdout
