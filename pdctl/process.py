@@ -22,11 +22,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
-from urllib.parse import urlsplit
 
 import httpx
 import psutil
 
+from pdctl.config import parse_endpoint
 from pdctl.diagnose import Diagnosis, diagnose
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine, start_reader
@@ -321,10 +321,8 @@ def _accepts(url: str) -> bool:
     """Whether anything listens at ``url``'s host and port: a bare TCP connect, ~25 µs of CPU against ~250 µs for
     an HTTP client's refused GET. An engine loading a model polled every 0.1 s for a minute makes the difference
     show on a machine the engines already keep busy."""
-    parts = urlsplit(url)
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=1.0):
+        with socket.create_connection(parse_endpoint(url), timeout=1.0):
             return True
     except (OSError, ValueError):
         return False

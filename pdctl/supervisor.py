@@ -55,7 +55,7 @@ __all__ = ["Event", "ProcState", "StartInterrupted", "Supervisor", "SupervisorOp
 
 STOP_ORDER = ("gateway", "decode", "prefill")
 REFRESH_S = 2.0
-# A released gateway listens about 0.1 s later: poll it faster than the engines.
+# A released gateway listens within tens of ms (it is woken by SIGCONT): poll it faster than the engines.
 RELEASE_POLL_S = 0.01
 
 
@@ -172,12 +172,9 @@ class Supervisor:
         slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
-        if held:
-            self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), held: it listens "
-                       f"once the workers are ready and the warm-up passed")  # fmt: skip
-        else:
-            self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), waiting for "
-                       f"{slot.spec.ready_url}")  # fmt: skip
+        then = ("held: it listens once the workers are ready and the warm-up passed" if held
+                else f"waiting for {slot.spec.ready_url}")  # fmt: skip
+        self._emit("starting", slot.spec.name, f"started {slot.spec.name} (pid {proc.pid}), {then}")
 
     def processes(self) -> dict[str, ManagedProcess | None]:
         """Name -> current process (None before its first start)."""
