@@ -213,6 +213,35 @@ def test_sweep_and_max_goodput_search() -> None:
     assert 5.0 <= search.best_rate < 2000.0
 
 
+def _prompts(server: FakeServer) -> list[str]:
+    return [str(b["messages"][0]["content"]) for b in server.requests]
+
+
+def test_every_run_of_a_sweep_and_a_search_sends_prompts_no_earlier_run_sent() -> None:
+    server = FakeServer()
+    shape = LoadShape(num_requests=6, warmup=1, slo=SLO(ttft_ms=1000))
+    runs = run_async(run_sweep(target(server), shape, [100.0, 200.0, 400.0]))
+    run_search = run_async(search_max_goodput_rate(target(server), shape, start_rate=100.0, max_rate=400.0))
+    prompts = _prompts(server)
+    assert len(prompts) == 7 * (3 + len(run_search.runs)) == len(set(prompts))  # warm-ups included
+    ids = [r.run_id for r in [*runs, *run_search.runs]]
+    assert len(set(ids)) == len(ids) and all(len(i.split()) == 3 for i in ids)
+    # Each run sends the seed's requests: the text after the tag, and the lengths, are the same every time.
+    bodies = [p.split("] ", 1)[1] for p in prompts]
+    assert bodies[:7] == bodies[7:14] == bodies[14:21]
+    assert [r.prompt_len for r in runs[0].results] == [r.prompt_len for r in runs[2].results]
+    assert result_json(runs[1])["pdctl"]["workload"]["run_id"] == runs[1].run_id
+    assert all(runs[1].run_id.replace(" ", "-") in r.request_id for r in runs[1].results)
+
+
+def test_a_given_run_id_repeats_a_run_exactly() -> None:
+    first, second = FakeServer(), FakeServer()
+    for server in (first, second):
+        run_async(run_once(target(server), LoadShape(rate=100.0, num_requests=4), run_id="red blue green"))
+    assert _prompts(first) == _prompts(second)
+    assert _prompts(first)[1].startswith("[bench red blue green 0-0] ")
+
+
 def test_search_needs_slo() -> None:
     with pytest.raises(BenchError, match="SLO"):
         run_async(search_max_goodput_rate(target(FakeServer()), LoadShape(num_requests=2)))
@@ -229,7 +258,10 @@ def test_ab_runs_both_targets_with_the_same_requests() -> None:
         )
     )
     assert [r.label for r in pair.a] == ["colocated"] and [r.label for r in pair.b] == ["pd"]
-    assert [b["messages"] for b in fast.requests] == [b["messages"] for b in slow.requests]
+    # The same requests behind each side's own tag: shared workers would otherwise serve B from A's cache.
+    a_texts, b_texts = (_prompts(slow), _prompts(fast))
+    assert [t.split("] ", 1)[1] for t in a_texts] == [t.split("] ", 1)[1] for t in b_texts]
+    assert not set(a_texts) & set(b_texts)
     rows = {row.key: row for row in compare(result_json(pair.a[0]), result_json(pair.b[0]))}
     assert rows["mean_ttft_ms"].better == "B" and rows["mean_ttft_ms"].ratio is not None
     assert rows["mean_ttft_ms"].ratio < 0.5

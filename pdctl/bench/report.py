@@ -139,6 +139,7 @@ def result_json(run: RunResult) -> dict[str, Any]:
             "name": t.workload.name,
             "seed": t.workload.spec.seed,
             "unique_prompts": t.workload.spec.unique,
+            "run_id": run.run_id if t.workload.spec.unique else None,
             **_workload_params(run),
         },
         "load": {
