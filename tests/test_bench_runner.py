@@ -17,6 +17,7 @@ from pdctl.bench.runner import (
     BenchTarget,
     LiveStats,
     LoadShape,
+    discover_model,
     kv_summary,
     metric_deltas,
     parse_metrics,
@@ -240,6 +241,26 @@ def test_a_given_run_id_repeats_a_run_exactly() -> None:
         run_async(run_once(target(server), LoadShape(rate=100.0, num_requests=4), run_id="red blue green"))
     assert _prompts(first) == _prompts(second)
     assert _prompts(first)[1].startswith("[bench red blue green 0-0] ")
+
+
+def test_discover_model_reads_the_first_listed_id_with_the_key() -> None:
+    seen: list[str | None] = []
+
+    def models(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        if request.url.host == "listed":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}, {"id": "other"}]})
+        if request.url.host == "locked":
+            return httpx.Response(401, json={"error": "no key"})
+        return httpx.Response(200, json=["not", "a", "model", "list"])
+
+    transport = httpx.MockTransport(models)
+    assert discover_model("http://listed/", "k", transport) == "tiny"
+    assert seen == ["Bearer k"]
+    for host in ("locked", "odd"):
+        with pytest.raises(BenchError, match=f"cannot tell which model http://{host} serves") as err:
+            discover_model(f"http://{host}", None, transport)
+        assert err.value.hint is not None and "--model" in err.value.hint
 
 
 def test_search_needs_slo() -> None:

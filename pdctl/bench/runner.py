@@ -47,6 +47,7 @@ __all__ = [
     "PairResult",
     "RunResult",
     "SearchResult",
+    "discover_model",
     "kv_summary",
     "metric_deltas",
     "parse_metrics",
@@ -84,6 +85,21 @@ class BenchTarget:
     extra_body: dict[str, Any] = field(default_factory=dict)
     # A test seam (httpx.MockTransport); None = real network.
     transport: httpx.AsyncBaseTransport | None = field(default=None, compare=False, repr=False)
+
+
+def discover_model(url: str, api_key: str | None, transport: httpx.BaseTransport | None = None) -> str:
+    """The first model id that ``GET {url}/v1/models`` lists (for a target given without ``--model``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(transport=transport, timeout=10.0) as client:
+            resp = client.get(f"{url.rstrip('/')}/v1/models", headers=headers)
+        body = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        body = None
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+        return str(data[0]["id"])
+    raise BenchError(f"cannot tell which model {url} serves", hint="pass --model NAME (or -c config.toml)")
 
 
 @dataclass(frozen=True, slots=True)
