@@ -150,11 +150,6 @@ class RunResult:
     metric_deltas: dict[str, dict[str, float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
-    @property
-    def label(self) -> str:
-        """The run's label (the target's, else its URL)."""
-        return self.target.label or self.target.base_url
-
 
 @dataclass(slots=True)
 class SearchResult:
