@@ -24,7 +24,7 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#1
 MARKER_COLOUR = "#e377c2"
 # Roughly the advance of one character of the 11 px sans-serif font: enough to lay out legend rows.
 _CHAR_PX = 6.2
-_ML, _MR, _MT, _MB = 60, 16, 28, 40
+_ML, _MR, _MT, _MB = 60, 24, 28, 40
 _LEGEND_ROW_PX = 15
 
 
@@ -135,7 +135,7 @@ def cdf(
     ylabel: str = "fraction of requests",
     size: tuple[int, int] = (420, 260),
 ) -> str:
-    """Empirical CDFs (x clipped at the largest p99, so one outlier cannot flatten the others)."""
+    """Empirical CDFs as steps (x clipped at the largest p99, so one outlier cannot flatten the others)."""
     nonempty = {k: sorted(v) for k, v in series.items() if v}
     xmax = nice_max(max((percentile(v, 99.0) for v in nonempty.values()), default=1.0) * 1.05)
     frame = Frame(size[0], size[1], xmax, 1.0)
@@ -143,8 +143,10 @@ def cdf(
     for name, values in nonempty.items():
         n = len(values)
         step = max(1, n // 400)
-        pts = [frame.xy(values[j], (j + 1) / n) for j in range(0, n, step)]
-        pts.append(frame.xy(values[-1], 1.0))
+        # A step function from 0: each value lifts the curve by 1/n (by step/n when thinned to ~400 steps).
+        pts = [frame.xy(values[0], 0.0)]
+        for j in range(0, n, step):
+            pts += [frame.xy(values[j], j / n), frame.xy(values[j], min(j + step, n) / n)]
         path = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
         body.append(f'<polyline fill="none" stroke="{colours[name]}" stroke-width="1.5" points="{path}"/>')
     legend = [(name, colours[name], "box") for name in nonempty]
