@@ -33,6 +33,7 @@ from pdctl.errors import PdctlError
 
 __all__ = [
     "DOC_PROMPTS",
+    "WORDS",
     "BenchRequest",
     "Workload",
     "WorkloadError",
@@ -51,7 +52,7 @@ DOC_PROMPTS: tuple[tuple[str, int], ...] = (
 )
 
 # Common English words that most BPE vocabularies encode as one token each (with their leading space).
-_WORDS = (
+WORDS = (
     "time year people way day man thing woman life child world school state family student group "
     "country problem hand part place case week company system program question work government "
     "number night point home water room mother area money story fact month lot right study book eye "
@@ -117,11 +118,11 @@ def new_run_id() -> str:
 
     About 10⁷ ids: two runs share one with odds of 10⁻⁷.
     """
-    return " ".join(secrets.choice(_WORDS) for _ in range(3))
+    return " ".join(secrets.choice(WORDS) for _ in range(3))
 
 
 def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(0, n)))
+    return " ".join(rng.choice(WORDS) for _ in range(max(0, n)))
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
