@@ -33,7 +33,7 @@ import httpx
 
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.sim.experiment import percentile
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 MODEL = "Qwen/Qwen3-8B"
 

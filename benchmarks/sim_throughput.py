@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from pdctl.sim.testing import start_sim
+from pdctl.testing import start_sim
 
 
 async def _one_stream(port: int, tokens: int, counter: list[int]) -> None:

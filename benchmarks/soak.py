@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from pdctl.invariants import (
     sample_resources,
     sample_workers,
 )
+from pdctl.testing import free_port
 
 KEY_VAR = "PDCTL_SOAK_KEY"
 LEASE_S = 5
@@ -125,15 +125,9 @@ class SoakReport:
         return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_deployment(d: Path, cfg: SoakConfig) -> dict[str, int]:
     """config.toml + settings.json for two simulator workers and the gateway on free ports."""
-    ports = {n: _free_port() for n in ("prefill", "decode", "gateway", "p_side", "d_side")}
+    ports = {n: free_port() for n in ("prefill", "decode", "gateway", "p_side", "d_side")}
     (d / "config.toml").write_text(f"""
 [kv_transfer]
 timeout_ms = {LEASE_S * 1000}

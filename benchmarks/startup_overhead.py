@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
 
 from pdctl.config import load
+from pdctl.pgroup import signal_group
 from pdctl.protocol import build_decode_body, build_prefill_body
+from pdctl.testing import stop_group
 
 BENCH = Path(__file__).resolve().parent
 PDCTL = str(Path(H.PY).parent / "pdctl")
@@ -164,15 +166,9 @@ def time_by_hand(config: str, settings: str, env: dict[str, str]) -> dict[str, A
         out["seconds"] = time.monotonic() - t0
     finally:
         for pr in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pr.pid, signal.SIGTERM)
+            signal_group(pr.pid, signal.SIGTERM)
         for pr in procs:
-            try:
-                pr.wait(60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pr.pid, signal.SIGKILL)
-                pr.wait(30)
+            stop_group(pr, 60)
         for log in logs:
             log.close()
     return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from pdctl.config import parse_endpoint
 from pdctl.diagnose import Diagnosis, diagnose
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine, start_reader
+from pdctl.pgroup import signal_group
 from pdctl.plan import ProcessSpec
 
 __all__ = ["ExitInfo", "ManagedProcess", "ProcessExitedError", "child_env", "signal_name"]
@@ -260,13 +260,8 @@ class ManagedProcess:
 
     def send_signal_group(self, sig: signal.Signals) -> None:
         """Signal the child's process group; a group that is gone is not an error."""
-        if not self.pgid:
-            return
-        try:
-            os.killpg(self.pgid, sig)
-        except OSError as exc:
-            if exc.errno not in (errno.ESRCH, errno.EPERM):
-                raise
+        if self.pgid:
+            signal_group(self.pgid, sig)
 
     def begin_stop(self) -> None:
         """SIGTERM to the group (after recording the descendants)."""

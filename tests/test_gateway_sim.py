@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fakes"))
 
 from gateway_harness import KEY, GatewayThread, make_settings, wait_for
 
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 ARGS = ["--max-model-len", "1024", "--sim-profile", "fast"]
 

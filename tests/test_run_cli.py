@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.fakes.helpers import alive, free_port, port_free
+from pdctl.testing import alive, free_port, kill_groups, port_free
 
 KEY_VAR = "PDCTL_H4_TEST_KEY"
 KEY = "sk-h4-never-in-argv-0123456789"
@@ -94,11 +94,7 @@ def recorded_pids(d: Path) -> list[int]:
 @pytest.fixture
 def deploy_dir(tmp_path: Path):
     yield tmp_path
-    for pid in recorded_pids(tmp_path):
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    kill_groups(recorded_pids(tmp_path))
 
 
 def wait_for(pred, timeout: float = 120, what: str = "") -> None:
@@ -238,8 +234,7 @@ def test_foreground_multiplexed_view_ctrl_c(deploy_dir: Path) -> None:
         proc.send_signal(signal.SIGINT)
         out = _output(d, proc)
     finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
     assert proc.returncode == 0, out
     lines = out.splitlines()
     assert any(" prefill | " in ln for ln in lines) and any(" decode  | " in ln for ln in lines)
@@ -267,8 +262,7 @@ def test_sigkill_of_foreground_pdctl_takes_children_down(deploy_dir: Path) -> No
         # The watchdog sees its pipe close: SIGTERM, 3 s, SIGKILL (decode ignores SIGTERM).
         wait_for(lambda: not any(alive(p) for p in tree), 20, "children of a SIGKILLed pdctl to exit")
     finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
 
 
 def test_port_conflict_caught_before_starting(deploy_dir: Path) -> None:
@@ -307,8 +301,7 @@ def test_warmup_retries_a_failed_handshake_and_fails_without_kv_params(deploy_di
         assert r.returncode == 0, r.stderr
         out = _output(d, proc)
     finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
     assert proc.returncode == 0
     assert "SIGTERM: stopping" in out
     wait_for(lambda: not any(alive(p) for p in tree), 30, "every process of the run to exit")

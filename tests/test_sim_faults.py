@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.sim.faults import FaultSet, parse_fault
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 PROMPT = " ".join(f"fault{i % 11} case {i}." for i in range(30))
 

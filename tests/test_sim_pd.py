@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 PROMPT = " ".join(f"word{i % 37} and stuff, line {i}." for i in range(60))
 

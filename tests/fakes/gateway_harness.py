@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +17,7 @@ import uvicorn
 from pdctl.config import GatewayConfig, LoggingConfig, RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
-from pdctl.sim.testing import free_port
+from pdctl.testing import free_port, kill_groups
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-test-client-key-0123456789"
@@ -72,10 +70,7 @@ class FakeProc:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_groups([self.proc.pid])
         self.proc.wait(timeout=10)
 
 
