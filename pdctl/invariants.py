@@ -37,6 +37,8 @@ from typing import Any, Literal
 import httpx
 import psutil
 
+from pdctl.eventstream import sse_events
+
 __all__ = [
     "ClientTally",
     "GatewayOutcomes",
@@ -63,7 +65,6 @@ __all__ = [
     "run_census",
     "sample_resources",
     "sample_workers",
-    "sse_events",
     "worker_load",
 ]
 
@@ -226,35 +227,6 @@ def _openai_error(obj: Any) -> str | None:
 def _finish_reason_set(obj: Any) -> bool:
     choices = obj.get("choices") if isinstance(obj, dict) else None
     return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
-
-
-def sse_events(data: bytes) -> list[str]:
-    """The ``data`` of each event a client's EventSource would dispatch (WHATWG event-stream rules).
-
-    Lines end in CRLF, LF or CR; ``data`` lines are joined by LF; comments are skipped; an event still
-    open when the stream ends is discarded. Raises UnicodeDecodeError on bytes that are not UTF-8.
-    """
-    text = data.decode("utf-8")
-    events: list[str] = []
-    buf: list[str] | None = None
-    i, n = 0, len(text)
-    while i < n:
-        j = i
-        while j < n and text[j] not in "\r\n":
-            j += 1
-        if j == n:
-            break  # an unterminated last line is never dispatched
-        line = text[i:j]
-        i = j + 2 if text.startswith("\r\n", j) else j + 1
-        if not line:
-            if buf is not None:
-                events.append("\n".join(buf))
-            buf = None
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            if name == "data":
-                buf = [*(buf or []), value[1:] if value.startswith(" ") else value]
-    return events
 
 
 def client_outcome(status: int, body: bytes, *, stream: bool, cancelled: bool = False) -> Outcome:
