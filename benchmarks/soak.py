@@ -45,12 +45,11 @@ from pdctl.invariants import (
     client_outcome,
     decode_requests_from_log,
     gateway_outcomes,
-    metric_value,
-    parse_metrics,
     run_census,
     sample_resources,
     sample_workers,
 )
+from pdctl.promtext import metric_value, samples
 from pdctl.testing import free_port
 
 KEY_VAR = "PDCTL_SOAK_KEY"
@@ -401,8 +400,8 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         text = _metrics(gw_url)
         outcomes = gateway_outcomes(text)
         n1 = check_n1(outcomes, traffic.tally)
-        samples = parse_metrics(text)
-        retries = metric_value(samples, "pdctl_retries_total") or 0.0
+        parsed = samples(text, ("pdctl_retries_total", "pdctl_kv_release_total"))
+        retries = metric_value(parsed, "pdctl_retries_total") or 0.0
         decode_log = Path(_procs(workdir)["decode"]["log_file"]).read_text(encoding="utf-8", errors="replace")
         n3 = check_n3(decode_requests_from_log(decode_log.splitlines()), retries=retries)
         after = _settled(gw_pid, gw_url, warm)
@@ -425,7 +424,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         if outcomes is not None:
             report.gateway = {"accepted": outcomes.accepted, "succeeded": outcomes.succeeded,
                               "errored": outcomes.errored, "cancelled": outcomes.cancelled, "retries": retries,
-                              "kv_release_legs": metric_value(samples, "pdctl_kv_release_total") or 0.0}  # fmt: skip
+                              "kv_release_legs": metric_value(parsed, "pdctl_kv_release_total") or 0.0}  # fmt: skip
         census = census.merge(run_census(workdir / ".pdctl"))
         for c in censuses:
             census = census.merge(c)

@@ -38,6 +38,7 @@ import httpx
 import psutil
 
 from pdctl.eventstream import sse_events
+from pdctl.promtext import metric_value, samples
 
 __all__ = [
     "ClientTally",
@@ -59,8 +60,6 @@ __all__ = [
     "client_outcome",
     "decode_requests_from_log",
     "gateway_outcomes",
-    "metric_value",
-    "parse_metrics",
     "port_free",
     "run_census",
     "sample_resources",
@@ -68,7 +67,6 @@ __all__ = [
     "worker_load",
 ]
 
-Sample = tuple[str, dict[str, str], float]
 OutcomeKind = Literal["succeeded", "errored", "cancelled"]
 
 
@@ -125,36 +123,6 @@ def _result(name: str, problems: Sequence[str], ok_detail: str) -> InvariantResu
 
 # ------------------------------------------------------------------------------------------- metrics
 
-_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[Sample]:
-    """Prometheus text exposition -> ``(name, labels, value)`` samples (comments and junk skipped)."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        try:
-            value = float(m["value"])
-        except ValueError:
-            continue
-        out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), value))
-    return out
-
-
-def metric_value(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
-    """Sum of the samples called ``name`` whose labels include ``labels``; None if there is none."""
-    total: float | None = None
-    for n, lab, v in samples:
-        if n == name and all(lab.get(k) == want for k, want in labels.items()):
-            total = (total or 0.0) + v
-    return total
-
-
 # ------------------------------------------------------------------------------------------------ N1
 
 
@@ -184,19 +152,19 @@ class GatewayOutcomes:
 
 def gateway_outcomes(metrics_text: str) -> GatewayOutcomes | None:
     """Parse the gateway's /metrics; None when it has no ``pdctl_accepted_total`` (not a pdctl gateway)."""
-    samples = parse_metrics(metrics_text)
-    accepted = metric_value(samples, "pdctl_accepted_total")
+    parsed = samples(metrics_text, ("pdctl_accepted_total", "pdctl_requests_total", "pdctl_gateway_in_flight"))
+    accepted = metric_value(parsed, "pdctl_accepted_total")
     if accepted is None:
         return None
     by_status: dict[str, float] = {}
-    for name, labels, value in samples:
+    for name, labels, value in parsed:
         if name == "pdctl_requests_total":
             status = labels.get("status", "?")
             by_status[status] = by_status.get(status, 0.0) + value
     succeeded = by_status.get("200", 0.0)
     cancelled = by_status.get("499", 0.0)
     errored = sum(v for s, v in by_status.items() if s not in ("200", "499"))
-    in_flight = metric_value(samples, "pdctl_gateway_in_flight") or 0.0
+    in_flight = metric_value(parsed, "pdctl_gateway_in_flight") or 0.0
     return GatewayOutcomes(accepted, succeeded, errored, cancelled, in_flight, by_status)
 
 
@@ -367,9 +335,15 @@ class WorkerLoad:
         return self.running == 0 and self.waiting == 0
 
 
+_LOAD_METRICS = (
+    "vllm:num_requests_running", "num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "held_blocks",
+)  # fmt: skip
+
+
 def worker_load(metrics_text: str) -> WorkerLoad:
     """Read ``vllm:num_requests_running/waiting`` and ``vllm:kv_cache_usage_perc`` (or the fake's names)."""
-    s = parse_metrics(metrics_text)
+    s = samples(metrics_text, _LOAD_METRICS)
     running = metric_value(s, "vllm:num_requests_running")
     if running is None:
         running = metric_value(s, "num_requests_running")
@@ -721,7 +695,7 @@ def sample_resources(pid: int, metrics_text: str | None = None) -> ResourceSampl
         fds, rss, threads = p.num_fds(), p.memory_info().rss, p.num_threads()
     tasks: int | None = None
     if metrics_text is not None:
-        v = metric_value(parse_metrics(metrics_text), "pdctl_asyncio_tasks")
+        v = metric_value(samples(metrics_text, ("pdctl_asyncio_tasks",)), "pdctl_asyncio_tasks")
         tasks = int(v) if v is not None else None
     return ResourceSample(fds, rss, threads, tasks)
 

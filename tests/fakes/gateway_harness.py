@@ -17,6 +17,7 @@ import uvicorn
 from pdctl.config import GatewayConfig, LoggingConfig, RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
+from pdctl.promtext import metric_value, samples
 from pdctl.testing import free_port, kill_groups
 
 HERE = Path(__file__).resolve().parent
@@ -60,11 +61,10 @@ class FakeProc:
         httpx.post(self.url + "/_control", json=spec, timeout=10)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+        value = metric_value(samples(httpx.get(self.url + "/metrics", timeout=10).text, (name,)), name)
+        if value is None:
+            raise KeyError(name)
+        return value
 
     def alive(self) -> bool:
         return self.proc.poll() is None
