@@ -25,6 +25,7 @@ from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
 from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
 from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
 from pdctl.plan import Plan, build_plan
+from pdctl.recipe import RECIPE_REQUESTS
 from pdctl.rundir import (
     STATE_FILE,
     RunState,
@@ -107,13 +108,10 @@ def curl_commands(dep: Deployment) -> list[str]:
     model = dep.decode[0].model_name if dep.decode else "MODEL"
     var = dep.gateway.api_key_env
     auth = f'-H "Authorization: Bearer ${var}" -H "Content-Type: application/json"'
-    one = json.dumps({"model": model, "messages": [{"role": "user", "content": "用一句话解释 KV Cache"}],
-                      "max_tokens": 32, "stream": False}, ensure_ascii=False, separators=(",", ":"))  # fmt: skip
-    two = json.dumps({"model": model, "messages": [{"role": "user", "content": "写一段 200 字的自我介绍"}],
-                      "max_tokens": 256, "stream": True}, ensure_ascii=False, separators=(",", ":"))  # fmt: skip
     return [
-        f"curl -s {url}/v1/chat/completions {auth} -d '{one}'",
-        f"curl -N {url}/v1/chat/completions {auth} -d '{two}'",
+        f"curl {'-N' if r.stream else '-s'} {url}/v1/chat/completions {auth} "
+        f"-d '{json.dumps(r.body(model), ensure_ascii=False, separators=(',', ':'))}'"
+        for r in RECIPE_REQUESTS
     ]
 
 
