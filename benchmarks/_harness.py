@@ -31,8 +31,7 @@ import httptools
 import httpx
 import psutil
 
-# Re-exported: the benchmarks call it as H.pct (percent, linear interpolation, NaN when empty).
-from pdctl.sim.experiment import percentile as pct  # noqa: F401
+from pdctl.bench.metrics import percentile
 from pdctl.testing import free_port, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -456,6 +455,11 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (linear interpolation); NaN when there is no sample."""
+    return percentile(xs, p, empty=float("nan"))
 
 
 def fmt(x: float | None, nd: int = 2) -> str:

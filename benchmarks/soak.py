@@ -2,8 +2,8 @@
 with random client disconnects, one SIGKILL of decode's process group and one of prefill's, then the
 "nothing lost" invariants N1–N6 (pdctl/invariants.py, docs/reliability.md) and ``pdctl down``.
 
-    .venv/bin/python benchmarks/soak.py                          # 500 requests, the documented long soak
-    .venv/bin/python benchmarks/soak.py --requests 2000 --seed 7 --json soak.json
+    .venv/bin/python -m benchmarks.soak                          # 500 requests, the documented long soak
+    .venv/bin/python -m benchmarks.soak --requests 2000 --seed 7 --json soak.json
 
 Every wait is bounded; the seed fixes the request mix, the disconnects and the fault points. Exit status 0
 when every invariant holds, 1 otherwise. ``tests/test_soak.py`` runs a short form of the same code in CI.
@@ -459,7 +459,7 @@ _DEFAULT = SoakConfig()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/soak.py``: run the soak, print the report."""
+    """``python -m benchmarks.soak``: run the soak, print the report."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=_DEFAULT.requests)
     p.add_argument("--concurrency", type=int, default=_DEFAULT.concurrency)
