@@ -170,12 +170,6 @@ class BenchClient:
         """The API path requests go to."""
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
 
-    async def get_text(self, url: str, timeout_s: float = 10.0) -> str:
-        """GET an absolute URL (a worker's /metrics) with the same pool; raises httpx errors."""
-        resp = await self._client.get(url, timeout=timeout_s)
-        resp.raise_for_status()
-        return resp.text
-
     async def send(
         self,
         req: BenchRequest,
