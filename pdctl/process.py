@@ -313,9 +313,9 @@ class ManagedProcess:
 
 
 def _accepts(url: str) -> bool:
-    """Whether anything listens at ``url``'s host and port: a bare TCP connect, ~25 µs of CPU against ~250 µs for
-    an HTTP client's refused GET. An engine loading a model polled every 0.1 s for a minute makes the difference
-    show on a machine the engines already keep busy."""
+    """Whether anything listens at ``url``'s host and port: a bare TCP connect, a tenth of the CPU of an HTTP
+    client's refused GET, which shows when a loading engine is polled 10 times a second on a machine the
+    engines keep busy (docs/performance.md, section 5)."""
     try:
         with socket.create_connection(parse_endpoint(url), timeout=1.0):
             return True

@@ -22,10 +22,9 @@ Sample = tuple[str, dict[str, str], float]
 def samples(text: str, names: Iterable[str] = ()) -> list[Sample]:
     """Prometheus text exposition -> ``(name, labels, value)`` samples; ``[]`` if it cannot be parsed.
 
-    ``names``: only the samples whose names start with one of these. The parser is pure Python (about
-    10 ms for a vLLM worker's 600-line body, 14 times the old hand-written regex); polling loops that read
-    a few metrics pass their names, and the lines of the others are dropped before parsing
-    (docs/performance.md).
+    ``names``: only the samples whose names start with one of these; the other lines are dropped before
+    parsing. The parser is pure Python and slow on a whole vLLM body, so loops that poll a few metrics
+    pass their names (docs/performance.md, section 7).
     """
     wanted = tuple(names)
     if wanted:
