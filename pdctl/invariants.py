@@ -18,6 +18,9 @@ N6     bounded resources      gateway fds, RSS, threads and asyncio tasks within
 
 Each ``check_nX`` returns an :class:`InvariantResult`; :class:`InvariantReport` collects them. Nothing here
 prints or exits; details never contain a secret.
+
+Vocabulary: these are **invariants** (ok / FAIL / skip, after a run), not ``pdctl check``'s lint
+**findings** nor ``pdctl verify``'s **checks**; docs/architecture.md.
 """
 
 from __future__ import annotations
