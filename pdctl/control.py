@@ -4,6 +4,7 @@
   log, return the state once it says ``ready`` (:class:`LaunchError` otherwise)
 * :func:`stop_deployment`    -- ``down``: SIGTERM the supervisor (it stops gateway, decode, prefill in order),
   wait, SIGKILL it if it hangs, then kill whatever recorded process is left
+* :func:`log_files`          -- ``logs``: each process's log file, by name
 * :func:`deployment_status`  -- ``status``: a :class:`DeploymentStatus` in every state of the run directory,
   including none and a damaged one
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.config import Deployment
-from pdctl.errors import LaunchError, NotRunningError
+from pdctl.errors import LaunchError, NotRunningError, PdctlError
 from pdctl.eventlog import EVENT_LOG, EventTail
 from pdctl.plan import Plan
 from pdctl.rundir import (
@@ -41,7 +42,7 @@ from pdctl.rundir import (
     write_state,
 )
 
-__all__ = ["DeploymentStatus", "deployment_status", "start_detached", "stop_deployment"]
+__all__ = ["DeploymentStatus", "deployment_status", "log_files", "start_detached", "stop_deployment"]
 
 Say = Callable[[str], None]
 
@@ -158,6 +159,33 @@ def stop_deployment(run_dir: Path, timeout_s: float, say: Say, warn: Say) -> Non
     if state.status not in ("stopped", "failed"):
         state.status = "stopped"
         write_state(run_dir, state)
+
+
+# -------------------------------------------------------------------------------------------------- logs
+
+
+def log_files(rd: Path, names: list[str]) -> dict[str, Path]:
+    """``logs/<name>.log`` of each process recorded in state.json or found in ``logs/`` (``names`` only, if given)."""
+    log_dir = rd / "logs"
+    known: list[str] = []
+    try:
+        known = [p["name"] for p in read_state(rd).processes]
+    except NotRunningError:
+        pass
+    files = {n: log_dir / f"{n}.log" for n in known}
+    for path in sorted(log_dir.glob("*.log")):
+        name = path.stem
+        if name == "daemon":
+            continue
+        files.setdefault(name, path)
+    if not files and not log_dir.exists():
+        raise NotRunningError(f"no logs in {log_dir}", hint="start a deployment with `pdctl up`")
+    if names:
+        unknown = [n for n in names if n not in files]
+        if unknown:
+            raise PdctlError(f"no process named {', '.join(unknown)}", hint=f"known: {', '.join(files)}")
+        files = {n: files[n] for n in names}
+    return files
 
 
 # ------------------------------------------------------------------------------------------------ status

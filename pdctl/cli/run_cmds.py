@@ -20,11 +20,11 @@ from rich.markup import escape
 
 from pdctl.cli._app import app, console, err_console, exit_without_teardown, handle_errors
 from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
-from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
+from pdctl.errors import ConfigError, LaunchError, PdctlError
 from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
 from pdctl.plan import Plan, build_plan
 from pdctl.recipe import RECIPE_REQUESTS
-from pdctl.rundir import RunState, read_state
+from pdctl.rundir import RunState
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -291,29 +291,6 @@ def parse_since(text: str) -> float:
         ) from None
 
 
-def _log_files(rd: Path, names: list[str]) -> dict[str, Path]:
-    log_dir = rd / "logs"
-    known: list[str] = []
-    try:
-        known = [p["name"] for p in read_state(rd).processes]
-    except NotRunningError:
-        pass
-    files = {n: log_dir / f"{n}.log" for n in known}
-    for path in sorted(log_dir.glob("*.log")):
-        name = path.stem
-        if name == "daemon":
-            continue
-        files.setdefault(name, path)
-    if not files and not log_dir.exists():
-        raise NotRunningError(f"no logs in {log_dir}", hint="start a deployment with `pdctl up`")
-    if names:
-        unknown = [n for n in names if n not in files]
-        if unknown:
-            raise PdctlError(f"no process named {', '.join(unknown)}", hint=f"known: {', '.join(files)}")
-        files = {n: files[n] for n in names}
-    return files
-
-
 @app.command("logs")
 @handle_errors
 def logs(
@@ -329,8 +306,10 @@ def logs(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """Show the per-process log files of the deployment, merged by time."""
+    from pdctl.control import log_files
+
     rd = _run_dir(config, settings, run_dir)
-    files = _log_files(rd, list(names or []))
+    files = log_files(rd, list(names or []))
     since_ts = parse_since(since) if since else None
     lines = read_logs(files, since=since_ts, request_id=request, tail=None if kv else tail)
     if kv:
