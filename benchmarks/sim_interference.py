@@ -180,13 +180,19 @@ def _virtual(args: argparse.Namespace) -> int:
                  long_len=args.long_len, long_every_s=args.long_every, duration_s=args.duration)  # fmt: skip
         out.append(s)
         print(json.dumps(s), flush=True)
-    hdr = f"{'mode':10} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>9} {'ITL p99':>9} {'TTFT p50':>9} {'long TTFT p50':>14}"
-    print(hdr)
+    return _report(out, args.json)
+
+
+def _report(out: list[dict[str, Any]], json_path: str | None) -> int:
+    """The summary table on stdout, and every mode's summary as JSON when asked."""
+    print(
+        f"{'mode':10} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>9} {'ITL p99':>9} {'TTFT p50':>9} {'long TTFT p50':>14}"
+    )
     for s in out:
         print(f"{s['mode']:10} {s['tpot_ms']['p50']:9.1f} {s['tpot_ms']['p90']:9.1f} {s['itl_ms']['p90']:9.1f} "
               f"{s['itl_ms']['p99']:9.1f} {s['ttft_ms']['p50']:9.1f} {s['long_ttft_ms']['p50']:14.1f}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
     return 0
 
@@ -246,16 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                            long_len=args.long_len, long_every_s=args.long_every * args.speed)  # fmt: skip
             out.append(summary)
             print(json.dumps(summary), flush=True)
-    print(
-        f"{'mode':10} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>9} {'ITL p99':>9} {'TTFT p50':>9} {'long TTFT p50':>14}"
-    )
-    for s in out:
-        print(f"{s['mode']:10} {s['tpot_ms']['p50']:9.1f} {s['tpot_ms']['p90']:9.1f} {s['itl_ms']['p90']:9.1f} "
-              f"{s['itl_ms']['p99']:9.1f} {s['ttft_ms']['p50']:9.1f} {s['long_ttft_ms']['p50']:14.1f}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
+    return _report(out, args.json)
 
 
 if __name__ == "__main__":
