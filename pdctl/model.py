@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import EngineMissingError, PdctlError
+from pdctl.recipe import RECIPE_REQUESTS
 
 __all__ = ["SIZES", "TINY_MODEL_FILES", "TinyModel", "TinyModelSpec", "generate_tiny_model", "model_digest"]
 
@@ -45,8 +46,7 @@ CHATML_TEMPLATE = (
 
 # Mixed English/Chinese text (including the recipe's test prompts) so the merges cover both scripts.
 TRAINING_TEXT = (
-    "用一句话解释 KV Cache",
-    "写一段 200 字的自我介绍",
+    *(r.prompt for r in RECIPE_REQUESTS),
     "KV Cache 是大模型推理时缓存注意力键和值的技术，可以避免重复计算。",
     "预填充阶段计算提示词的缓存，解码阶段逐个生成新的词元。",
     "把预填充和解码分开部署，可以同时满足首字延迟和每字延迟的目标。",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,8 +24,8 @@ import pytest
 from pdctl.bench.metrics import SLO
 from pdctl.bench.runner import BenchTarget, LoadShape, kv_summary, run_ab, run_async, run_once
 from pdctl.bench.workload import WorkloadSpec, make_workload
-from pdctl.sim.testing import SimProcess, free_port, start_sim
 from pdctl.sim.timing import get_profile
+from pdctl.testing import SimProcess, free_port, start_sim, stop_group
 
 SLOW = ["--sim-profile", "h100", "--sim-speed", "0.25", "--sim-kv-scale", "0.001"]
 PD_ARGS = ["--sim-profile", "h100", "--sim-speed", "0.5", "--sim-kv-scale", "0.001"]
@@ -87,12 +86,7 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., str]]:
 
     yield start
     for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        stop_group(proc, 10)
 
 
 def test_measured_ttft_and_tpot_match_the_sim_profile(sims: Callable[..., SimProcess]) -> None:

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from pdctl.cli import app
 from pdctl.model import SPECIAL_TOKENS, TINY_MODEL_FILES, generate_tiny_model, model_digest
+from pdctl.recipe import RECIPE_REQUESTS
 
-RECIPE_PROMPTS = ("用一句话解释 KV Cache", "写一段 200 字的自我介绍")
+RECIPE_PROMPTS = tuple(r.prompt for r in RECIPE_REQUESTS)
 
 needs_transformers = pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("transformers", "torch", "tokenizers")),

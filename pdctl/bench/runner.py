@@ -38,6 +38,7 @@ from pdctl.bench.client import BenchClient, Endpoint, RequestResult
 from pdctl.bench.metrics import SLO, Summary, percentile, summarize, tpot_s
 from pdctl.bench.workload import Workload, new_run_id
 from pdctl.errors import PdctlError
+from pdctl.promtext import samples
 
 __all__ = [
     "BenchError",
@@ -176,21 +177,13 @@ def parse_metrics(text: str) -> dict[str, float]:
 
     ``engine``/``model_name`` labels are dropped (summed), ``_bucket``/``_created`` samples skipped.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError):
-        return out
-    for fam in families:
-        for sample in fam.samples:
-            name = sample.name
-            if not name.startswith(_METRIC_PREFIXES) or name.endswith(("_bucket", "_created")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in _IGNORED_LABELS)
-            key = f"{name}{{{labels}}}" if labels else name
-            out[key] = out.get(key, 0.0) + float(sample.value)
+    for name, sample_labels, value in samples(text, _METRIC_PREFIXES):
+        if name.endswith(("_bucket", "_created")):
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(sample_labels.items()) if k not in _IGNORED_LABELS)
+        key = f"{name}{{{labels}}}" if labels else name
+        out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdctl.errors import PdctlError
+from pdctl.recipe import RECIPE_REQUESTS
 
 __all__ = [
     "DOC_PROMPTS",
@@ -46,10 +47,7 @@ __all__ = [
 RequestKind = Literal["doc", "random", "short", "long", "sharegpt", "trace"]
 
 # The recipe's two verification requests (section 4), in its own words.
-DOC_PROMPTS: tuple[tuple[str, int], ...] = (
-    ("用一句话解释 KV Cache", 32),
-    ("写一段 200 字的自我介绍", 256),
-)
+DOC_PROMPTS: tuple[tuple[str, int], ...] = tuple((r.prompt, r.max_tokens) for r in RECIPE_REQUESTS)
 
 # Common English words that most BPE vocabularies encode as one token each (with their leading space).
 WORDS = (
