@@ -205,6 +205,7 @@ def test_sweep_moves_the_same_kv_per_request_at_every_rate(
         env={"PDCTL_API_KEY": KEY},
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    assert "[long] TTFT p50 / p90 / p99 (ms)" in result.output and "[short] ITL max (ms)" in result.output
     runs = json.loads(out.read_text())
     assert [r["request_rate"] for r in runs] == [2.0, 4.0, 8.0] and all(r["completed"] == 12 for r in runs)
     kv = [r["pdctl"]["kv_transfer"] for r in runs]

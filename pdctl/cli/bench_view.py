@@ -190,9 +190,11 @@ def _summary_rows(s: Summary) -> list[tuple[str, str]]:
         rows.append(("paths", ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items()))))
     rows.append(("client lag p99 / max (ms)", f"{_fmt(s.lag.percentiles.get(99.0, s.lag.max))} / {_fmt(s.lag.max)}"))
     for kind, d in sorted(s.by_kind.items()):
-        rows.append(
-            (f"[{kind}] TPOT p50 / p90 (ms)", f"{_fmt(d['tpot'].median)} / {_fmt(d['tpot'].percentiles.get(90.0))}")
-        )
+        for name in ("ttft", "tpot"):
+            st = d[name]
+            pct = " / ".join(_fmt(v) for v in (st.median, st.percentiles.get(90.0), st.percentiles.get(99.0)))
+            rows.append((f"[{kind}] {name.upper()} p50 / p90 / p99 (ms)", pct))
+        rows.append((f"[{kind}] ITL max (ms)", _fmt(d["itl"].max if d["itl"].count else None)))
     return rows
 
 
