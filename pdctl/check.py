@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import os
 import re
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import Deployment
+from pdctl.config import Deployment, WorkerConfig
 from pdctl.errors import ConfigError
+from pdctl.identity import WorkerIdentity, identity_problems
+from pdctl.modelinfo import ContextLength, context_length
 from pdctl.plan import VllmInstall, detect_vllm
-from pdctl.protocol import connector_kind
+from pdctl.protocol import NIXL_CONNECTORS, UNSUPPORTED_CONNECTORS, connector_kind
 
 __all__ = ["RULES", "Finding", "KeyUse", "describe_key", "finding_from_error", "known_connectors", "run_checks"]
 
@@ -37,6 +40,9 @@ class Finding:
     key: str | None
     message: str
     hint: str | None = None
+    #: Alternative fixes, each a set of ``config.toml`` keys and the values that make the finding go away and
+    #: the deployment start (the hint is written from them; a test applies each one and starts it).
+    fixes: tuple[Mapping[str, object], ...] = ()
 
     def to_json(self) -> dict[str, object]:
         """The ``check --json`` shape."""
@@ -48,7 +54,13 @@ class Finding:
             "key": self.key,
             "message": self.message,
             "hint": self.hint,
+            "fixes": [dict(f) for f in self.fixes],
         }
+
+
+def _fix_text(fixes: Iterable[Mapping[str, object]]) -> str:
+    """``set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set ...``."""
+    return ", or ".join("set " + " and ".join(f"{k} = {json.dumps(v)}" for k, v in fix.items()) for fix in fixes)
 
 
 def finding_from_error(err: ConfigError) -> Finding:
@@ -92,12 +104,22 @@ class _Ctx:
     vllm: VllmInstall
     env: dict[str, str]
 
+    contexts: Mapping[str, ContextLength]
+    parse_with_vllm: bool = False
+
     def at(
-        self, code: str, severity: Severity, file: str, key: str | None, message: str, hint: str | None = None
-    ) -> Finding:
+        self, code: str, severity: Severity, file: str, key: str | None, message: str, hint: str | None = None,
+        fixes: tuple[Mapping[str, object], ...] = (),
+    ) -> Finding:  # fmt: skip
         path = self.dep.config_path if file == "config" else self.dep.settings_path
         line = self.dep.sources.line(path, key) if key else None
-        return Finding(code, severity, Path(path).name, line, key, message, hint)
+        if fixes:
+            hint = _fix_text(fixes) + (f" ({hint})" if hint else "")
+        return Finding(code, severity, Path(path).name, line, key, message, hint, fixes)
+
+    def max_model_len(self, w: WorkerConfig) -> int | None:
+        """The ``max_model_len`` vLLM will use on ``w``: the configured one, else the model's context length."""
+        return w.max_model_len or self.contexts[w.name].tokens
 
 
 Rule = Callable[[_Ctx], Iterable[Finding]]
@@ -161,6 +183,9 @@ def _connector_exists(c: _Ctx) -> Iterable[Finding]:
             source = f"vLLM {c.vllm.version}" if c.vllm.version else "pdctl's table of vLLM connectors"
             yield c.at("PD003", "error", "config", key, f"unknown connector {name} (not in {source})",
                        f"one of: {', '.join(sorted(known))}")  # fmt: skip
+        elif name in UNSUPPORTED_CONNECTORS:
+            yield c.at("PD029", "error", "config", key, f"pdctl cannot run {name}: {UNSUPPORTED_CONNECTORS[name]}",
+                       fixes=({key: "NixlConnector"},))  # fmt: skip
 
 
 def _models(c: _Ctx) -> Iterable[Finding]:
@@ -225,25 +250,92 @@ def _memory(c: _Ctx) -> Iterable[Finding]:
                        f"on vLLM CPU this is a fraction of the NUMA node's memory; {u} usually fails at "
                        "startup ('Available memory on node ... is less than desired')",
                        'use 0.2 and env = { VLLM_CPU_KVCACHE_SPACE = "1" }')  # fmt: skip
-    for w in c.dep.workers:
-        if w.enable_chunked_prefill is False and w.max_num_batched_tokens is not None:
-            if w.max_model_len is not None and w.max_model_len > w.max_num_batched_tokens:
-                yield c.at("PD024", "error", "config", f"{w.table}.max_num_batched_tokens",
-                           f"chunked prefill is off and max_num_batched_tokens ({w.max_num_batched_tokens}) is "
-                           f"smaller than max_model_len ({w.max_model_len}): vLLM refuses to start",
-                           f"set max_model_len = {w.max_num_batched_tokens}, raise max_num_batched_tokens, or "
-                           "enable chunked prefill")  # fmt: skip
-            elif w.max_model_len is None:
-                yield c.at("PD024", "warning", "config", f"{w.table}.max_num_batched_tokens",
-                           f"chunked prefill is off, so vLLM refuses to start when the model's context length "
-                           f"exceeds max_num_batched_tokens ({w.max_num_batched_tokens}) — Qwen3-8B's is 40960",
-                           f"set max_model_len = {w.max_num_batched_tokens} (or less) on this worker")  # fmt: skip
     for w in c.dep.prefill:
         if (w.max_num_batched_tokens or 0) > 4096 and w.enable_chunked_prefill is False:
             yield c.at("PD011", "warning", "config", f"{w.table}.max_num_batched_tokens",
                        f"{w.max_num_batched_tokens} tokens in one step with chunked prefill off: a long prompt "
                        "computes all its KV at once and may run out of memory (recipe §5.3)",
-                       "set enable_chunked_prefill = true or max_num_batched_tokens = 4096")  # fmt: skip
+                       fixes=({f"{w.table}.enable_chunked_prefill": True},))  # fmt: skip
+
+
+def _agreed_len(c: _Ctx) -> int | None:
+    """The one ``max_model_len`` every worker can start with: the smallest limit any of them has."""
+    limits: list[int] = []
+    for w in c.dep.workers:
+        limits += [n for n in (c.max_model_len(w), c.contexts[w.name].tokens) if n is not None]
+        if w.enable_chunked_prefill is False and w.max_num_batched_tokens is not None:
+            limits.append(w.max_num_batched_tokens)
+    return min(limits) if limits else None
+
+
+def _len_fixes(c: _Ctx) -> tuple[Mapping[str, object], ...]:
+    n = _agreed_len(c)
+    return ({f"{w.table}.max_model_len": n for w in c.dep.workers},) if n is not None else ()
+
+
+def _allows_long(c: _Ctx, w: WorkerConfig) -> bool:
+    value = w.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", c.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", ""))
+    return value.lower() in ("1", "true")
+
+
+def _lengths(c: _Ctx) -> Iterable[Finding]:
+    """What vLLM's start-up checks of lengths refuse (``SchedulerConfig.verify_max_model_len``,
+    ``_get_and_verify_max_len``), with the model's context length from :mod:`pdctl.modelinfo`."""
+    for w in c.dep.workers:
+        ctx = c.contexts[w.name]
+        if w.max_model_len is not None and ctx.tokens is not None and w.max_model_len > ctx.tokens:
+            if not _allows_long(c, w):
+                yield c.at("PD026", "error", "config", f"{w.table}.max_model_len",
+                           f"max_model_len {w.max_model_len} is more than {w.model}'s context length {ctx.tokens} "
+                           f"(from {ctx.source}): vLLM refuses to start", fixes=_len_fixes(c))  # fmt: skip
+        batched = w.max_num_batched_tokens
+        if w.enable_chunked_prefill is not False or batched is None:
+            continue
+        max_len = c.max_model_len(w)
+        fixes = (*_len_fixes(c), {f"{w.table}.enable_chunked_prefill": True})
+        if max_len is not None and batched < max_len:
+            source = "max_model_len" if w.max_model_len else f"{w.model}'s context length, from {ctx.source}"
+            yield c.at("PD024", "error", "config", f"{w.table}.max_num_batched_tokens",
+                       f"chunked prefill is off and max_num_batched_tokens ({batched}) is smaller than "
+                       f"max_model_len ({max_len}; {source}): vLLM refuses to start", fixes=fixes)  # fmt: skip
+        elif max_len is None:
+            yield c.at("PD024", "warning", "config", f"{w.table}.max_num_batched_tokens",
+                       f"chunked prefill is off, so vLLM refuses to start if the model's context length exceeds "
+                       f"max_num_batched_tokens ({batched}); that length is {ctx.source}", fixes=fixes)  # fmt: skip
+
+
+def _identity(c: _Ctx) -> Iterable[Finding]:
+    """PD027: what the warm-up's identity rule (:func:`pdctl.identity.identity_problems`) would refuse."""
+    workers = c.dep.workers
+    if not workers:
+        return
+
+    def identity(w: WorkerConfig) -> WorkerIdentity:
+        version = "the simulator" if w.engine == "sim" else f"vLLM {c.vllm.version}"
+        return WorkerIdentity(w.model_name, None, c.max_model_len(w), version, None)
+
+    ref = workers[0]
+    for w in workers[1:]:
+        if w.model != ref.model:
+            continue  # PD004 / PD005 say it
+        a, b = identity(ref), identity(w)
+        if (a.max_model_len is None) != (b.max_model_len is None):
+            unknown = ref if a.max_model_len is None else w
+            yield c.at("PD027", "warning", "config", f"{unknown.table}.max_model_len",
+                       f"{unknown.name}'s max_model_len comes from the model and its length is "
+                       f"{c.contexts[unknown.name].source}: the warm-up refuses prefill and decode with different "
+                       "max_model_len", fixes=_len_fixes(c))  # fmt: skip
+        for problem in identity_problems(ref.name, a, w.name, b, require_tokenize=False):
+            field = problem.split(":", 1)[0]
+            message = f"the warm-up refuses workers that differ in what they report ({problem})"
+            if field == "max_model_len" and a.max_model_len is not None and b.max_model_len is not None:
+                yield c.at("PD027", "error", "config", f"{w.table}.max_model_len", message, fixes=_len_fixes(c))
+            elif field == "id":
+                yield c.at("PD027", "error", "config", f"{w.table}.served_model_name", message,
+                           fixes=({f"{w.table}.served_model_name": ref.model_name},))  # fmt: skip
+            elif field == "version":
+                yield c.at("PD027", "error", "config", f"{w.table}.engine", message,
+                           fixes=({f"{w.table}.engine": ref.engine},))  # fmt: skip
 
 
 def _devices(c: _Ctx) -> Iterable[Finding]:
@@ -337,9 +429,9 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
                    "with kv_consumer", 'remove kv_role, or leave it: pdctl sets the role per worker')  # fmt: skip
     gran = dep.kv_transfer.granularity
     if "kv_transfer.granularity" in dep.config_keys:
-        if name.startswith("Nixl"):
+        if name in NIXL_CONNECTORS:
             msg = (
-                f'granularity "{gran}": {name} has decode pull whole KV blocks once prefill finished; vLLM has '
+                f'granularity "{gran}": {name} moves whole KV blocks once prefill finished; vLLM has '
                 "no per-layer or per-request switch for it, so this setting changes nothing in the plan"
             )
         elif connector_kind(name) == "shared_storage":
@@ -352,7 +444,7 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
         yield c.at("PD020", "info", "config", "kv_transfer.granularity", msg)
     if "kv_transfer.timeout_ms" in dep.config_keys:
         parts = [f"the gateway's deadline for the KV handoff (decode's first token) is {dep.kv_transfer.timeout_ms} ms"]
-        if name.startswith("Nixl"):
+        if name in NIXL_CONNECTORS:
             lease = max(1, -(-dep.kv_transfer.timeout_ms // 1000))
             parts.append(f"prefill holds KV for decode for kv_lease_duration = {lease} s")
         yield c.at("PD021", "info", "config", "kv_transfer.timeout_ms", "timeout_ms maps to: " + "; ".join(parts))
@@ -388,16 +480,80 @@ def _sim(c: _Ctx) -> Iterable[Finding]:
                    "set kv_scale = 0.001: simulated transfer times still use the full size")  # fmt: skip
 
 
-RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _devices, _ports,
-                           _mappings, _sim)  # fmt: skip
+RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _lengths, _identity,
+                           _devices, _ports, _mappings, _sim)  # fmt: skip
+
+
+def _context_of(dep: Deployment, w: WorkerConfig, env: Mapping[str, str]) -> ContextLength:
+    local = _is_local(w.model)
+    model = dep.resolve_path(w.model) if local else w.model
+    if w.engine == "sim":
+        from pdctl.sim.__main__ import default_max_model_len
+
+        return ContextLength(default_max_model_len(model, dep.sim.profile), "the simulator's default for it")
+    return context_length(model, local=local, env=env)
+
+
+def _vllm_refusals(c: _Ctx, found: list[Finding]) -> Iterable[Finding]:
+    """PD028: the planned command lines run through vLLM's own parser and config classes (:mod:`pdctl.vllm_args`)."""
+    from pdctl.plan import build_plan
+    from pdctl.vllm_args import Command, ValidatorUnavailable, validate_commands
+
+    workers = {w.name: w for w in c.dep.workers if w.engine == "vllm"}
+    if not workers or c.vllm.distribution is None:
+        return
+    plan = build_plan(c.dep, c.vllm)
+    launch = len(plan.vllm.launch)
+    commands = [Command(p.name, p.argv[launch:], c.contexts[p.name].tokens) for p in plan.workers if p.name in workers]
+    try:
+        refusals = validate_commands(commands)
+    except ValidatorUnavailable as exc:
+        yield c.at("PD028", "info", "config", None, f"the command lines were not run through vLLM's parser: {exc}")
+        return
+    flagged = {f.key for f in found if f.severity == "error"}
+    for r in refusals:
+        w = workers[r.worker]
+        key = _key_of_flag(w, r.flag)
+        if key in flagged:
+            continue  # a pdctl rule already said it, with a fix
+        yield c.at("PD028", "error", "config", key,
+                   f"vLLM {c.vllm.version} refuses {w.name}'s command line ({r.flag or 'no flag named'}): {r.message}",
+                   "`pdctl plan` shows the exact command line; change the key behind that flag")  # fmt: skip
+
+
+def _key_of_flag(w: WorkerConfig, flag: str | None) -> str:
+    """The config key that puts ``flag`` on ``w``'s command line (its table when none does)."""
+    if flag is None:
+        return w.table
+    if flag == "--kv-transfer-config":
+        return "connector"
+    if any(a == flag or a.startswith(flag + "=") for a in w.extra_args):
+        return f"{w.table}.extra_args"
+    for key, use in _WORKER_KEY_USE.items():
+        if use.kind == "argv" and flag in use.detail.replace("/", " ").split():
+            return f"{w.table}.{key}"
+    return w.table
 
 
 def run_checks(
-    dep: Deployment, *, for_up: bool = False, vllm: VllmInstall | None = None, env: dict[str, str] | None = None
+    dep: Deployment,
+    *,
+    for_up: bool = False,
+    vllm: VllmInstall | None = None,
+    env: dict[str, str] | None = None,
+    parse_with_vllm: bool = False,
 ) -> list[Finding]:
-    """All findings for ``dep``; ``for_up`` makes environment problems (unset key, busy ports) errors."""
-    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), dict(os.environ) if env is None else env)
+    """All findings for ``dep``; ``for_up`` makes environment problems (unset key, busy ports) errors.
+
+    ``parse_with_vllm`` also runs the planned command lines through the installed vLLM's parser (PD028;
+    a child process, ~5-15 s).
+    """
+    environ = dict(os.environ) if env is None else env
+    contexts = {w.name: _context_of(dep, w, environ) for w in dep.workers}
+    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), environ, contexts, parse_with_vllm)
     findings = [f for rule in RULES for f in rule(ctx)]
+    if parse_with_vllm:
+        findings += list(_vllm_refusals(ctx, findings))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(findings, key=lambda f: (order[f.severity], f.file, f.line or 0))
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import EngineMissingError, PdctlError
+from pdctl.modelinfo import read_json_object
 
 __all__ = ["TINY_MODEL_FILES", "TinyModel", "TinyModelSpec", "generate_tiny_model", "model_digest"]
 
@@ -103,7 +104,7 @@ def generate_tiny_model(
         raise PdctlError(f"{root}: exists and is not a folder", hint="choose another path for the model")
     if root.is_dir() and any(root.iterdir()):
         if not force:
-            existing = _read_marker(marker)
+            existing = read_json_object(marker)
             if existing is not None and existing.get("seed") == seed and _complete(root):
                 return TinyModel(
                     path=root,
@@ -181,14 +182,6 @@ def generate_tiny_model(
         files=tuple(sorted(p.name for p in root.iterdir())),
         created=True,
     )
-
-
-def _read_marker(marker: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _complete(root: Path) -> bool:

@@ -29,8 +29,17 @@ def codes(
 def test_recipe_baseline(recipe_files) -> None:  # type: ignore[no-untyped-def]
     found = codes(*recipe_files())
     assert set(found) == BASELINE
-    assert all(f.severity != "error" for fs in found.values() for f in fs)
-    assert found["PD024"][0].severity == "warning" and found["PD024"][0].key == "prefill.max_num_batched_tokens"
+    assert [f.code for fs in found.values() for f in fs if f.severity == "error"] == ["PD024"]
+    pd024 = found["PD024"][0]
+    assert (pd024.key, pd024.line) == ("prefill.max_num_batched_tokens", 21)
+    assert "smaller than max_model_len (40960; Qwen/Qwen3-8B's context length, from pdctl's table" in pd024.message
+    assert pd024.fixes == (
+        {"prefill.max_model_len": 8192, "decode.max_model_len": 8192},
+        {"prefill.enable_chunked_prefill": True},
+    )
+    assert pd024.hint == (
+        "set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set prefill.enable_chunked_prefill = true"
+    )
     gran = found["PD020"][0]
     assert (gran.file, gran.line, gran.key) == ("config.toml", 12, "kv_transfer.granularity")
     assert "changes nothing" in gran.message
@@ -243,13 +252,13 @@ def test_every_recipe_key_is_mapped_or_reported(recipe_files) -> None:  # type: 
 
 
 def test_check_cli_json_and_exit_codes(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
-    cpath, spath = recipe_files()
-    res = cli("check", "-c", str(cpath), "-s", str(spath), "--json", env=KEY_ENV)
+    cpath, spath = recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = true"})
+    res = cli("check", "-c", str(cpath), "-s", str(spath), "--json", "--no-vllm-parse", env=KEY_ENV)
     assert res.exit_code == 0  # type: ignore[attr-defined]
     data = json.loads(res.stdout)  # type: ignore[attr-defined]
-    assert {"code", "severity", "file", "line", "key", "message", "hint"} <= set(data["findings"][0])
+    assert {"code", "severity", "file", "line", "key", "message", "hint", "fixes"} <= set(data["findings"][0])
     bad, sbad = recipe_files({'kv_connector = "NixlConnector"': 'kv_connector = "SharedStorageConnector"'})
-    res = cli("check", "-c", str(bad), "-s", str(sbad), env=KEY_ENV)
+    res = cli("check", "-c", str(bad), "-s", str(sbad), "--no-vllm-parse", env=KEY_ENV)
     assert res.exit_code == 1  # type: ignore[attr-defined]
     assert "PD003" in res.stdout and "ExampleConnector" in res.stdout  # type: ignore[attr-defined]
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,25 @@ def test_recipe_files_load_unchanged() -> None:
 
 
 @pytest.mark.skipif(not SEED.is_dir(), reason="shared/seed not beside the checkout")
-def test_examples_are_the_seed_verbatim() -> None:
+def test_recipe_fixture_is_the_seed_verbatim() -> None:
     for name in ("config.toml", "settings.json"):
-        seed = (SEED / name).read_bytes()
-        assert (RECIPE / name).read_bytes() == seed
-        assert (REPO / "pdctl" / "data" / name).read_bytes() == seed
+        assert (RECIPE / name).read_bytes() == (SEED / name).read_bytes()
+
+
+def test_init_templates_are_the_recipe_plus_max_model_len_only() -> None:
+    """`pdctl init` writes the recipe's values; it only adds max_model_len (with a comment) on both workers."""
+    data = REPO / "pdctl" / "data"
+    assert (data / "settings.json").read_bytes() == (RECIPE / "settings.json").read_bytes()
+    diff = list(
+        difflib.ndiff(
+            (RECIPE / "config.toml").read_text().splitlines(), (data / "config.toml").read_text().splitlines()
+        )
+    )
+    assert not [d for d in diff if d.startswith("- ")]
+    added = [d[2:] for d in diff if d.startswith("+ ")]
+    assert [a for a in added if not a.startswith("#")] == ["max_model_len = 8192", "max_model_len = 8192"]
+    for name in ("config.toml", "settings.json"):  # the GPU example is what init writes
+        assert (REPO / "examples" / "gpu-2gpu" / name).read_bytes() == (data / name).read_bytes()
 
 
 @pytest.mark.parametrize(

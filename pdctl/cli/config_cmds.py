@@ -61,10 +61,17 @@ def check(
     config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
     settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
     as_json: JsonOpt = False,
+    vllm_parse: Annotated[
+        bool, typer.Option("--vllm-parse/--no-vllm-parse", help="Run the command lines through vLLM's parser.")
+    ] = True,
 ) -> None:
-    """Validate both files and lint them against the recipe's pitfalls (exit 1 on errors)."""
+    """Validate both files and lint them against the recipe's pitfalls (exit 1 on errors).
+
+    With vLLM installed, each worker's planned command line also goes through vLLM's own argument parser and
+    config classes (a few seconds; no GPU, no weights).
+    """
     try:
-        findings = run_checks(config.load(config_path, settings_path))
+        findings = run_checks(config.load(config_path, settings_path), parse_with_vllm=vllm_parse)
     except ConfigError as err:
         findings = [finding_from_error(err)]
     if as_json:
