@@ -77,11 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_context(model: str) -> int | None:
+    local = model.startswith((".", "/", "~")) or os.path.isdir(model)
+    return context_length(model, local=local).tokens
+
+
 def default_max_model_len(model: str, profile: str) -> int:
     """The simulator's ``max_model_len`` when none is given: the model's context length as vLLM derives it
     (:mod:`pdctl.modelinfo`), else 32768 for the ``fast`` profile and Qwen3-8B's 40960 for the others."""
-    local = model.startswith((".", "/", "~")) or os.path.isdir(model)
-    found = context_length(model, local=local).tokens
+    found = _model_context(model)
     return found if found is not None else (32768 if profile == "fast" else 40960)
 
 
@@ -152,6 +156,14 @@ def _engine_config(args: argparse.Namespace, log: L.VllmLog) -> EngineConfig:
     served = (args.served_model_name or [model])[0]
     chunked = True if args.chunked is None else bool(args.chunked)
     max_len = args.max_model_len or default_max_model_len(model, profile.name)
+    derived = _model_context(model)
+    allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() in ("1", "true")
+    if args.max_model_len and derived is not None and args.max_model_len > derived and not allow_long:
+        raise _Fatal(
+            f"User-specified max_model_len ({args.max_model_len}) is greater than the derived max_model_len "
+            f"({derived} in model's config.json). To allow overriding this maximum, set the env var "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
+        )
     batched = args.max_num_batched_tokens or (8192 if chunked else max(8192, max_len))
     if not chunked and batched < max_len:
         raise _Fatal(
