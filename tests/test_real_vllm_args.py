@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from pdctl.check import run_checks
+from pdctl.check import Finding, run_checks
 from pdctl.config import Deployment, load
 from pdctl.init import write_templates
 from pdctl.plan import build_plan, detect_vllm
@@ -59,12 +59,17 @@ def test_every_planned_command_line_parses(tmp_path: Path) -> None:
     assert validate_commands(commands) == []
 
 
+def _init_errors(tmp: Path, old: str, new: str) -> list[Finding]:
+    """Errors of `pdctl init`'s files with one edit, vLLM's parser included."""
+    write_templates(tmp)
+    cfg = tmp / "config.toml"
+    cfg.write_text(cfg.read_text().replace(old, new))
+    dep = load(cfg, tmp / "settings.json")
+    return [f for f in run_checks(dep, env=dict(os.environ) | ENV, parse_with_vllm=True) if f.severity == "error"]
+
+
 def test_a_refused_flag_is_an_error_naming_worker_and_key(tmp_path: Path) -> None:
-    write_templates(tmp_path)
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(cfg.read_text().replace("max_num_seqs = 64", 'max_num_seqs = 64\nextra_args = ["--no-such-flag"]'))
-    dep = load(cfg, tmp_path / "settings.json")
-    found = [f for f in run_checks(dep, env=dict(os.environ) | ENV, parse_with_vllm=True) if f.severity == "error"]
+    found = _init_errors(tmp_path, "max_num_seqs = 64", 'max_num_seqs = 64\nextra_args = ["--no-such-flag"]')
     assert [(f.code, f.key) for f in found] == [("PD028", "decode.extra_args")]
     assert "decode's command line (--no-such-flag)" in found[0].message
     assert "unrecognized arguments: --no-such-flag" in found[0].message
@@ -72,10 +77,6 @@ def test_a_refused_flag_is_an_error_naming_worker_and_key(tmp_path: Path) -> Non
 
 def test_scheduler_refusal_comes_from_vllm_when_pdctl_has_no_rule_for_it(tmp_path: Path) -> None:
     """vLLM's SchedulerConfig also refuses max_num_batched_tokens < max_num_seqs; pdctl has no rule of its own."""
-    write_templates(tmp_path)
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(cfg.read_text().replace("max_num_batched_tokens = 2048", "max_num_batched_tokens = 32"))
-    dep = load(cfg, tmp_path / "settings.json")
-    found = [f for f in run_checks(dep, env=dict(os.environ) | ENV, parse_with_vllm=True) if f.severity == "error"]
+    found = _init_errors(tmp_path, "max_num_batched_tokens = 2048", "max_num_batched_tokens = 32")
     assert [(f.code, f.key) for f in found] == [("PD028", "decode.max_num_batched_tokens")]
     assert "must be greater than or equal to max_num_seqs (64)" in found[0].message
