@@ -594,7 +594,7 @@ _WORKER_KEY_USE: dict[str, KeyUse] = {
     "name": KeyUse("supervisor", "process name in status and logs"),
 }
 _KEY_USE: dict[str, KeyUse] = {
-    "cluster.name": KeyUse("supervisor", "deployment name shown by status"),
+    "cluster.name": KeyUse("supervisor", "deployment name shown by `pdctl plan` (and in plan --json)"),
     "cluster.gateway_host": KeyUse("gateway", "gateway bind address (must agree with gateway.listen)"),
     "cluster.gateway_port": KeyUse("gateway", "gateway port (must agree with gateway.listen)"),
     "kv_transfer.backend": KeyUse("check", "checked against the connector"),

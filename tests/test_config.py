@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,31 @@ def test_parse_endpoint_and_listen() -> None:
     assert config.parse_listen("[::1]:8000") == ("::1", 8000)
     with pytest.raises(ValueError):
         config.parse_endpoint("127.0.0.1:8100")
+
+
+def test_settings_json_given_as_config_gets_a_hint(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The recipe spells it `pdctl gateway --config settings.json`; -c takes config.toml."""
+    (tmp_path / "settings.json").write_bytes((RECIPE / "settings.json").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    res = cli("gateway", "--config", "settings.json", env={"TAOTOKEN_API_KEY": "sk-x"})
+    assert res.exit_code == 2
+    assert "settings.json:1:0: invalid TOML" in res.output
+    assert "pass it with -s/--settings (-c/--config takes config.toml)" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_check_with_relative_paths_names_lines(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    for name in ("config.toml", "settings.json"):
+        (tmp_path / name).write_bytes((RECIPE / name).read_bytes())
+    monkeypatch.chdir(tmp_path)
+    res = cli("check", "--json", "--no-vllm-parse", env={"TAOTOKEN_API_KEY": "sk-x"})
+    pd024 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "PD024"]
+    assert [(f["file"], f["line"]) for f in pd024] == [("config.toml", 21)]
+
+
+def test_plan_shows_the_cluster_name(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files({'name = "pd-disagg-demo"': 'name = "team-a-pd"'})
+    res = cli("plan", "-c", str(cpath), "-s", str(spath), "--json")
+    assert json.loads(res.stdout)["cluster"] == "team-a-pd"
+    res = cli("plan", "-c", str(cpath), "-s", str(spath))
+    assert res.stdout.splitlines()[0] == "deployment team-a-pd"

@@ -93,13 +93,16 @@ def plan(
     """Show the exact processes `pdctl up` starts, in start order."""
     if fmt not in ("table", "sh"):
         raise typer.BadParameter("expected table or sh", param_hint="--format")
-    p = build_plan(config.load(config_path, settings_path))
+    dep = config.load(config_path, settings_path)
+    p = build_plan(dep)
     if as_json:
-        typer.echo(json.dumps({"processes": [s.to_json() for s in p.processes]}, ensure_ascii=False, indent=2))
+        out = {"cluster": dep.cluster.name, "processes": [s.to_json() for s in p.processes]}
+        typer.echo(json.dumps(out, ensure_ascii=False, indent=2))
         return
     if fmt == "sh":
         typer.echo(render_sh(p), nl=False)
         return
+    console.print(Text(f"deployment {dep.cluster.name}", style="bold underline"))
     for spec in p.processes:
         console.print(Text(f"{spec.name} ({spec.role}, wave {spec.wave})", style="bold"))
         console.print(Text(f"  url:   {spec.url}   ready: {spec.ready_url}"))
