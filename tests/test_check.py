@@ -38,7 +38,7 @@ def test_recipe_baseline(recipe_files) -> None:  # type: ignore[no-untyped-def]
         {"prefill.enable_chunked_prefill": True},
     )
     assert pd024.hint == (
-        "set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set prefill.enable_chunked_prefill = true"
+        "set prefill.max_model_len = 8192 and set decode.max_model_len = 8192, or set prefill.enable_chunked_prefill = true"
     )
     gran = found["PD020"][0]
     assert (gran.file, gran.line, gran.key) == ("config.toml", 12, "kv_transfer.granularity")

@@ -32,14 +32,21 @@ ENV = {KEY_VAR: "sk-fixes-test-0123456789"}
 
 
 def _set(doc: tomlkit.TOMLDocument, dotted: str, value: object) -> None:
+    """Set (``None``: remove) a dotted key such as ``prefill.max_model_len``, ``prefill[1].engine`` or ``sim``."""
     head, _, leaf = dotted.partition(".")
-    table = doc[head.split("[")[0]]
+    if not leaf:
+        doc[head] = value
+        return
+    table = doc.setdefault(head.split("[")[0], tomlkit.table())
     if "[" in head:
         table = table[int(head.split("[")[1].rstrip("]"))]  # type: ignore[index]
-    table[leaf] = value  # type: ignore[index]
+    if value is None:
+        table.pop(leaf, None)  # type: ignore[union-attr]
+    else:
+        table[leaf] = value  # type: ignore[index]
 
 
-def make_case(d: Path, edits: Mapping[str, object] = (), source: Path = RECIPE) -> Path:  # type: ignore[assignment]
+def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path = RECIPE) -> Path:
     """The files of ``source`` in ``d``, on the simulator with free ports, plus ``edits`` (dotted keys)."""
     d.mkdir(parents=True, exist_ok=True)
     doc = tomlkit.parse((source / "config.toml").read_text(encoding="utf-8"))
@@ -50,7 +57,7 @@ def make_case(d: Path, edits: Mapping[str, object] = (), source: Path = RECIPE) 
     gateway_port = free_port()
     doc["cluster"]["gateway_host"] = "127.0.0.1"  # type: ignore[index]
     doc["cluster"]["gateway_port"] = gateway_port  # type: ignore[index]
-    for key, value in dict(edits).items():
+    for key, value in (edits or {}).items():
         _set(doc, key, value)
     (d / "config.toml").write_text(tomlkit.dumps(doc), encoding="utf-8")
     settings = json.loads((source / "settings.json").read_text(encoding="utf-8"))
@@ -105,29 +112,54 @@ def assert_starts(d: Path, started: list[Path]) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-CASES = {
+INIT = "init"  # stands for `pdctl init`'s files, written into the test's folder
+# name: (source, edits, the codes whose fixes are applied; every error must have fixes too)
+CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     # The recipe as written: chunked prefill off, 8192 batched tokens, Qwen3-8B's 40960 context.
-    "recipe": {},
+    "recipe": ("recipe", {}, {"PD024", "PD011"}),
     # PD024's first hint followed on prefill only: the warm-up would refuse 8192 vs 40960.
-    "prefill-only-max-model-len": {"prefill.max_model_len": 8192},
+    "prefill-only-max-model-len": ("recipe", {"prefill.max_model_len": 8192}, {"PD027"}),
     # More than the model's context on both workers (chunked prefill on, so PD024 stays out of it).
-    "over-context": {"prefill.enable_chunked_prefill": True, "prefill.max_model_len": 65536,
-                     "decode.max_model_len": 65536},
+    "over-context": ("recipe", {"prefill.enable_chunked_prefill": True, "prefill.max_model_len": 65536,
+                                "decode.max_model_len": 65536}, {"PD026"}),
     # Different served names: the warm-up compares /v1/models ids.
-    "served-name": {"prefill.enable_chunked_prefill": True, "decode.served_model_name": "qwen"},
+    "served-name": (INIT, {"decode.served_model_name": "qwen"}, {"PD027"}),
+    "connector-override": (INIT, {"decode.kv_connector": "ExampleConnector"}, {"PD001"}),
+    "memory-fraction": (INIT, {"prefill.gpu_memory_utilization": 1.5}, {"PD009"}),
+    "decode-memory": (INIT, {"decode.gpu_memory_utilization": 0.97}, {"PD010"}),
+    "tensor-parallel": (INIT, {"prefill.gpu_ids": [0, 2]}, {"PD012"}),
+    "sim-profile": (INIT, {"sim": {"profile": "tpu"}}, {"PD025"}),
+    "sim-link": (INIT, {"kv_transfer.link": "carrier-pigeon"}, {"PD025"}),
+    "sim-kv-scale": (INIT, {"sim": {"profile": "h100", "kv_scale": 0.5}}, {"PD025"}),
 }  # fmt: skip
+
+
+def source_dir(tmp: Path, source: str) -> Path:
+    if source == INIT:
+        write_templates(tmp / "init")
+        return tmp / "init"
+    return RECIPE
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_fix_of_every_error_starts_on_the_simulator(case: str, tmp_path: Path, started: list[Path]) -> None:
-    found = errors(make_case(tmp_path / "case", CASES[case]))
-    assert found, "the case must have an error to fix"
-    alternatives = {json.dumps(dict(fix), sort_keys=True): fix for f in found for fix in f.fixes}
+    source, edits, codes = CASES[case]
+    src = source_dir(tmp_path, source)
+    d = make_case(tmp_path / "case", edits, src)
+    dep = load(d / "config.toml", d / "settings.json")
+    found = [
+        f for f in run_checks(dep, for_up=True, env=dict(os.environ) | ENV) if f.code in codes or f.severity == "error"
+    ]
+    assert codes <= {f.code for f in found}
     assert all(f.fixes for f in found), [f for f in found if not f.fixes]
+    alternatives = {json.dumps(dict(fix), sort_keys=True): fix for f in found for fix in f.fixes}
     for i, fix in enumerate(alternatives.values()):
-        d = make_case(tmp_path / f"fix{i}", CASES[case])
-        apply_fix(d, fix)
-        assert_starts(d, started)
+        fixed = make_case(tmp_path / f"fix{i}", edits, src)
+        apply_fix(fixed, fix)
+        after = load(fixed / "config.toml", fixed / "settings.json")
+        left = {(f.code, f.key) for f in run_checks(after, for_up=True, env=dict(os.environ) | ENV)}
+        assert not left & {(f.code, f.key) for f in found if fix in f.fixes}, (fix, left)
+        assert_starts(fixed, started)
 
 
 @pytest.mark.parametrize(("case", "worker", "refusal"), [
@@ -138,7 +170,7 @@ def test_unfixed_cases_are_refused_by_up_and_by_the_engine(
     case: str, worker: str, refusal: str, tmp_path: Path
 ) -> None:
     """`up` refuses before starting anything; the planned command line itself fails at the engine's start."""
-    d = make_case(tmp_path, CASES[case])
+    d = make_case(tmp_path, CASES[case][1])
     r = pdctl(d, "up", "-d")
     assert r.returncode != 0
     assert "nothing was started" in r.stderr
