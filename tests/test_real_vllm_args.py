@@ -80,3 +80,12 @@ def test_scheduler_refusal_comes_from_vllm_when_pdctl_has_no_rule_for_it(tmp_pat
     found = _init_errors(tmp_path, "max_num_batched_tokens = 2048", "max_num_batched_tokens = 32")
     assert [(f.code, f.key) for f in found] == [("PD028", "decode.max_num_batched_tokens")]
     assert "must be greater than or equal to max_num_seqs (64)" in found[0].message
+
+
+def test_init_then_check_has_no_errors(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    """Issue 14's first 'done when': `pdctl init` followed by `pdctl check` (vLLM's parser included) gives 0 errors."""
+    assert cli("init", str(tmp_path)).exit_code == 0
+    res = cli("check", "-c", str(tmp_path / "config.toml"), "-s", str(tmp_path / "settings.json"), "--json", env=ENV)
+    findings = json.loads(res.stdout)["findings"]
+    assert res.exit_code == 0 and [f for f in findings if f["severity"] == "error"] == []
+    assert not [f for f in findings if f["code"] == "PD028"]  # it ran, and vLLM accepted both command lines
