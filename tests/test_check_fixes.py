@@ -199,3 +199,12 @@ def test_mooncake_is_refused_with_a_fix(recipe_files) -> None:  # type: ignore[n
     assert len(found) == 1 and found[0].severity == "error" and found[0].key == "connector.kv_connector"
     assert "transfer_id" in found[0].message and "remote_bootstrap_addr" in found[0].message
     assert found[0].fixes == ({"connector.kv_connector": "NixlConnector"},)
+
+
+def test_nixl_push_starts_and_passes_the_warm_up_on_the_simulator(tmp_path: Path, started: list[Path]) -> None:
+    """NixlPushConnector answers leg 1 with the same kv_transfer_params; the warm-up refuses a fallback."""
+    d = make_case(tmp_path / "push", {"connector.kv_connector": "NixlPushConnector"}, source_dir(tmp_path, INIT))
+    settings = json.loads((d / "settings.json").read_text())
+    settings["routing"]["kv_connector"] = "NixlPushConnector"
+    (d / "settings.json").write_text(json.dumps(settings))
+    assert_starts(d, started)
