@@ -46,6 +46,10 @@ UNSUPPORTED_CONNECTORS: Mapping[str, str] = {
         "the prefill's remote_bootstrap_addr (mooncake_connector.py); pdctl's gateway sends NIXL's parameters, "
         "so decode would recompute every prompt"
     ),
+    "DecodeBenchConnector": (
+        "vLLM's DecodeBenchConnector fills decode's KV cache with dummy values to benchmark decode alone "
+        "(decode_bench_connector.py); no KV moves from prefill and the output is not the model's"
+    ),
 }
 
 # Without these decode logs "Got invalid KVTransferParams" and silently recomputes the prompt.

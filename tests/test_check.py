@@ -401,3 +401,14 @@ def test_every_example_checks_without_errors(example: str) -> None:
     d = REPO / "examples" / example
     found = run_checks(load(d / "config.toml", d / "settings.json"), env=KEY_ENV)
     assert [f for f in found if f.severity == "error"] == []
+
+
+def test_decode_bench_connector_is_refused(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    bench = "DecodeBenchConnector"
+    found = codes(
+        *recipe_files(
+            {'kv_connector = "NixlConnector"': f'kv_connector = "{bench}"'}, {'"NixlConnector"': f'"{bench}"'}
+        )
+    )
+    assert [(f.severity, f.key) for f in found["PD029"]] == [("error", "connector.kv_connector")]
+    assert "dummy values" in found["PD029"][0].message
