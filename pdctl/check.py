@@ -106,9 +106,7 @@ class _Ctx:
     for_up: bool
     vllm: VllmInstall
     env: dict[str, str]
-
-    contexts: Mapping[str, ContextLength]
-    parse_with_vllm: bool = False
+    contexts: Mapping[str, ContextLength]  # per worker name: the model's context length and its source
 
     def at(
         self, code: str, severity: Severity, file: str, key: str | None, message: str, hint: str | None = None,
@@ -572,7 +570,7 @@ def run_checks(
     """
     environ = dict(os.environ) if env is None else env
     contexts = {w.name: _context_of(dep, w, environ) for w in dep.workers}
-    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), environ, contexts, parse_with_vllm)
+    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), environ, contexts)
     findings = [f for rule in RULES for f in rule(ctx)]
     if parse_with_vllm:
         findings += list(_vllm_refusals(ctx, findings))
