@@ -1,7 +1,13 @@
 """Lint rules for a Deployment (``pdctl check``): every pitfall of the recipe caught before a GPU is touched.
 
 Each rule has a stable code, a severity (``error`` blocks ``up``; ``warning`` and ``info`` do not), the
-file, line and key it is about, and a fix hint. Rules never raise; they return findings.
+file, line and key it is about, and a fix hint. Where the fix is an edit of ``config.toml``, ``Finding.fixes``
+holds it as data (alternatives of key -> value) and the hint is written from it; ``tests/test_check_fixes.py``
+applies each one and starts the result on the simulator. Rules never raise; they return findings.
+
+Besides pdctl's own rules: the model's context length (:mod:`pdctl.modelinfo`) for what vLLM refuses at
+start (PD024, PD026), the warm-up's identity rule (PD027), and, on request, the installed vLLM's own parser
+over the planned command lines (PD028, :mod:`pdctl.vllm_args`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,12 @@ from typing import Any
 __all__ = ["Command", "Refusal", "validate_commands"]
 
 _TIMEOUT_S = 120.0
+# Runs this file as __main__ without the current directory on sys.path (`python FILE` would put pdctl/ itself
+# there, and its config.py, errors.py, ... would shadow other top-level modules of the same name).
+_RUN_AS_SCRIPT = (
+    "import runpy, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+    "runpy.run_path({path!r}, run_name='__main__')"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +69,7 @@ def validate_commands(
     payload = json.dumps([{"worker": c.worker, "args": list(c.args), "context_len": c.context_len} for c in commands])
     try:
         done = subprocess.run(
-            [python or sys.executable, str(Path(__file__).resolve())],
+            [python or sys.executable, "-c", _RUN_AS_SCRIPT.format(path=str(Path(__file__).resolve()))],
             input=payload, capture_output=True, text=True, timeout=timeout_s, check=False,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as exc:

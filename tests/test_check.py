@@ -412,3 +412,15 @@ def test_decode_bench_connector_is_refused(recipe_files) -> None:  # type: ignor
     )
     assert [(f.severity, f.key) for f in found["PD029"]] == [("error", "connector.kv_connector")]
     assert "dummy values" in found["PD029"][0].message
+
+
+def test_vllm_parser_unavailable_is_said_not_hidden(tmp_path: Path) -> None:
+    from pdctl.vllm_args import Command, ValidatorUnavailable, validate_commands
+
+    with pytest.raises(ValidatorUnavailable, match="did not answer"):
+        validate_commands([Command("prefill", ("--port", "1"))], python=str(tmp_path / "no-python"))
+    bare = tmp_path / "bare-python"  # an interpreter where vLLM cannot be imported
+    bare.write_text('#!/bin/sh\nexec /usr/bin/env python3 -S "$@"\n')
+    bare.chmod(0o755)
+    with pytest.raises(ValidatorUnavailable, match="vLLM is not importable"):
+        validate_commands([Command("prefill", ("--port", "1"))], python=str(bare))
