@@ -572,7 +572,7 @@ def run_checks(
     """All findings for ``dep``; ``for_up`` makes environment problems (unset key, busy ports) errors.
 
     ``parse_with_vllm`` also runs the planned command lines through the installed vLLM's parser (PD028;
-    a child process, ~5-15 s).
+    a child process; its time is vLLM's import).
     """
     environ = dict(os.environ) if env is None else env
     contexts = {w.name: _context_of(dep, w, environ) for w in dep.workers}

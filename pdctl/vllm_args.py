@@ -161,9 +161,9 @@ def _main() -> int:
         def error(self, message: str) -> Any:
             raise _ParseError(message)
 
+    parser = make_arg_parser(Parser(prog="vllm serve"))  # type: ignore[no-untyped-call]
     refusals = []
     for cmd in commands:
-        parser = make_arg_parser(Parser(prog="vllm serve"))  # type: ignore[no-untyped-call]
         message = _check_one(parser, cmd)
         if message is not None:
             refusals.append({"worker": cmd["worker"], "flag": _flag_of(message), "message": message})
