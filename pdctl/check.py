@@ -326,6 +326,9 @@ def _lengths(c: _Ctx) -> Iterable[Finding]:
                        f"max_num_batched_tokens ({batched}); that length is {ctx.source}", fixes=fixes)  # fmt: skip
 
 
+_DTYPES = {"half": "float16", "float": "float32"}
+
+
 def _identity(c: _Ctx) -> Iterable[Finding]:
     """PD027: what the warm-up's identity rule (:func:`pdctl.identity.identity_problems`) would refuse."""
     workers = c.dep.workers
@@ -358,6 +361,12 @@ def _identity(c: _Ctx) -> Iterable[Finding]:
             elif field == "version":
                 yield c.at("PD027", "error", "config", f"{w.table}.engine", message,
                            fixes=({f"{w.table}.engine": ref.engine},))  # fmt: skip
+        da, db = _DTYPES.get(ref.dtype or "auto", ref.dtype), _DTYPES.get(w.dtype or "auto", w.dtype)
+        if "auto" not in (da, db) and da != db and c.dep.connector_for(w) in NIXL_CONNECTORS:
+            yield c.at("PD027", "error", "config", f"{w.table}.dtype",
+                       f"dtype: {ref.name} {ref.dtype} != {w.name} {w.dtype}: NIXL's handshake compares a hash "
+                       "that covers the dtype and fails with 'NIXL compatibility hash mismatch'",
+                       fixes=({f"{w.table}.dtype": ref.dtype},))  # fmt: skip
 
 
 def _devices(c: _Ctx) -> Iterable[Finding]:

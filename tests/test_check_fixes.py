@@ -124,6 +124,7 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
                                 "decode.max_model_len": 65536}, {"PD026"}),
     # Different served names: the warm-up compares /v1/models ids.
     "served-name": (INIT, {"decode.served_model_name": "qwen"}, {"PD027"}),
+    "dtype": (INIT, {"prefill.dtype": "bfloat16", "decode.dtype": "float16"}, {"PD027"}),
     "connector-override": (INIT, {"decode.kv_connector": "ExampleConnector"}, {"PD001"}),
     "memory-fraction": (INIT, {"prefill.gpu_memory_utilization": 1.5}, {"PD009"}),
     "decode-memory": (INIT, {"decode.gpu_memory_utilization": 0.97}, {"PD010"}),
