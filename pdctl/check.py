@@ -30,7 +30,16 @@ from pdctl.modelinfo import ContextLength, context_length
 from pdctl.plan import VllmInstall, detect_vllm
 from pdctl.protocol import NIXL_CONNECTORS, UNSUPPORTED_CONNECTORS, connector_kind
 
-__all__ = ["RULES", "Finding", "KeyUse", "describe_key", "finding_from_error", "known_connectors", "run_checks"]
+__all__ = [
+    "RULES",
+    "SETTINGS",
+    "Finding",
+    "KeyUse",
+    "describe_key",
+    "finding_from_error",
+    "known_connectors",
+    "run_checks",
+]
 
 Severity = Literal["error", "warning", "info"]
 
@@ -46,8 +55,9 @@ class Finding:
     key: str | None
     message: str
     hint: str | None = None
-    #: Alternative fixes, each a set of ``config.toml`` keys and the values that make the finding go away and
-    #: the deployment start (the hint is written from them; a test applies each one and starts it).
+    #: Alternative fixes, each a set of ``config.toml`` keys (``settings.json:``-prefixed for the other file)
+    #: and the values that make the finding go away and the deployment start (the hint is written from them;
+    #: a test applies each one and starts it).
     fixes: tuple[Mapping[str, object], ...] = ()
 
     def to_json(self) -> dict[str, object]:
@@ -64,12 +74,19 @@ class Finding:
         }
 
 
+#: Prefix of a fix key that is in settings.json (the others are config.toml keys).
+SETTINGS = "settings.json:"
+
+
 def _fix_text(fixes: Iterable[Mapping[str, object]]) -> str:
     """``set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set ...`` (``None``: remove)."""
-    return ", or ".join(
-        " and ".join(f"remove {k}" if v is None else f"set {k} = {json.dumps(v)}" for k, v in fix.items())
-        for fix in fixes
-    )
+
+    def one(key: str, value: object) -> str:
+        where = " in settings.json" if key.startswith(SETTINGS) else ""
+        key = key.removeprefix(SETTINGS)
+        return f"remove {key}{where}" if value is None else f"set {key} = {json.dumps(value)}{where}"
+
+    return ", or ".join(" and ".join(one(k, v) for k, v in fix.items()) for fix in fixes)
 
 
 def finding_from_error(err: ConfigError) -> Finding:
@@ -150,6 +167,7 @@ def _connectors(c: _Ctx) -> Iterable[Finding]:
             f"routing.kv_connector is {dep.routing.kv_connector} but config.toml [connector] says {base} "
             "(recipe §5.1)",
             "make routing.kv_connector and [connector] kv_connector the same",
+            fixes=({f"{SETTINGS}routing.kv_connector": base},),
         )  # fmt: skip
 
 
@@ -246,8 +264,8 @@ def _key(c: _Ctx) -> Iterable[Finding]:
             yield c.at("PD007", "error", "settings", key,
                        "this looks like a key, not the name of an environment variable: the gateway would "
                        "look for a variable with that name and answer 401 (recipe §5.2)",
-                       'write the variable\'s name here (e.g. "TAOTOKEN_API_KEY") and `export '
-                       'TAOTOKEN_API_KEY=<key>` in the shell that runs pdctl')  # fmt: skip
+                       "and `export TAOTOKEN_API_KEY=<key>` in the shell that runs pdctl",
+                       fixes=({f"{SETTINGS}{key}": "TAOTOKEN_API_KEY"},))  # fmt: skip
         elif not c.env.get(name):
             yield c.at("PD008", "error" if c.for_up else "warning", "settings", key,
                        f"environment variable {name} is not set: the gateway cannot start without its key",

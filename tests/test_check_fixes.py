@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from pdctl.check import Finding, run_checks
+from pdctl.check import SETTINGS, Finding, run_checks
 from pdctl.config import load
 from pdctl.init import write_templates
 from pdctl.plan import build_plan
@@ -58,9 +58,14 @@ def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path =
     doc["cluster"]["gateway_host"] = "127.0.0.1"  # type: ignore[index]
     doc["cluster"]["gateway_port"] = gateway_port  # type: ignore[index]
     for key, value in (edits or {}).items():
-        _set(doc, key, doc["prefill"]["side_channel_port"] if value == "<prefill>" else value)  # type: ignore[index]
+        if not key.startswith(SETTINGS):
+            _set(doc, key, doc["prefill"]["side_channel_port"] if value == "<prefill>" else value)  # type: ignore[index]
     (d / "config.toml").write_text(tomlkit.dumps(doc), encoding="utf-8")
     settings = json.loads((source / "settings.json").read_text(encoding="utf-8"))
+    for key, value in (edits or {}).items():
+        if key.startswith(SETTINGS):
+            section, _, leaf = key.removeprefix(SETTINGS).partition(".")
+            settings[section][leaf] = value
     settings["gateway"]["listen"] = f"127.0.0.1:{gateway_port}"
     settings["gateway"]["drain_timeout_s"] = 2
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{free_port()}"
@@ -71,9 +76,15 @@ def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path =
 
 def apply_fix(d: Path, fix: Mapping[str, object]) -> None:
     doc = tomlkit.parse((d / "config.toml").read_text(encoding="utf-8"))
+    settings = json.loads((d / "settings.json").read_text(encoding="utf-8"))
     for key, value in fix.items():
-        _set(doc, key, value)
+        if key.startswith(SETTINGS):
+            section, _, leaf = key.removeprefix(SETTINGS).partition(".")
+            settings[section][leaf] = value
+        else:
+            _set(doc, key, value)
     (d / "config.toml").write_text(tomlkit.dumps(doc), encoding="utf-8")
+    (d / "settings.json").write_text(json.dumps(settings), encoding="utf-8")
 
 
 def errors(d: Path) -> list[Finding]:
@@ -126,6 +137,8 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "served-name": (INIT, {"decode.served_model_name": "qwen"}, {"PD027"}),
     "dtype": (INIT, {"prefill.dtype": "bfloat16", "decode.dtype": "float16"}, {"PD027"}),
     "connector-override": (INIT, {"decode.kv_connector": "ExampleConnector"}, {"PD001"}),
+    "routing-connector": (INIT, {f"{SETTINGS}routing.kv_connector": "ExampleConnector"}, {"PD001"}),
+    "key-in-api-key-env": (INIT, {f"{SETTINGS}gateway.api_key_env": "sk-live-0123456789abcdefghijklmnop"}, {"PD007"}),
     "memory-fraction": (INIT, {"prefill.gpu_memory_utilization": 1.5}, {"PD009"}),
     "decode-memory": (INIT, {"decode.gpu_memory_utilization": 0.97}, {"PD010"}),
     "tensor-parallel": (INIT, {"prefill.gpu_ids": [0, 2]}, {"PD012"}),
