@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tomlkit
@@ -46,6 +47,11 @@ def _set(doc: tomlkit.TOMLDocument, dotted: str, value: object) -> None:
         table[leaf] = value  # type: ignore[index]
 
 
+def _set_json(settings: dict[str, Any], key: str, value: object) -> None:
+    section, _, leaf = key.removeprefix(SETTINGS).partition(".")
+    settings[section][leaf] = value
+
+
 def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path = RECIPE) -> Path:
     """The files of ``source`` in ``d``, on the simulator with free ports, plus ``edits`` (dotted keys)."""
     d.mkdir(parents=True, exist_ok=True)
@@ -64,8 +70,7 @@ def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path =
     settings = json.loads((source / "settings.json").read_text(encoding="utf-8"))
     for key, value in (edits or {}).items():
         if key.startswith(SETTINGS):
-            section, _, leaf = key.removeprefix(SETTINGS).partition(".")
-            settings[section][leaf] = value
+            _set_json(settings, key, value)
     settings["gateway"]["listen"] = f"127.0.0.1:{gateway_port}"
     settings["gateway"]["drain_timeout_s"] = 2
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{free_port()}"
@@ -79,8 +84,7 @@ def apply_fix(d: Path, fix: Mapping[str, object]) -> None:
     settings = json.loads((d / "settings.json").read_text(encoding="utf-8"))
     for key, value in fix.items():
         if key.startswith(SETTINGS):
-            section, _, leaf = key.removeprefix(SETTINGS).partition(".")
-            settings[section][leaf] = value
+            _set_json(settings, key, value)
         else:
             _set(doc, key, value)
     (d / "config.toml").write_text(tomlkit.dumps(doc), encoding="utf-8")
