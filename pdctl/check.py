@@ -178,7 +178,8 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     if backend == "nixl" and not name.startswith("Nixl"):
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "nixl" but the connector is {name}',
-                   'use kv_connector = "NixlConnector", or set backend to match the connector')  # fmt: skip
+                   'or use kv_connector = "NixlConnector"',
+                   fixes=({"kv_transfer.backend": "shared_storage"},) if kind == "shared_storage" else ())  # fmt: skip
     elif backend == "shared_storage" and kind != "shared_storage" and name not in _RENAMED:
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "shared_storage" but the connector is {name}',
@@ -189,7 +190,8 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     ):
         yield c.at("PD002", "warning", "config", "kv_transfer",
                    f"{name} needs a folder both workers share; none is set, the plan uses /tmp/pdctl-kv",
-                   'set [kv_transfer] shared_storage_path = "/path/on/local/nvme"')  # fmt: skip
+                   "a folder on local NVMe; relative paths are relative to config.toml",
+                   fixes=({"kv_transfer.shared_storage_path": "kv-store"},))  # fmt: skip
 
 
 def _connector_exists(c: _Ctx) -> Iterable[Finding]:
@@ -479,7 +481,8 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
     if dep.connector.kv_role == "kv_both" and connector_kind(name) == "params":
         yield c.at("PD019", "info", "config", "connector.kv_role",
                    f"kv_both is deprecated for {name}: the plan launches prefill with kv_producer and decode "
-                   "with kv_consumer", 'remove kv_role, or leave it: pdctl sets the role per worker')  # fmt: skip
+                   "with kv_consumer", "or leave it: pdctl sets the role per worker",
+                   fixes=({"connector.kv_role": None},))  # fmt: skip
     gran = dep.kv_transfer.granularity
     if "kv_transfer.granularity" in dep.config_keys:
         if name in NIXL_CONNECTORS:

@@ -127,6 +127,9 @@ def assert_starts(d: Path, started: list[Path]) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+# ExampleConnector (shared storage) everywhere, kv_both left out.
+_EXAMPLE: dict[str, object] = {"connector.kv_connector": "ExampleConnector", "connector.kv_role": None,
+                               f"{SETTINGS}routing.kv_connector": "ExampleConnector"}  # fmt: skip
 INIT = "init"  # stands for `pdctl init`'s files, written into the test's folder
 # name: (source, edits, the codes whose fixes are applied; every error must have fixes too)
 CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
@@ -148,6 +151,9 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "tensor-parallel": (INIT, {"prefill.gpu_ids": [0, 2]}, {"PD012"}),
     "sim-profile": (INIT, {"sim": {"profile": "tpu"}}, {"PD025"}),
     "backend": (INIT, {"kv_transfer.backend": "shared_storage"}, {"PD002"}),
+    "shared-storage-path": (INIT, {**_EXAMPLE, "kv_transfer.backend": "shared_storage"}, {"PD002"}),
+    "shared-storage-backend": (INIT, {**_EXAMPLE, "kv_transfer.shared_storage_path": "kv"}, {"PD002"}),
+    "kv-both": (INIT, {}, {"PD019"}),
     "models": (INIT, {"decode.model": "Qwen/Qwen3-4B"}, {"PD004"}),
     "local-vs-hub": (INIT, {"decode.model": "./Qwen3-8B"}, {"PD005"}),
     "shared-gpu": (INIT, {"decode.gpu_ids": [0]}, {"PD013"}),
