@@ -178,8 +178,8 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     if backend == "nixl" and not name.startswith("Nixl"):
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "nixl" but the connector is {name}',
-                   'or use kv_connector = "NixlConnector"',
-                   fixes=({"kv_transfer.backend": "shared_storage"},) if kind == "shared_storage" else ())  # fmt: skip
+                   fixes=({"kv_transfer.backend": "shared_storage"},) if kind == "shared_storage"
+                   else _connector_fix(c, "connector.kv_connector", name, "NixlConnector"))  # fmt: skip
     elif backend == "shared_storage" and kind != "shared_storage" and name not in _RENAMED:
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "shared_storage" but the connector is {name}',
@@ -204,17 +204,26 @@ def _connector_exists(c: _Ctx) -> Iterable[Finding]:
         if name in _RENAMED:
             yield c.at("PD003", "error", "config", key,
                        f"{name} was renamed {_RENAMED[name]} in vLLM (no alias): vLLM fails with "
-                       "'Unsupported connector type'", f'use kv_connector = "{_RENAMED[name]}"')  # fmt: skip
+                       "'Unsupported connector type'", fixes=_connector_fix(c, key, name, _RENAMED[name]))  # fmt: skip
         elif name in _REMOVED:
             yield c.at("PD003", "error", "config", key, f"{name} is not in current vLLM ({_REMOVED[name]})",
-                       'use "NixlConnector" (or "ExampleConnector" for shared storage)')  # fmt: skip
+                       '"ExampleConnector" for shared storage',
+                       fixes=_connector_fix(c, key, name, "NixlConnector"))  # fmt: skip
         elif name not in known:
             source = f"vLLM {c.vllm.version}" if c.vllm.version else "pdctl's table of vLLM connectors"
             yield c.at("PD003", "error", "config", key, f"unknown connector {name} (not in {source})",
                        f"one of: {', '.join(sorted(known))}")  # fmt: skip
         elif name in UNSUPPORTED_CONNECTORS:
             yield c.at("PD029", "error", "config", key, f"pdctl cannot run {name}: {UNSUPPORTED_CONNECTORS[name]}",
-                       fixes=({key: "NixlConnector"},))  # fmt: skip
+                       fixes=_connector_fix(c, key, name, "NixlConnector"))  # fmt: skip
+
+
+def _connector_fix(c: _Ctx, key: str, old: str, new: str) -> tuple[Mapping[str, object], ...]:
+    """Use ``new`` instead of ``old`` at ``key``, and in ``routing.kv_connector`` when it names ``old`` too."""
+    fix: dict[str, object] = {key: new}
+    if c.dep.routing.kv_connector == old:
+        fix[f"{SETTINGS}routing.kv_connector"] = new
+    return (fix,)
 
 
 def _models(c: _Ctx) -> Iterable[Finding]:

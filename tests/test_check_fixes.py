@@ -154,6 +154,14 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "shared-storage-path": (INIT, {**_EXAMPLE, "kv_transfer.backend": "shared_storage"}, {"PD002"}),
     "shared-storage-backend": (INIT, {**_EXAMPLE, "kv_transfer.shared_storage_path": "kv"}, {"PD002"}),
     "kv-both": (INIT, {}, {"PD019"}),
+    "renamed-connector": (INIT, {"connector.kv_connector": "SharedStorageConnector", "connector.kv_role": None,
+                                 f"{SETTINGS}routing.kv_connector": "SharedStorageConnector",
+                                 "kv_transfer.backend": "shared_storage", "kv_transfer.shared_storage_path": "kv"},
+                          {"PD003"}),
+    "removed-connector": (INIT, {"connector.kv_connector": "P2pNcclConnector",
+                                 f"{SETTINGS}routing.kv_connector": "P2pNcclConnector"}, {"PD003"}),
+    "mooncake": (INIT, {"connector.kv_connector": "MooncakeConnector",
+                        f"{SETTINGS}routing.kv_connector": "MooncakeConnector"}, {"PD029"}),
     "models": (INIT, {"decode.model": "Qwen/Qwen3-4B"}, {"PD004"}),
     "local-vs-hub": (INIT, {"decode.model": "./Qwen3-8B"}, {"PD005"}),
     "shared-gpu": (INIT, {"decode.gpu_ids": [0]}, {"PD013"}),
@@ -222,7 +230,9 @@ def test_mooncake_is_refused_with_a_fix(recipe_files) -> None:  # type: ignore[n
     found = [f for f in run_checks(load(cpath, spath), env=ENV) if f.code == "PD029"]
     assert len(found) == 1 and found[0].severity == "error" and found[0].key == "connector.kv_connector"
     assert "transfer_id" in found[0].message and "remote_bootstrap_addr" in found[0].message
-    assert found[0].fixes == ({"connector.kv_connector": "NixlConnector"},)
+    assert found[0].fixes == (
+        {"connector.kv_connector": "NixlConnector", f"{SETTINGS}routing.kv_connector": "NixlConnector"},
+    )
 
 
 def test_nixl_push_starts_and_passes_the_warm_up_on_the_simulator(tmp_path: Path, started: list[Path]) -> None:
