@@ -409,7 +409,7 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
         if w.cpu_ids and (n := os.cpu_count()) and max(w.cpu_ids) >= n:
             yield c.at("PD014", "error" if c.for_up else "warning", "config", f"{w.table}.cpu_ids",
                        f"core {max(w.cpu_ids)} does not exist on this machine ({n} cores)",
-                       f"use cores 0-{n - 1}")  # fmt: skip
+                       f"use cores 0-{n - 1}", fixes=_core_fix(ws, w))  # fmt: skip
     for i, a in enumerate(ws):
         for b in ws[i + 1 :]:
             if shared := sorted(set(a.gpu_ids) & set(b.gpu_ids)):

@@ -154,6 +154,7 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "shared-storage-path": (INIT, {**_EXAMPLE, "kv_transfer.backend": "shared_storage"}, {"PD002"}),
     "shared-storage-backend": (INIT, {**_EXAMPLE, "kv_transfer.shared_storage_path": "kv"}, {"PD002"}),
     "kv-both": (INIT, {}, {"PD019"}),
+    "cpu-core": (INIT, {"prefill.cpu_ids": [4096]}, {"PD014"}),
     "renamed-connector": (INIT, {"connector.kv_connector": "SharedStorageConnector", "connector.kv_role": None,
                                  f"{SETTINGS}routing.kv_connector": "SharedStorageConnector",
                                  "kv_transfer.backend": "shared_storage", "kv_transfer.shared_storage_path": "kv"},
