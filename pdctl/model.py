@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import EngineMissingError, PdctlError
+from pdctl.modelinfo import read_json_object
 from pdctl.recipe import RECIPE_REQUESTS
 
 __all__ = ["SIZES", "TINY_MODEL_FILES", "TinyModel", "TinyModelSpec", "generate_tiny_model", "model_digest"]
@@ -125,7 +126,7 @@ def generate_tiny_model(
         raise PdctlError(f"{root}: exists and is not a folder", hint="choose another path for the model")
     if root.is_dir() and any(root.iterdir()):
         if not force:
-            existing = _read_marker(marker)
+            existing = read_json_object(marker)
             # Folders written before sizes existed hold the default spec.
             same_shape = existing is not None and existing.get("spec", asdict(TinyModelSpec())) == shape
             if existing is not None and existing.get("seed") == seed and same_shape and _complete(root):
@@ -210,14 +211,6 @@ def generate_tiny_model(
         files=tuple(sorted(p.name for p in root.iterdir())),
         created=True,
     )
-
-
-def _read_marker(marker: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _complete(root: Path) -> bool:

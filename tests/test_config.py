@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import difflib
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ from pdctl.config import load
 from pdctl.errors import ConfigError
 from tests.conftest import RECIPE, REPO
 
-SEED = REPO / "tests" / "data" / "seed"
+SEED = REPO.parent / "shared" / "seed"  # the project's copy of the article, beside the checkout in CI
 
 
 def test_recipe_files_load_unchanged() -> None:
@@ -31,11 +33,26 @@ def test_recipe_files_load_unchanged() -> None:
     assert dep.connector.kv_role == "kv_both"
 
 
-def test_examples_are_the_seed_verbatim() -> None:
+@pytest.mark.skipif(not SEED.is_dir(), reason="shared/seed is not beside this checkout")
+def test_recipe_fixture_is_the_seed_verbatim() -> None:
     for name in ("config.toml", "settings.json"):
-        seed = (SEED / name).read_bytes()
-        assert (RECIPE / name).read_bytes() == seed
-        assert (REPO / "pdctl" / "data" / name).read_bytes() == seed
+        assert (RECIPE / name).read_bytes() == (SEED / name).read_bytes()
+
+
+def test_init_templates_are_the_recipe_plus_max_model_len_only() -> None:
+    """`pdctl init` writes the recipe's values; it only adds max_model_len (with a comment) on both workers."""
+    data = REPO / "pdctl" / "data"
+    assert (data / "settings.json").read_bytes() == (RECIPE / "settings.json").read_bytes()
+    diff = list(
+        difflib.ndiff(
+            (RECIPE / "config.toml").read_text().splitlines(), (data / "config.toml").read_text().splitlines()
+        )
+    )
+    assert not [d for d in diff if d.startswith("- ")]
+    added = [d[2:] for d in diff if d.startswith("+ ")]
+    assert [a for a in added if not a.startswith("#")] == ["max_model_len = 8192", "max_model_len = 8192"]
+    for name in ("config.toml", "settings.json"):  # the GPU example is what init writes
+        assert (REPO / "examples" / "gpu-2gpu" / name).read_bytes() == (data / name).read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -191,3 +208,31 @@ def test_parse_endpoint_and_listen() -> None:
     assert config.parse_listen("[::1]:8000") == ("::1", 8000)
     with pytest.raises(ValueError):
         config.parse_endpoint("127.0.0.1:8100")
+
+
+def test_settings_json_given_as_config_gets_a_hint(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The recipe spells it `pdctl gateway --config settings.json`; -c takes config.toml."""
+    (tmp_path / "settings.json").write_bytes((RECIPE / "settings.json").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    res = cli("gateway", "--config", "settings.json", env={"TAOTOKEN_API_KEY": "sk-x"})
+    assert res.exit_code == 2
+    assert "settings.json:1:0: invalid TOML" in res.output
+    assert "pass it with -s/--settings (-c/--config takes config.toml)" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_check_with_relative_paths_names_lines(tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    for name in ("config.toml", "settings.json"):
+        (tmp_path / name).write_bytes((RECIPE / name).read_bytes())
+    monkeypatch.chdir(tmp_path)
+    res = cli("check", "--json", "--no-vllm-parse", env={"TAOTOKEN_API_KEY": "sk-x"})
+    pd024 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "PD024"]
+    assert [(f["file"], f["line"]) for f in pd024] == [("config.toml", 21)]
+
+
+def test_plan_shows_the_cluster_name(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files({'name = "pd-disagg-demo"': 'name = "team-a-pd"'})
+    res = cli("plan", "-c", str(cpath), "-s", str(spath), "--json")
+    assert json.loads(res.stdout)["cluster"] == "team-a-pd"
+    res = cli("plan", "-c", str(cpath), "-s", str(spath))
+    assert res.stdout.splitlines()[0] == "deployment team-a-pd"

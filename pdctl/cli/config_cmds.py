@@ -61,10 +61,17 @@ def check(
     config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
     settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
     as_json: JsonOpt = False,
+    vllm_parse: Annotated[
+        bool, typer.Option("--vllm-parse/--no-vllm-parse", help="Run the command lines through vLLM's parser.")
+    ] = True,
 ) -> None:
-    """Validate both files and lint them against the recipe's pitfalls (exit 1 on errors)."""
+    """Validate both files and lint them against the recipe's pitfalls (exit 1 on errors).
+
+    With vLLM installed, each worker's planned command line also goes through vLLM's own argument parser and
+    config classes (a few seconds; no GPU, no weights).
+    """
     try:
-        findings = run_checks(config.load(config_path, settings_path))
+        findings = run_checks(config.load(config_path, settings_path), parse_with_vllm=vllm_parse)
     except ConfigError as err:
         findings = [finding_from_error(err)]
     if as_json:
@@ -86,13 +93,16 @@ def plan(
     """Show the exact processes `pdctl up` starts, in start order."""
     if fmt not in ("table", "sh"):
         raise typer.BadParameter("expected table or sh", param_hint="--format")
-    p = build_plan(config.load(config_path, settings_path))
+    dep = config.load(config_path, settings_path)
+    p = build_plan(dep)
     if as_json:
-        typer.echo(json.dumps({"processes": [s.to_json() for s in p.processes]}, ensure_ascii=False, indent=2))
+        out = {"cluster": dep.cluster.name, "processes": [s.to_json() for s in p.processes]}
+        typer.echo(json.dumps(out, ensure_ascii=False, indent=2))
         return
     if fmt == "sh":
         typer.echo(render_sh(p), nl=False)
         return
+    console.print(Text(f"deployment {dep.cluster.name}", style="bold underline"))
     for spec in p.processes:
         console.print(Text(f"{spec.name} ({spec.role}, wave {spec.wave})", style="bold"))
         console.print(Text(f"  url:   {spec.url}   ready: {spec.ready_url}"))

@@ -19,6 +19,8 @@ from typing import Any
 
 import uvicorn
 
+from pdctl.modelinfo import context_length
+from pdctl.protocol import NIXL_CONNECTORS
 from pdctl.sim import logfmt as L
 from pdctl.sim.engine import EngineConfig, KVSettings, SimEngine
 from pdctl.sim.faults import FaultSet
@@ -26,7 +28,7 @@ from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.server import SimApp
 from pdctl.sim.timing import get_link, get_profile
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "default_max_model_len", "main"]
 
 # vLLM rejects unknown KVTransferConfig keys (pydantic extra="forbid"); so does the simulator.
 _KV_FIELDS = {
@@ -36,7 +38,8 @@ _KV_FIELDS = {
 }  # fmt: skip
 _REMOVED_KV_FIELDS = {"kv_ip", "kv_buffer_size", "kv_rank", "kv_parallel_size"}
 _KNOWN_CONNECTORS = {
-    "NixlConnector", "NixlPullConnector", "ExampleConnector", "MooncakeConnector", "LMCacheConnectorV1",
+    "NixlConnector", "NixlPullConnector", "NixlPushConnector", "ExampleConnector", "MooncakeConnector",
+    "LMCacheConnectorV1",
     "MultiConnector", "OffloadingConnector", "DecodeBenchConnector",
 }  # fmt: skip
 
@@ -72,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-link", default="loopback")
     p.add_argument("--sim-fault", action="append", default=[], metavar="SPEC")
     return p
+
+
+def _model_context(model: str) -> int | None:
+    local = model.startswith((".", "/", "~")) or os.path.isdir(model)
+    return context_length(model, local=local).tokens
+
+
+def default_max_model_len(model: str, profile: str) -> int:
+    """The simulator's ``max_model_len`` when none is given: the model's context length as vLLM derives it
+    (:mod:`pdctl.modelinfo`), else 32768 for the ``fast`` profile and Qwen3-8B's 40960 for the others."""
+    found = _model_context(model)
+    return found if found is not None else (32768 if profile == "fast" else 40960)
 
 
 class _Fatal(Exception):
@@ -111,7 +126,7 @@ def _kv_settings(raw: str | None, log: L.VllmLog) -> KVSettings:
     kw: dict[str, Any] = {}
     if cfg.get("engine_id"):
         kw["engine_id"] = str(cfg["engine_id"])
-    if name in ("NixlConnector", "NixlPullConnector") and cfg.get("kv_role") == "kv_both":
+    if name in NIXL_CONNECTORS and cfg.get("kv_role") == "kv_both":
         log.warning(L.W_ARGS, "kv_role='kv_both' is deprecated for NixlConnector; use kv_producer / kv_consumer")
     return KVSettings(
         connector=name,
@@ -140,7 +155,15 @@ def _engine_config(args: argparse.Namespace, log: L.VllmLog) -> EngineConfig:
         raise _Fatal("--sim-kv-scale must be in (0, 1]")
     served = (args.served_model_name or [model])[0]
     chunked = True if args.chunked is None else bool(args.chunked)
-    max_len = args.max_model_len or (32768 if profile.name == "fast" else 40960)
+    max_len = args.max_model_len or default_max_model_len(model, profile.name)
+    derived = _model_context(model)
+    allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() in ("1", "true")
+    if args.max_model_len and derived is not None and args.max_model_len > derived and not allow_long:
+        raise _Fatal(
+            f"User-specified max_model_len ({args.max_model_len}) is greater than the derived max_model_len "
+            f"({derived} in model's config.json). To allow overriding this maximum, set the env var "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
+        )
     batched = args.max_num_batched_tokens or (8192 if chunked else max(8192, max_len))
     if not chunked and batched < max_len:
         raise _Fatal(
