@@ -281,9 +281,10 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
                    "GPU machine")  # fmt: skip
     if any(w.engine == "vllm" for w in ws) and c.vllm.distribution is None:
         yield c.at("PD016", "error" if c.for_up else "warning", "config", f"{ws[0].table}.model",
-                   "vLLM is not installed in pdctl's Python environment",
+                   f"vLLM is not installed for the engine's Python: {c.vllm.describe()}",
                    "install it: `pip install 'pdctl[vllm]'` on GPUs, `scripts/install-cpu-engine.sh` on CPU; or "
-                   'try the simulator with engine = "sim"')  # fmt: skip
+                   "name the Python of the environment that has it in config.toml ([engine] python = "
+                   '"/path/to/venv/bin/python"); or try the simulator with engine = "sim"')  # fmt: skip
 
 
 def _ports(c: _Ctx) -> Iterable[Finding]:
@@ -399,7 +400,7 @@ def run_checks(
     dep: Deployment, *, for_up: bool = False, vllm: VllmInstall | None = None, env: dict[str, str] | None = None
 ) -> list[Finding]:
     """All findings for ``dep``; ``for_up`` makes environment problems (unset key, busy ports) errors."""
-    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), dict(os.environ) if env is None else env)
+    ctx = _Ctx(dep, for_up, vllm or detect_vllm(dep.engine_python), dict(os.environ) if env is None else env)
     findings = [f for rule in RULES for f in rule(ctx)]
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(findings, key=lambda f: (order[f.severity], f.file, f.line or 0))
