@@ -4,8 +4,9 @@ The child leads its own session (so its process group holds vLLM's EngineCore an
 explicit environment (``os.environ`` minus the secrets the plan names, plus the plan's overrides), the files
 the plan names (vLLM's logging config), the CPU affinity of ``cpu_ids`` from its first instruction (and
 :meth:`ManagedProcess.pin_threads` to keep its tree there), reads /dev/null, and its stdout+stderr go
-through one pipe to a reader thread that writes ``logs/<name>.log`` and feeds the multiplexed view. Stopping is SIGTERM to the group, a grace period, SIGKILL to the group, then
-a sweep of every descendant seen since the start (some leave the group, e.g. with ``setsid``).
+through one pipe to a reader thread that writes ``logs/<name>.log`` and feeds the multiplexed view.
+Stopping is SIGTERM to the group, a grace period, SIGKILL to the group, then a sweep of every descendant
+seen since the start (some leave the group, e.g. with ``setsid``).
 """
 
 from __future__ import annotations

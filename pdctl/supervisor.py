@@ -429,18 +429,18 @@ class Supervisor:
         slot.history = [*slot.history[-(self.options.max_restarts + 1) :], Run(slot.started, now)]
         decision = decide_restart(slot.spec.restart, slot.history, now, self.options)
         if not decision.restart:
-            never = slot.spec.restart != "on-failure"
-            slot.state = ProcState.EXITED if never else ProcState.FATAL
-            why = f"{name} exited ({signal_name(info.returncode)}) and {decision.reason}"
-            if not never:
-                why = f"{name} {decision.reason}"
-                self._emit("fatal", name, why, exit=info)
+            if slot.spec.restart != "on-failure":  # fail fast
+                slot.state = ProcState.EXITED
+                self.failure = f"{name} exited ({signal_name(info.returncode)}) and {decision.reason}"
+                return False
+            slot.state = ProcState.FATAL
+            self._emit("fatal", name, f"{name} {decision.reason}", exit=info)
             peers = [s.spec.name for s in self._slots.values() if s is not slot and s.spec.role == slot.spec.role
                      and s.state in (ProcState.STARTING, ProcState.READY, ProcState.BACKOFF)]  # fmt: skip
             if peers and slot.spec.role != "gateway":
                 self._emit("info", name, f"{name} stays down; {', '.join(peers)} keep serving as {slot.spec.role}")
                 return True
-            self.failure = why
+            self.failure = f"{name} {decision.reason}"
             return False
         slot.state = ProcState.BACKOFF
         slot.next_start = decision.at
