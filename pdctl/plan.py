@@ -23,7 +23,7 @@ from pdctl.protocol import connector_kind
 __all__ = [
     "GATEWAY_GO_FILE",
     "GATEWAY_HOLD_ENV",
-    "KV_CONNECTOR_LOGGER",
+    "KV_LOGGERS",
     "VLLM_LOGGING_FILE",
     "Plan",
     "ProcessSpec",
@@ -46,8 +46,10 @@ GATEWAY_GO_FILE = "gateway.go"
 
 #: Where a worker's vLLM logging config is written, in the run directory (``VLLM_LOGGING_CONFIG_PATH``).
 VLLM_LOGGING_FILE = "vllm-logging.json"
-#: The loggers of vLLM's KV connectors (NIXL, Example, Mooncake, LMCache, ...): one parent for all of them.
-KV_CONNECTOR_LOGGER = "vllm.distributed.kv_transfer"
+#: The vLLM loggers whose DEBUG lines are per-request KV events: every KV connector (NIXL, Example, Mooncake,
+#: LMCache, ... under one parent) and the scheduler, which logs "Finished sending/recving KV transfer for
+#: request ..." (its other DEBUG lines are KV waits and shutdown, checked in vLLM 0.32.0).
+KV_LOGGERS = ("vllm.distributed.kv_transfer", "vllm.v1.core.sched.scheduler")
 
 # Run by a foreign interpreter to read vLLM's version from its metadata without importing vLLM (~30 ms).
 _PROBE = (
@@ -132,7 +134,7 @@ def vllm_logging_config(level: str) -> dict[str, Any]:
     """vLLM 0.32's default logging ``dictConfig`` (vllm/logger.py) with the KV connectors' loggers at DEBUG.
 
     Everything else stays at ``level``: the handler passes DEBUG, the ``vllm`` logger filters at ``level``,
-    and :data:`KV_CONNECTOR_LOGGER` lets its per-request lines (handshakes, reads, sends) through.
+    and :data:`KV_LOGGERS` let their per-request lines (handshakes, reads, sends) through.
     """
     level = level.upper()
     fmt = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
@@ -157,7 +159,7 @@ def vllm_logging_config(level: str) -> dict[str, Any]:
         },
         "loggers": {
             "vllm": {"handlers": ["vllm"], "level": level, "propagate": False},
-            KV_CONNECTOR_LOGGER: {"level": "DEBUG"},
+            **{name: {"level": "DEBUG"} for name in KV_LOGGERS},
         },
     }
 

@@ -169,19 +169,20 @@ class ManagedProcess:
                     hint="make supervisor.run_dir a writable folder",
                 ) from None
 
-    def pin_threads(self) -> list[tuple[int, int, tuple[int, ...]]]:
+    def pin_threads(self, *, refresh: bool = True) -> list[tuple[int, int, tuple[int, ...]]]:
         """Move every thread of the tree that runs outside ``spec.cpu_ids`` back onto them.
 
         vLLM CPU's NIXL worker moves its main thread to the last core of each NUMA node
         (``os.sched_setaffinity`` in nixl/base_worker.py), whichever engine owns that core; affinity set at
         spawn cannot prevent that, so the supervisor calls this every few seconds. A thread already inside
         ``cpu_ids`` (OpenMP threads bound to one core each) is left as it is. Returns ``(pid, tid, old
-        cpus)`` of each thread moved.
+        cpus)`` of each thread moved. ``refresh=False``: the caller has just recorded the descendants.
         """
         cpus = set(self.spec.cpu_ids)
         if not cpus or not self.alive:
             return []
-        self.refresh_descendants()
+        if refresh:
+            self.refresh_descendants()
         moved: list[tuple[int, int, tuple[int, ...]]] = []
         for proc in self.descendants():
             try:

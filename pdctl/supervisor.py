@@ -369,7 +369,7 @@ class Supervisor:
 
     def _pin(self, slot: _Slot) -> None:
         assert slot.proc is not None
-        moved = slot.proc.pin_threads()
+        moved = slot.proc.pin_threads(refresh=False)
         if moved and not slot.pinned:
             # Reported once per run: vLLM's NIXL worker moves its main thread at start, not later.
             slot.pinned = True

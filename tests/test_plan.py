@@ -111,7 +111,8 @@ def test_kv_connector_loggers_at_debug_at_info_level(recipe_files) -> None:  # t
     logging.config.dictConfig(cfg)
     nixl = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
     engine = logging.getLogger("vllm.v1.engine.core")
-    assert nixl.isEnabledFor(logging.DEBUG)
+    scheduler = logging.getLogger("vllm.v1.core.sched.scheduler")  # "Finished sending KV transfer for request"
+    assert nixl.isEnabledFor(logging.DEBUG) and scheduler.isEnabledFor(logging.DEBUG)
     assert not engine.isEnabledFor(logging.DEBUG) and engine.isEnabledFor(logging.INFO)
     logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
     assert "PDCTL_EOF" in render_sh(build_plan(dep, CPU))  # the script writes the file too

@@ -352,7 +352,9 @@ def test_defaults_kv_lines_affinity_and_recovery_from_decode_sigkill(defaults: R
     per_request = [e for e in events if e["phase"] not in ("kv_setup", "kv_transfer_metrics") and e["request_id"]]
     phases = sorted({(e["process"], e["phase"]) for e in per_request})
     print(f"logs --kv at info: {len(events)} events, per-request phases {phases}")
-    assert {p for _, p in phases} & {"save_kv_layer", "start_load_kv", "wait_for_layer_load"}, events[-10:]
+    assert {("prefill", "save_kv_layer"), ("decode", "start_load_kv"), ("decode", "wait_for_layer_load")} <= set(
+        phases
+    ), events[-10:]
     decode_log = Path(run.procs()["decode"]["log_file"]).read_text(encoding="utf-8", errors="replace")
     debug_sources = Counter(m[1] for m in re.finditer(r" DEBUG \S+ \S+ \[([^:\]]+)", decode_log))
     print(f"decode's DEBUG lines by source file: {dict(debug_sources)}")
