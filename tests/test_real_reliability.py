@@ -367,7 +367,7 @@ def test_defaults_kv_lines_affinity_and_recovery_from_decode_sigkill(defaults: R
     for name in ("prefill", "decode"):
         _assert_on_own_cores(run, name)
 
-    print("pdctl:", *[ln for ln in run.output().splitlines() if "moved" in ln], sep="\n  ")
+    print("pdctl:", *[ln for ln in run.output().splitlines() if "thread(s) of" in ln], sep="\n  ")
 
     # SIGKILL decode with 4 streams in flight; every stream must end visibly.
     stream_body = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True}
