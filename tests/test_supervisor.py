@@ -500,7 +500,7 @@ def bare_dir(tmp_path: Path) -> Iterator[Path]:
     kill_groups(recorded_pids(tmp_path))
 
 
-def test_up_from_a_bare_shell_runs_the_configured_engine_python(bare_dir: Path) -> None:
+def test_up_from_a_bare_shell_runs_the_engine_python_and_survives_a_decode_sigkill(bare_dir: Path) -> None:
     exe = Path(sys.executable).parent / "pdctl"
     if not exe.exists():
         pytest.skip("pdctl is not installed as a console script in this environment")
@@ -532,6 +532,29 @@ def test_up_from_a_bare_shell_runs_the_configured_engine_python(bare_dir: Path) 
         r = httpx.post(f"http://127.0.0.1:{ports['gateway']}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
                        json={"model": "sim-model", "prompt": "hello", "max_tokens": 4}, timeout=60)  # fmt: skip
         assert r.status_code == 200 and r.headers.get("x-pd-path") == "disagg", r.text
+        _sigkill_decode_then_recover(d, ports["gateway"])
     finally:
         down = run("down")
     assert down.returncode == 0, down.stdout + down.stderr
+
+
+def _sigkill_decode_then_recover(d: Path, gateway_port: int) -> None:
+    """With the default settings (no restart key): decode dies, pdctl restarts it, the gateway stays up and
+    answers each request meanwhile with a terminal HTTP status (503 carries Retry-After), then serves again."""
+    state = d / ".pdctl" / "state.json"
+    old = next(p for p in json.loads(state.read_text())["processes"] if p["name"] == "decode")
+    os.killpg(old["pgid"], signal.SIGKILL)
+    seen: list[int] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                       json={"model": "sim-model", "prompt": "hello", "max_tokens": 4}, timeout=60)  # fmt: skip
+        seen.append(r.status_code)
+        assert r.status_code in (200, 502, 503), r.text  # an OpenAI-shaped failure, never a refused connection
+        assert r.status_code != 503 or r.headers.get("retry-after"), r.headers
+        now = next(p for p in json.loads(state.read_text())["processes"] if p["name"] == "decode")
+        if r.status_code == 200 and now["restarts"] == 1 and now["pid"] != old["pid"]:
+            break
+        time.sleep(0.2)
+    assert seen[-1] == 200, seen
+    assert json.loads(state.read_text())["status"] == "ready"
