@@ -280,8 +280,8 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
                    'set kv_buffer_device = "cpu" (and cpu_ids instead of gpu_ids) or install pdctl[vllm] on a '
                    "GPU machine")  # fmt: skip
     if any(w.engine == "vllm" for w in ws) and c.vllm.distribution is None:
-        yield c.at("PD016", "error" if c.for_up else "warning", "config", f"{ws[0].table}.model",
-                   f"vLLM is not installed for the engine's Python: {c.vllm.describe()}",
+        key = "engine.python" if c.dep.engine.python else f"{ws[0].table}.model"
+        yield c.at("PD016", "error" if c.for_up else "warning", "config", key, f"vLLM {c.vllm.describe()}",
                    "install it: `pip install 'pdctl[vllm]'` on GPUs, `scripts/install-cpu-engine.sh` on CPU; or "
                    "name the Python of the environment that has it in config.toml ([engine] python = "
                    '"/path/to/venv/bin/python"); or try the simulator with engine = "sim"')  # fmt: skip

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdctl.check import run_checks
 from pdctl.config import Deployment, load
 from pdctl.plan import GATEWAY_HOLD_ENV, VllmInstall, build_plan, detect_vllm, kv_transfer_config, render_sh
 
@@ -220,3 +221,12 @@ def test_console_script_installed() -> None:
         [str(exe), "--version"], capture_output=True, text=True, check=True, env={**os.environ, "NO_COLOR": "1"}
     )
     assert out.stdout.startswith("pdctl ")
+
+
+def test_check_names_the_missing_engine_python(recipe_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    missing = tmp_path / "nope" / "python"
+    dep = _with_engine_python(recipe_files, str(missing))
+    found = [f for f in run_checks(dep, for_up=True) if f.code == "PD016"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert found[0].key == "engine.python" and found[0].line is not None
+    assert f"({missing}: no such file)" in found[0].message and "[engine] python" in (found[0].hint or "")
