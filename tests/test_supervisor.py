@@ -133,16 +133,11 @@ def test_crash_after_ready_restarts_with_growing_delays_then_fatal(tmp_path: Pat
             fake_spec("decode", "decode", wave=1),
         )
     )
-    opts = SupervisorOptions(
-        ready_timeout_s=60,
-        stop_timeout_s=5,
-        start_secs=60,
-        max_restarts=3,
-        backoff_base_s=0.2,
-        backoff_max_s=0.5,
-        poll_s=0.05,
-    )
-    sup, events = make(sups, plan, tmp_path, opts)
+    # Delays of 20-50 s on a scripted clock: the test jumps the clock instead of sleeping through them.
+    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=60, max_restarts=3,
+                             backoff_base_s=20, backoff_max_s=50, poll_s=0.05)  # fmt: skip
+    clock = FakeClock()
+    sup, events = make(sups, plan, tmp_path, opts, clock=clock)
     sup.start()
     deadline = time.monotonic() + 120
     reason = None
@@ -150,10 +145,12 @@ def test_crash_after_ready_restarts_with_growing_delays_then_fatal(tmp_path: Pat
         if not sup.watch_once():
             reason = sup.failure
             break
+        if sup.state_of("prefill") is ProcState.BACKOFF:
+            clock.now += 50
         time.sleep(0.05)
     assert reason is not None and "max_restarts = 3" in reason
     delays = [e.delay_s for e in events if e.kind == "backoff"]
-    assert delays == [0.2, 0.4, 0.5]  # doubling, capped at backoff_max_s
+    assert delays == [20, 40, 50]  # doubling, capped at backoff_max_s
     assert sup.restarts_of("prefill") == 3
     assert sup.state_of("prefill") is ProcState.FATAL
     exits = [e.exit.returncode for e in events if e.kind == "exited" and e.exit]
