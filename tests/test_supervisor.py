@@ -335,6 +335,22 @@ def test_xpyd_fatal_decode_stays_down_while_its_peer_serves(tmp_path: Path, sups
     sup.shutdown()
 
 
+def test_xpyd_never_policy_still_fails_fast(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((
+        fake_spec("decode-0", "decode", "--crash-after-ready", "0.2", "--exit-code", "3", restart="never"),
+        fake_spec("decode-1", "decode", restart="never"),
+    ))  # fmt: skip
+    sup, _ = make(sups, plan, tmp_path, clock=FakeClock())
+    sup.start()
+    dead = sup.processes()["decode-0"]
+    assert dead is not None
+    dead.wait_exit(30)
+    assert not sup.watch_once()  # a live peer does not keep a fail-fast deployment up
+    assert sup.failure == "decode-0 exited (exit code 3) and its restart policy is 'never'"
+    assert sup.state_of("decode-0") is ProcState.EXITED
+    sup.shutdown()
+
+
 def test_default_restart_policy_is_on_failure(recipe_files) -> None:  # type: ignore[no-untyped-def]
     plan = build_plan(load(*recipe_files()), VllmInstall("vllm", "0.32.0"))
     assert {p.restart for p in plan.processes} == {"on-failure"}
