@@ -114,15 +114,18 @@ _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
 def known_connectors(vllm: VllmInstall | None = None) -> frozenset[str]:
-    """Connector names the installed vLLM registers (read from its factory source, without importing vLLM)."""
-    spec = importlib.util.find_spec("vllm") if (vllm or detect_vllm()).distribution else None
-    if spec is not None and spec.submodule_search_locations:
-        for base in spec.submodule_search_locations:
-            factory = Path(base) / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
-            if factory.is_file():
-                names = re.findall(r"register_connector\(\s*[\"'](\w+)[\"']", factory.read_text(encoding="utf-8"))
-                if names:
-                    return frozenset(names)
+    """Connector names the engine's vLLM registers (read from its factory source, without importing vLLM)."""
+    vllm = vllm or detect_vllm()
+    bases: list[str] = [vllm.package_dir] if vllm.package_dir else []
+    if not bases and vllm.distribution:
+        spec = importlib.util.find_spec("vllm")
+        bases = list(spec.submodule_search_locations or []) if spec else []
+    for base in bases:
+        factory = Path(base) / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
+        if factory.is_file():
+            names = re.findall(r"register_connector\(\s*[\"'](\w+)[\"']", factory.read_text(encoding="utf-8"))
+            if names:
+                return frozenset(names)
     return _KNOWN_CONNECTORS
 
 
@@ -434,10 +437,11 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
                    'set kv_buffer_device = "cpu" (and cpu_ids instead of gpu_ids) or install pdctl[vllm] on a '
                    "GPU machine")  # fmt: skip
     if any(w.engine == "vllm" for w in ws) and c.vllm.distribution is None:
-        yield c.at("PD016", "error" if c.for_up else "warning", "config", f"{ws[0].table}.model",
-                   "vLLM is not installed in pdctl's Python environment",
+        key = "engine.python" if c.dep.engine.python else f"{ws[0].table}.model"
+        yield c.at("PD016", "error" if c.for_up else "warning", "config", key, f"vLLM {c.vllm.describe()}",
                    "install it: `pip install 'pdctl[vllm]'` on GPUs, `scripts/install-cpu-engine.sh` on CPU; or "
-                   'try the simulator with engine = "sim"')  # fmt: skip
+                   "name the Python of the environment that has it in config.toml ([engine] python = "
+                   '"/path/to/venv/bin/python"); or try the simulator with engine = "sim"')  # fmt: skip
 
 
 def _ports(c: _Ctx) -> Iterable[Finding]:
@@ -574,7 +578,7 @@ def _vllm_refusals(c: _Ctx, found: list[Finding]) -> Iterable[Finding]:
     launch = len(plan.vllm.launch)
     commands = [Command(p.name, p.argv[launch:], c.contexts[p.name].tokens) for p in plan.workers if p.name in workers]
     try:
-        refusals = validate_commands(commands)
+        refusals = validate_commands(commands, python=c.vllm.python)
     except ValidatorUnavailable as exc:
         yield c.at("PD028", "info", "config", None, f"the command lines were not run through vLLM's parser: {exc}")
         return
@@ -618,7 +622,7 @@ def run_checks(
     """
     environ = dict(os.environ) if env is None else env
     contexts = {w.name: _context_of(dep, w, environ) for w in dep.workers}
-    ctx = _Ctx(dep, for_up, vllm or detect_vllm(), environ, contexts)
+    ctx = _Ctx(dep, for_up, vllm or detect_vllm(dep.engine_python), environ, contexts)
     findings = [f for rule in RULES for f in rule(ctx)]
     if parse_with_vllm:
         findings += list(_vllm_refusals(ctx, findings))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = [
     "ClusterConfig",
     "ConnectorConfig",
     "Deployment",
+    "EngineConfig",
     "GatewayConfig",
     "KVTransferConfig",
     "LoggingConfig",
@@ -72,6 +74,17 @@ class KVTransferConfig:
     timeout_ms: int = 30000
     shared_storage_path: str | None = None
     link: str = "loopback"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """``[engine]`` (pdctl extension): which Python runs vLLM.
+
+    ``python`` is the interpreter of the environment vLLM is installed in (``/opt/vllm/.venv/bin/python``);
+    unset, it is the interpreter running pdctl (``sys.executable``), never a ``vllm`` found on ``PATH``.
+    """
+
+    python: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +141,7 @@ class SupervisorConfig:
 
     ready_timeout_s: float = 900.0
     stop_timeout_s: float = 20.0
-    restart: RestartPolicy = "never"
+    restart: RestartPolicy = "on-failure"
     max_restarts: int = 3
     start_secs: float = 10.0
     backoff_max_s: float = 60.0
@@ -251,6 +264,7 @@ class Deployment:
     supervisor: SupervisorConfig
     sim: SimConfig
     sources: SourceMap = field(compare=False, repr=False)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     config_keys: tuple[str, ...] = ()
     settings_keys: tuple[str, ...] = ()
 
@@ -273,6 +287,15 @@ class Deployment:
         """A path from the config, made absolute relative to config.toml's folder."""
         path = Path(value).expanduser()
         return str(path if path.is_absolute() else (Path(self.config_path).parent / path).resolve())
+
+    @property
+    def engine_python(self) -> str:
+        """The interpreter that runs vLLM: ``[engine] python`` (relative to config.toml), else pdctl's own."""
+        if not self.engine.python:
+            return sys.executable
+        # Not resolved: a venv's bin/python is a symlink, and following it would leave the venv.
+        path = Path(self.engine.python).expanduser()
+        return str(path if path.is_absolute() else Path(self.config_path).parent / path)
 
 
 # --------------------------------------------------------------------------------------- line lookup
@@ -483,7 +506,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 # ------------------------------------------------------------------------------------------ loading
 
-CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim")
+CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim", "engine")
 WORKER_KEYS = (
     "role", "model", "gpu_ids", "cpu_ids", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
     "enable_chunked_prefill", "gpu_memory_utilization", "engine", "host", "env", "extra_args",
@@ -617,7 +640,9 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     supervisor = SupervisorConfig(
         ready_timeout_s=s.get("ready_timeout_s", _num(0), "a number of seconds > 0", 900.0),
         stop_timeout_s=s.get("stop_timeout_s", _num(0), "a number of seconds > 0", 20.0),
-        restart=cast(RestartPolicy, s.get("restart", _choice("never", "on-failure"), "never or on-failure", "never")),
+        restart=cast(
+            RestartPolicy, s.get("restart", _choice("never", "on-failure"), "never or on-failure", "on-failure")
+        ),
         max_restarts=s.get("max_restarts", _int(0), "an integer >= 0", 3),
         start_secs=s.get("start_secs", _num(-1), "a number of seconds >= 0", 10.0),
         backoff_max_s=s.get("backoff_max_s", _num(0), "a number of seconds > 0", 60.0),
@@ -626,6 +651,10 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
         warmup_timeout_s=s.get("warmup_timeout_s", _num(0), "a number of seconds > 0", 300.0),
     )
     s.finish()
+
+    e = top.sub("engine")
+    engine = EngineConfig(python=e.opt("python", _str, "the path of a Python interpreter with vLLM installed"))
+    e.finish()
 
     m = top.sub("sim")
     sim = SimConfig(
@@ -653,6 +682,7 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
         logging=logging_cfg,
         supervisor=supervisor,
         sim=sim,
+        engine=engine,
         sources=src,
         config_keys=tuple(_flat_keys(cdata)),
         settings_keys=tuple(_flat_keys(sdata)),

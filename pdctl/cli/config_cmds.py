@@ -15,7 +15,7 @@ from pdctl.check import Finding, finding_from_error, run_checks
 from pdctl.cli._app import app, console, handle_errors
 from pdctl.errors import ConfigError
 from pdctl.init import write_templates
-from pdctl.plan import build_plan, render_sh
+from pdctl.plan import VllmInstall, build_plan, detect_vllm, render_sh
 
 ConfigOpt = Annotated[Path, typer.Option("-c", "--config", help="The cluster/worker file.")]
 SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="The gateway/routing file.")]
@@ -70,14 +70,22 @@ def check(
     With vLLM installed, each worker's planned command line also goes through vLLM's own argument parser and
     config classes (a few seconds; no GPU, no weights).
     """
+    vllm: VllmInstall | None = None
     try:
-        findings = run_checks(config.load(config_path, settings_path), parse_with_vllm=vllm_parse)
+        dep = config.load(config_path, settings_path)
+        vllm = detect_vllm(dep.engine_python)
+        findings = run_checks(dep, vllm=vllm, parse_with_vllm=vllm_parse)
     except ConfigError as err:
         findings = [finding_from_error(err)]
     if as_json:
-        typer.echo(json.dumps({"findings": [f.to_json() for f in findings]}, ensure_ascii=False, indent=2))
+        out: dict[str, object] = {"findings": [f.to_json() for f in findings]}
+        if vllm is not None:
+            out["vllm"] = vllm.to_json()
+        typer.echo(json.dumps(out, ensure_ascii=False, indent=2))
     else:
         render_findings(findings)
+        if vllm is not None:
+            console.print(Text(f"vLLM: {vllm.describe()}", style="dim"))
     if any(f.severity == "error" for f in findings):
         raise typer.Exit(1)
 
@@ -96,7 +104,7 @@ def plan(
     dep = config.load(config_path, settings_path)
     p = build_plan(dep)
     if as_json:
-        out = {"cluster": dep.cluster.name, "processes": [s.to_json() for s in p.processes]}
+        out = {"cluster": dep.cluster.name, "processes": [s.to_json() for s in p.processes], "vllm": p.vllm.to_json()}
         typer.echo(json.dumps(out, ensure_ascii=False, indent=2))
         return
     if fmt == "sh":
@@ -111,8 +119,7 @@ def plan(
         if spec.unset_env:
             console.print(Text("  unset: " + " ".join(spec.unset_env)))
         console.print(Text("  argv:  " + " ".join(_quote(a) for a in spec.argv)))
-    source = f"{p.vllm.distribution} {p.vllm.version}" if p.vllm.distribution else "not installed"
-    console.print(Text(f"vLLM: {source}", style="dim"))
+    console.print(Text(f"vLLM: {p.vllm.describe()}", style="dim"))
 
 
 def _quote(arg: str) -> str:
