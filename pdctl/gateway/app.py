@@ -20,14 +20,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.auth import KeyChecker
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from pdctl.gateway.pd import serve_colocated, serve_pd
+from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
@@ -67,13 +67,18 @@ class Gateway:
         self.pool = Pool(settings, self.metrics)
         self.keys = KeyChecker(api_key)
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
-        self.worker_key: str | None = None
-        self.kind = connector_kind(settings.connector)
         self.limiter = RateLimiter(settings.gateway.rate_limit)
         self.admission = Admission(settings.slo)
         g = settings.gateway
         self.upstream = (
-            Upstream(g.upstream_base_url, upstream_key or api_key, g.request_timeout_s, g.max_retries)
+            Upstream(
+                g.upstream_base_url,
+                upstream_key or api_key,
+                g.request_timeout_s,
+                g.max_retries,
+                self.metrics,
+                self.secrets,
+            )
             if g.upstream_base_url
             else None
         )
@@ -81,6 +86,8 @@ class Gateway:
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
+        self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
+                              self.secrets, self.spawn)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -99,18 +106,11 @@ class Gateway:
         if self.upstream is not None:
             await self.upstream.close()
 
-    def spawn(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background, kept referenced until it ends."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no client request is in flight (drain); True when it got there."""
-        end = time.monotonic() + timeout_s
-        while self.in_flight > 0 and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        return self.in_flight == 0
 
     # ---------------------------------------------------------------------------------------- models
 
@@ -222,11 +222,11 @@ class Gateway:
                 route = self._admit(ex, req.prompt_tokens)
             if route == "upstream":
                 assert self.upstream is not None
-                await self.upstream.serve(self, ex, endpoint, body)
+                await self.upstream.serve(ex, endpoint, body)
             elif self.settings.routing.strategy == "colocated":
-                await serve_colocated(self, ex, endpoint, body, req.prompt_tokens)
+                await serve_colocated(self.legs, ex, endpoint, body, req.prompt_tokens)
             else:
-                await serve_pd(self, ex, endpoint, body, req.prompt_tokens)
+                await serve_pd(self.legs, ex, endpoint, body, req.prompt_tokens)
         except ApiError as err:
             if ex.path in ("-", "rejected"):
                 ex.path = "rejected"
