@@ -43,6 +43,7 @@ from pdctl.gateway.routing import Pool
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.gateway.upstream import Upstream
+from pdctl.gateway.workers import ClientFactory
 from pdctl.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
@@ -61,10 +62,16 @@ _JSON = b"application/json"
 class Gateway:
     """The gateway's state and request handling; an ASGI app (``await gw(scope, receive, send)``)."""
 
-    def __init__(self, settings: GatewaySettings, api_key: str, upstream_key: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        api_key: str,
+        upstream_key: str | None = None,
+        clients: ClientFactory | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.pool = Pool(settings, self.metrics)
+        self.pool = Pool(settings, self.metrics, clients)
         self.keys = KeyChecker(api_key)
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
         self.limiter = RateLimiter(settings.gateway.rate_limit)
@@ -389,6 +396,11 @@ async def _plain_error(send: Send, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(settings: GatewaySettings, api_key: str, upstream_key: str | None = None) -> Gateway:
-    """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI)."""
-    return Gateway(settings, api_key, upstream_key)
+def create_app(
+    settings: GatewaySettings, api_key: str, upstream_key: str | None = None, clients: ClientFactory | None = None
+) -> Gateway:
+    """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI).
+
+    ``clients``: how to reach the workers (default: HTTP; :class:`pdctl.gateway.memory.MemoryWorkers` in tests).
+    """
+    return Gateway(settings, api_key, upstream_key, clients)
