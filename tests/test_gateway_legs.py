@@ -44,9 +44,10 @@ DECODED = MemoryReply.json({"id": "cmpl-d", "choices": [{"index": 0, "message": 
                             "usage": {"prompt_tokens": 5, "completion_tokens": 1}})  # fmt: skip
 
 
-def _run(workers: MemoryWorkers, n_prefill: int, test: Callable[[Gateway], Awaitable[None]]) -> Gateway:
+def _run(workers: MemoryWorkers, n_prefill: int, test: Callable[[Gateway], Awaitable[None]], **extra: Any) -> Gateway:
+    """Start the app on ``workers`` (``make_settings`` keywords in ``extra``), run ``test``, shut it down."""
     prefill = [f"http://prefill-{i}.invalid" for i in range(n_prefill)]
-    app = create_app(make_settings(prefill, ["http://decode.invalid"]), KEY, clients=workers)
+    app = create_app(make_settings(prefill, ["http://decode.invalid"], **extra), KEY, clients=workers)
 
     async def main() -> None:
         await app.startup()
@@ -197,3 +198,23 @@ def test_client_disconnect_during_prefill_sends_a_release_leg() -> None:
     assert (body["max_tokens"], body["stream"]) == (1, False)  # decode pulls the blocks, frees them, stops
     assert _metric(app, "pdctl_kv_release_total", outcome="ok") == 1
     assert _metric(app, "pdctl_client_cancelled_total", phase="before_first_byte") == 1
+
+
+def test_prefill_past_the_deadline_is_a_504_and_not_retried() -> None:
+    workers = MemoryWorkers()
+    workers["prefill-0"].script(_prefill("slow", delay_s=5.0))
+    workers["prefill-1"].script(_prefill("fast"))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, BODY))
+
+    start = time.monotonic()
+    app = _run(workers, 2, test, request_timeout_s=0.5)
+    assert time.monotonic() - start < 3  # the leg was bounded by the request's deadline, not the worker
+    assert replies[0].status == 504 and replies[0].json()["error"]["code"] == "prefill_timeout"
+    # A retry after the whole deadline went to leg 1 would answer after the client's timeout: none is sent.
+    (call,) = workers["prefill-0"].completions()
+    assert call.total_timeout_s is not None and call.total_timeout_s <= 0.5
+    assert not workers["prefill-1"].completions() and not workers["decode"].completions()
+    assert _metric(app, "pdctl_retries_total", leg="prefill") == 0

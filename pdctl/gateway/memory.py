@@ -13,7 +13,8 @@ the script is used up. A reply is a :class:`MemoryReply` or a :class:`~pdctl.tra
 raise instead of answering. A reply's body parts are bytes (sent), floats (a pause in seconds) or a
 ``TransportError`` (raised at that point, as a connection that breaks mid-body). Every call is recorded
 (:attr:`MemoryWorker.calls`), with whether its response was closed before its end (the client left: vLLM
-would abort the request).
+would abort the request). As :class:`pdctl.transport.Client`, a call's ``total_timeout_s`` bounds a reply's
+``delay_s`` (a ``timeout`` failure when it is not shorter).
 """
 
 from __future__ import annotations
@@ -160,6 +161,9 @@ class _Client:
         reply = self.worker._reply(path)
         if isinstance(reply, TransportError):
             raise reply
+        if total_timeout_s is not None and reply.delay_s >= total_timeout_s:
+            await asyncio.sleep(total_timeout_s)  # as the real client: the call's total bound ends the wait
+            raise TransportError("timeout", f"{self.worker.name} did not answer within {total_timeout_s:.2f}s")
         if reply.delay_s:
             await asyncio.sleep(reply.delay_s)
         call.response = MemoryResponse(reply)
