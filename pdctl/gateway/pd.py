@@ -6,6 +6,9 @@ during leg 1 the gateway still finishes it and then sends a *release leg* (the d
 ``max_tokens = 1``, not streamed) so decode pulls and frees the blocks at once instead of after
 ``kv_lease_duration``. A failed or timed-out leg 1 is retried once with a fresh request id; decode is
 never retried (its ``kv_transfer_params`` are single-use).
+
+The legs see the gateway only through a :class:`PdContext`, and the workers only through
+:class:`pdctl.gateway.workers.WorkerClient` (``tests/test_gateway_legs.py`` drives them on in-memory workers).
 """
 
 from __future__ import annotations
