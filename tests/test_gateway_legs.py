@@ -141,6 +141,7 @@ def test_failure_after_the_first_byte_is_not_retried() -> None:
     assert len(workers["prefill"].completions()) == 1 and len(workers["decode"].completions()) == 1
     assert _metric(app, "pdctl_retries_total", leg="decode") == 0
     assert _metric(app, "pdctl_stream_errors_total", reason="upstream_error") == 1
+    assert _metric(app, "pdctl_requests_total", path="disagg", status="stream_error") == 1
 
 
 def test_fallback_when_prefill_returns_no_kv_params() -> None:

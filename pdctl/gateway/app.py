@@ -270,30 +270,12 @@ class Gateway:
 
     def _finish(self, ex: Exchange) -> None:
         duration = time.monotonic() - ex.started
-        status = ex.status or 500
-        if ex.error_code and ex.headers_sent and status == 200:
-            status_label = "stream_error"
-        else:
-            status_label = str(status)
+        status_label = ex.outcome()
         self.metrics.requests.labels(ex.path, status_label).inc()
         self.metrics.duration.labels(ex.path).observe(duration)
         if ex.ttft_s is not None:
             self.metrics.ttft.labels(ex.path).observe(ex.ttft_s)
-        parts = [
-            f"request_id={ex.request_id}", f"model={ex.model}", f"path={ex.path}",
-            f"prefill={ex.prefill or '-'}", f"decode={ex.decode or '-'}", f"status={status_label}",
-            f"ttft_ms={ex.ttft_s * 1000:.1f}" if ex.ttft_s is not None else "ttft_ms=-",
-            f"prefill_ms={ex.prefill_ms:.1f}" if ex.prefill_ms is not None else "prefill_ms=-",
-            f"prompt_tokens={ex.prompt_tokens if ex.prompt_tokens is not None else '-'}",
-            f"tokens={ex.tokens if ex.tokens is not None else '-'}", f"duration_ms={duration * 1000:.1f}",
-        ]  # fmt: skip
-        if ex.error_code:
-            parts.append(f"error={ex.error_code}")
-        if ex.fallback_reason:
-            parts.append(f"fallback={ex.fallback_reason}")
-        if ex.kv:
-            parts.append(f"kv_engine={ex.kv['engine']} kv_blocks={ex.kv['blocks']} kv_remote={ex.kv['remote']}")
-        access.info(" ".join(parts))
+        access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
         limit = self.settings.gateway.max_body_bytes
