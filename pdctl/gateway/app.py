@@ -60,7 +60,12 @@ _JSON = b"application/json"
 
 
 class Gateway:
-    """The gateway's state and request handling; an ASGI app (``await gw(scope, receive, send)``)."""
+    """The gateway's state, lifecycle and dispatch; an ASGI app (``await gw(scope, receive, send)``).
+
+    It reads the body, checks it with :mod:`pdctl.gateway.request`, applies limits and admission, hands the request
+    to :mod:`pdctl.gateway.pd` (with :attr:`legs`, the narrow context built once) or to the upstream, and records
+    the outcome. ``clients``: how the pool reaches the workers (:mod:`pdctl.gateway.workers`).
+    """
 
     def __init__(
         self,
