@@ -40,9 +40,10 @@ CHARS_PER_TOKEN = 6
 Route = Literal["local", "upstream"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CompletionRequest:
-    """What the gateway reads from a valid request body."""
+    """What the gateway reads from a valid request body (not frozen: that is on every request's path, see
+    docs/performance.md, "The gateway without a god object")."""
 
     model: str
     stream: bool
