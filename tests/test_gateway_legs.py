@@ -219,3 +219,29 @@ def test_prefill_past_the_deadline_is_a_504_and_not_retried() -> None:
     assert call.total_timeout_s is not None and call.total_timeout_s <= 0.5
     assert not workers["prefill-1"].completions() and not workers["decode"].completions()
     assert _metric(app, "pdctl_retries_total", leg="prefill") == 0
+
+
+def test_decode_failure_while_its_prefill_is_down_is_counted_against_the_prefill() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill("dying"), TransportError("connect", "refused"))
+    handshake = MemoryReply(500, (b'{"error": {"message": "KV pull failed", "code": 500}}',), delay_s=0.2)
+    workers["decode"].script(handshake)
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        call = asyncio.ensure_future(asgi_request(app, CHAT, STREAM))
+        while not workers["decode"].completions():  # leg 2 started: now the prefill goes down
+            await asyncio.sleep(0.01)
+        workers["prefill"].healthy = False
+        replies.append(await call)
+        prefill = app.pool.instances[0]
+        end = time.monotonic() + 5
+        while prefill.failures < 2 and time.monotonic() < end:  # the blame probe runs in the background
+            await asyncio.sleep(0.02)
+
+    app = _run(workers, 1, test)
+    assert replies[0].status == 502  # the retry's leg 1 found the prefill gone
+    prefill, decode = app.pool.instances
+    # One failure from the probe that found the KV source down, one from the retry's refused leg 1; none
+    # against decode, which would otherwise be ejected for every request in flight when a prefill crashes.
+    assert (prefill.failures, decode.failures) == (2, 0)
