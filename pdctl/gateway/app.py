@@ -3,11 +3,13 @@
 Request flow for the two completion endpoints::
 
     draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
-      -> validation (400) -> model: local | upstream | 404 -> rate limit (429)
+      -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
+      -> rate limit (429)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A watcher task waits for ``http.disconnect`` and cancels the handler, so a client that leaves cancels the
-worker calls (vLLM aborts the request when the connection closes).
+worker calls (vLLM aborts the request when the connection closes). Parsing and validation are the pure
+functions of :mod:`pdctl.gateway.request`.
 """
 
 from __future__ import annotations
@@ -18,19 +20,30 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.auth import KeyChecker
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from pdctl.gateway.pd import serve_colocated, serve_pd
+from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
+from pdctl.gateway.request import (
+    COMPLETION_PATHS,
+    CompletionRequest,
+    Route,
+    check_fits,
+    parse_body,
+    read_model,
+    route_model,
+    validate,
+)
 from pdctl.gateway.routing import Pool
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.gateway.upstream import Upstream
+from pdctl.gateway.workers import ClientFactory
 from pdctl.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
@@ -43,72 +56,41 @@ Send = Callable[[Message], Awaitable[None]]
 log = logging.getLogger("pdctl.gateway")
 access = logging.getLogger("pdctl.gateway.access")
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-MAX_N = 64
 _JSON = b"application/json"
 
 
-class _BadJSON(ValueError):
-    pass
-
-
-def _no_constants(name: str) -> Any:
-    raise _BadJSON(f"{name} is not valid JSON")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _BadJSON(f"duplicate key {k!r}")
-            seen.add(k)
-    return out
-
-
-def _depth_ok(value: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
-            return False
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values() if isinstance(x, dict | list))
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v if isinstance(x, dict | list))
-    return True
-
-
-def _text_len(value: Any) -> int:
-    """Characters of text in a prompt or messages list (token ids count as one each)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, int):
-        return 4
-    if isinstance(value, list):
-        return sum(_text_len(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_text_len(v) for k, v in value.items() if k in ("content", "text", "prompt"))
-    return 0
-
-
 class Gateway:
-    """The gateway's state and request handling; an ASGI app (``await gw(scope, receive, send)``)."""
+    """The gateway's state, lifecycle and dispatch; an ASGI app (``await gw(scope, receive, send)``).
 
-    def __init__(self, settings: GatewaySettings, api_key: str, upstream_key: str | None = None) -> None:
+    It reads the body, checks it with :mod:`pdctl.gateway.request`, applies limits and admission, hands the request
+    to :mod:`pdctl.gateway.pd` (with :attr:`legs`, the narrow context built once) or to the upstream, and records
+    the outcome. ``clients``: how the pool reaches the workers (:mod:`pdctl.gateway.workers`).
+    """
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        api_key: str,
+        upstream_key: str | None = None,
+        clients: ClientFactory | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
-        self.pool = Pool(settings, self.metrics)
+        self.pool = Pool(settings, self.metrics, clients)
         self.keys = KeyChecker(api_key)
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
-        self.worker_key: str | None = None
-        self.kind = connector_kind(settings.connector)
         self.limiter = RateLimiter(settings.gateway.rate_limit)
         self.admission = Admission(settings.slo)
         g = settings.gateway
         self.upstream = (
-            Upstream(g.upstream_base_url, upstream_key or api_key, g.request_timeout_s, g.max_retries)
+            Upstream(
+                g.upstream_base_url,
+                upstream_key or api_key,
+                g.request_timeout_s,
+                g.max_retries,
+                self.metrics,
+                self.secrets,
+            )
             if g.upstream_base_url
             else None
         )
@@ -116,6 +98,8 @@ class Gateway:
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
+        self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
+                              self.secrets, self.spawn)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -134,18 +118,11 @@ class Gateway:
         if self.upstream is not None:
             await self.upstream.close()
 
-    def spawn(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background, kept referenced until it ends."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no client request is in flight (drain); True when it got there."""
-        end = time.monotonic() + timeout_s
-        while self.in_flight > 0 and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        return self.in_flight == 0
 
     # ---------------------------------------------------------------------------------------- models
 
@@ -248,21 +225,20 @@ class Gateway:
             if not self.keys.check(_header(scope, b"authorization")):
                 raise _auth_error()
             raw = await self._read_body(scope, receive, ex)
-            body = self._parse(raw)
+            body = parse_body(raw, self.settings.max_nesting)
             watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, asyncio.current_task()))
-            prompt_tokens, max_tokens = self._validate(body, endpoint, ex)
-            route = self._route(ex.model)
-            self.limiter.acquire(prompt_tokens + (max_tokens or 0))
+            req, route = self._check(body, endpoint, ex)
+            self.limiter.acquire(req.prompt_tokens + (req.max_tokens or 0))
             acquired = True
             if route == "local":
-                route = self._admit(ex, prompt_tokens)
+                route = self._admit(ex, req.prompt_tokens)
             if route == "upstream":
                 assert self.upstream is not None
-                await self.upstream.serve(self, ex, endpoint, body)
+                await self.upstream.serve(ex, endpoint, body)
             elif self.settings.routing.strategy == "colocated":
-                await serve_colocated(self, ex, endpoint, body, prompt_tokens)
+                await serve_colocated(self.legs, ex, endpoint, body, req.prompt_tokens)
             else:
-                await serve_pd(self, ex, endpoint, body, prompt_tokens)
+                await serve_pd(self.legs, ex, endpoint, body, req.prompt_tokens)
         except ApiError as err:
             if ex.path in ("-", "rejected"):
                 ex.path = "rejected"
@@ -299,30 +275,12 @@ class Gateway:
 
     def _finish(self, ex: Exchange) -> None:
         duration = time.monotonic() - ex.started
-        status = ex.status or 500
-        if ex.error_code and ex.headers_sent and status == 200:
-            status_label = "stream_error"
-        else:
-            status_label = str(status)
+        status_label = ex.outcome()
         self.metrics.requests.labels(ex.path, status_label).inc()
         self.metrics.duration.labels(ex.path).observe(duration)
         if ex.ttft_s is not None:
             self.metrics.ttft.labels(ex.path).observe(ex.ttft_s)
-        parts = [
-            f"request_id={ex.request_id}", f"model={ex.model}", f"path={ex.path}",
-            f"prefill={ex.prefill or '-'}", f"decode={ex.decode or '-'}", f"status={status_label}",
-            f"ttft_ms={ex.ttft_s * 1000:.1f}" if ex.ttft_s is not None else "ttft_ms=-",
-            f"prefill_ms={ex.prefill_ms:.1f}" if ex.prefill_ms is not None else "prefill_ms=-",
-            f"prompt_tokens={ex.prompt_tokens if ex.prompt_tokens is not None else '-'}",
-            f"tokens={ex.tokens if ex.tokens is not None else '-'}", f"duration_ms={duration * 1000:.1f}",
-        ]  # fmt: skip
-        if ex.error_code:
-            parts.append(f"error={ex.error_code}")
-        if ex.fallback_reason:
-            parts.append(f"fallback={ex.fallback_reason}")
-        if ex.kv:
-            parts.append(f"kv_engine={ex.kv['engine']} kv_blocks={ex.kv['blocks']} kv_remote={ex.kv['remote']}")
-        access.info(" ".join(parts))
+        access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
         limit = self.settings.gateway.max_body_bytes
@@ -350,89 +308,17 @@ class Gateway:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _parse(self, raw: bytes) -> dict[str, Any]:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
-        try:
-            body = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
-        except RecursionError:
-            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
-        except _BadJSON as exc:
-            raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
-        except ValueError as exc:
-            raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
-        if not _depth_ok(body, self.settings.max_nesting):
-            raise ApiError(400, f"request body is nested deeper than {self.settings.max_nesting} levels",
-                           code="invalid_json")  # fmt: skip
-        return body
-
-    def _validate(self, body: dict[str, Any], endpoint: str, ex: Exchange) -> tuple[int, int | None]:
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "`model` is required and must be a string", param="model", code="invalid_value")
-        ex.model = model
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "`stream` must be true or false", param="stream", code="invalid_type")
-        ex.stream = stream
-        if endpoint == "/v1/chat/completions":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(400, "`messages` must be a non-empty list", param="messages", code="invalid_value")
-            chars = _text_len(messages)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str | list) or prompt == [] or prompt == "":
-                raise ApiError(400, "`prompt` must be a string or a list", param="prompt", code="invalid_value")
-            if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-                if self.settings.routing.strategy == "pd_disagg" and self._route(model) == "local":
-                    raise ApiError(400, "send one prompt per request: the PD path prefills one prompt at a time",
-                                   param="prompt", code="invalid_value")  # fmt: skip
-            chars = _text_len(prompt)
-        max_tokens: int | None = None
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ApiError(400, f"`{name}` must be a positive integer, got {json.dumps(value)}", param=name,
-                               code="invalid_value")  # fmt: skip
-            max_tokens = value
-        n = body.get("n", 1)
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
-            raise ApiError(400, f"`n` must be an integer 1-{MAX_N}", param="n", code="invalid_value")
-        # A conservative estimate (6 characters a token): only clearly too-long requests are refused here;
-        # vLLM's exact check stays behind it.
-        prompt_tokens = max(1, chars // 6)
-        mlen = self.local_models().get(model)
-        if mlen is not None and max_tokens is not None:
-            if max_tokens >= mlen:
-                raise ApiError(400, f"`max_tokens` = {max_tokens} is not below the model's context length {mlen}",
-                               param="max_tokens", code="context_length_exceeded")  # fmt: skip
-            if prompt_tokens + max_tokens > mlen:
-                raise ApiError(
-                    400, f"this request (prompt of at least ~{prompt_tokens} tokens + max_tokens {max_tokens}) "
-                    f"exceeds the model's context length {mlen}; shorten the prompt or lower max_tokens",
-                    param="messages" if endpoint.endswith("chat/completions") else "prompt",
-                    code="context_length_exceeded",
-                )  # fmt: skip
-        return prompt_tokens, max_tokens
-
-    def _route(self, model: str) -> str:
+    def _check(self, body: dict[str, Any], endpoint: str, ex: Exchange) -> tuple[CompletionRequest, Route]:
+        """Validate ``body`` and route its model, once (:mod:`pdctl.gateway.request`)."""
+        ex.model = read_model(body)
+        req = validate(body, endpoint, ex.model)
+        ex.stream = req.stream
         local = self.local_models()
-        if model in local or (not local and self.upstream is None):
-            return "local"
-        if self.upstream is not None:
-            return "upstream"
-        known = ", ".join(sorted(local)) or "none yet"
-        raise ApiError(404, f"model {model!r} is not served here (local models: {known})", param="model",
-                       code="model_not_found")  # fmt: skip
+        route = route_model(req.model, local, self.upstream is not None)
+        check_fits(req, route, self.settings.routing.strategy == "pd_disagg", local.get(req.model))
+        return req, route
 
-    def _admit(self, ex: Exchange, prompt_tokens: int) -> str:
+    def _admit(self, ex: Exchange, prompt_tokens: int) -> Route:
         if self.settings.routing.strategy == "colocated":
             return "local"
         prefill = self.pool.least_loaded(("prefill",))
@@ -497,6 +383,11 @@ async def _plain_error(send: Send, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(settings: GatewaySettings, api_key: str, upstream_key: str | None = None) -> Gateway:
-    """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI)."""
-    return Gateway(settings, api_key, upstream_key)
+def create_app(
+    settings: GatewaySettings, api_key: str, upstream_key: str | None = None, clients: ClientFactory | None = None
+) -> Gateway:
+    """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI).
+
+    ``clients``: how to reach the workers (default: HTTP; :class:`pdctl.gateway.memory.MemoryWorkers` in tests).
+    """
+    return Gateway(settings, api_key, upstream_key, clients)

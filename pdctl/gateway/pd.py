@@ -6,6 +6,9 @@ during leg 1 the gateway still finishes it and then sends a *release leg* (the d
 ``max_tokens = 1``, not streamed) so decode pulls and frees the blocks at once instead of after
 ``kv_lease_duration``. A failed or timed-out leg 1 is retried once with a fresh request id; decode is
 never retried (its ``kv_transfer_params`` are single-use).
+
+The legs see the gateway only through a :class:`PdContext`, and the workers only through
+:class:`pdctl.gateway.workers.WorkerClient` (``tests/test_gateway_legs.py`` drives them on in-memory workers).
 """
 
 from __future__ import annotations
@@ -14,23 +17,42 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
-from pdctl.gateway.routing import Instance, Role
+from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.routing import Instance, Pool, Role
+from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange, relay
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
+from pdctl.protocol import ConnectorKind, build_decode_body, build_prefill_body, check_kv_params
 from pdctl.transport import TransportError
 
-if TYPE_CHECKING:
-    from pdctl.gateway.app import Gateway
-
-__all__ = ["LegResult", "serve_colocated", "serve_pd"]
+__all__ = ["LegResult", "PdContext", "Spawn", "serve_colocated", "serve_pd"]
 
 log = logging.getLogger("pdctl.gateway")
 _MAX_ERROR_BODY = 64 * 1024
+
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+"""Runs a coroutine in the background, outliving the request (the gateway keeps it referenced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PdContext:
+    """What the legs use of the gateway: the pool, metrics, the SLO predictor, settings and a spawn function."""
+
+    settings: GatewaySettings
+    pool: Pool
+    metrics: GatewayMetrics
+    admission: Admission
+    kind: ConnectorKind
+    """How the connector hands KV over (:func:`pdctl.protocol.connector_kind` of ``settings.connector``)."""
+    secrets: tuple[str, ...]
+    """Keys to scrub from a worker's error message before it reaches the client."""
+    spawn: Spawn
 
 
 @dataclass(slots=True)
@@ -49,29 +71,26 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _headers(gw: Gateway, request_id: str) -> dict[str, str]:
-    h = {"content-type": "application/json", "x-request-id": request_id}
-    if gw.worker_key:
-        h["authorization"] = f"Bearer {gw.worker_key}"
-    return h
+def _headers(request_id: str) -> dict[str, str]:
+    return {"content-type": "application/json", "x-request-id": request_id}
 
 
 async def _prefill_once(
-    gw: Gateway, inst: Instance, endpoint: str, body: bytes, request_id: str, tokens: int, timeout_s: float
+    ctx: PdContext, inst: Instance, endpoint: str, body: bytes, request_id: str, tokens: int, timeout_s: float
 ) -> LegResult:
     start = time.monotonic()
     try:
         with inst.track(tokens):
             # total_timeout_s bounds the whole leg (headers and body): leg 1 is one short JSON answer.
             resp = await inst.client.request(
-                "POST", endpoint, body=body, headers=_headers(gw, request_id), total_timeout_s=timeout_s
+                "POST", endpoint, body=body, headers=_headers(request_id), total_timeout_s=timeout_s
             )
             try:
                 payload = await resp.read()
             finally:
                 resp.close()
     except TransportError as exc:
-        gw.pool.record_failure(inst)
+        ctx.pool.record_failure(inst)
         if exc.kind in ("timeout", "connect_timeout"):
             err = ApiError(504, f"prefill {inst.name} did not answer within {timeout_s:.1f}s", code="prefill_timeout")
             return LegResult(None, err, True, time.monotonic() - start, request_id)
@@ -86,14 +105,14 @@ async def _prefill_once(
         except ValueError:
             reply = None
         if isinstance(reply, dict):
-            gw.pool.record_success(inst)
+            ctx.pool.record_success(inst)
             return LegResult(reply, None, False, elapsed, request_id, inst)
-        gw.pool.record_failure(inst)
+        ctx.pool.record_failure(inst)
         err = ApiError(502, f"prefill {inst.name} answered invalid JSON", code="prefill_failed")
         return LegResult(None, err, True, elapsed, request_id)
-    err = translate_worker_error(resp.status, payload[:_MAX_ERROR_BODY], gw.secrets)
+    err = translate_worker_error(resp.status, payload[:_MAX_ERROR_BODY], ctx.secrets)
     if resp.status >= 500 and err.status != 400:
-        gw.pool.record_failure(inst)
+        ctx.pool.record_failure(inst)
         err = ApiError(502, f"prefill {inst.name}: {err.message}", code="prefill_failed")
         return LegResult(None, err, True, elapsed, request_id)
     return LegResult(None, err, False, elapsed, request_id)
@@ -105,10 +124,10 @@ def _what(exc: TransportError) -> str:
     )
 
 
-def _no_instance(gw: Gateway, roles: tuple[Role, ...], what: str) -> ApiError:
+def _no_instance(ctx: PdContext, roles: tuple[Role, ...], what: str) -> ApiError:
     return ApiError(
         503, f"no {what} instance is available (all unhealthy or failing); retry later",
-        code="server_overloaded", retry_after_s=gw.pool.retry_after_s(roles),
+        code="server_overloaded", retry_after_s=ctx.pool.retry_after_s(roles),
     )  # fmt: skip
 
 
@@ -116,7 +135,7 @@ class _DecodeFailed(ApiError):
     """Decode failed before any byte reached the client (a whole new pipeline may be tried)."""
 
 
-async def serve_pd(gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
+async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
     """Leg 1 on a prefill, leg 2 on a decode, decode's answer relayed to the client.
 
     One retry per request, as a whole new pipeline with a fresh request id: after a failed or timed-out
@@ -126,49 +145,49 @@ async def serve_pd(gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any
     for attempt in range(2):
         rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
         last = attempt == 1
-        leg = await _leg1(gw, ex, endpoint, body, prompt_tokens, rid)
+        leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid)
         if leg.error is not None:
             if not leg.retryable or last or ex.remaining() <= 0.05:
                 raise leg.error
-            gw.metrics.retries.labels("prefill").inc()
+            ctx.metrics.retries.labels("prefill").inc()
             log.warning("request %s: leg 1 failed (%s); retrying as %s-retry1", ex.request_id, leg.error.message,
                         ex.request_id)  # fmt: skip
             continue
-        dbody = _decode_body(gw, ex, body, leg)
+        dbody = _decode_body(ctx, ex, body, leg)
         try:
             await _decode(
-                gw, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode", source=leg.instance
+                ctx, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode", source=leg.instance
             )
             return
         except _DecodeFailed as err:
             if last or ex.headers_sent or ex.remaining() <= 0.05:
                 raise ApiError(err.status, err.message, code=err.code) from None
-            gw.metrics.retries.labels("decode").inc()
+            ctx.metrics.retries.labels("decode").inc()
             log.warning("request %s: decode failed before any output (%s); retrying the whole pipeline as "
                         "%s-retry1", ex.request_id, err.message, ex.request_id)  # fmt: skip
 
 
 async def _leg1(
-    gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str
 ) -> LegResult:
-    inst = gw.pool.choose(("prefill",))
+    inst = ctx.pool.choose(("prefill",))
     if inst is None:
-        raise _no_instance(gw, ("prefill",), "prefill")
-    pbody = _dumps(build_prefill_body(body, gw.kind))
+        raise _no_instance(ctx, ("prefill",), "prefill")
+    pbody = _dumps(build_prefill_body(body, ctx.kind))
     ahead = inst.in_flight_tokens
-    timeout = max(0.05, min(ex.remaining(), gw.settings.gateway.request_timeout_s))
-    task = asyncio.ensure_future(_prefill_once(gw, inst, endpoint, pbody, rid, prompt_tokens, timeout))
+    timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
+    task = asyncio.ensure_future(_prefill_once(ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout))
     try:
         leg = await asyncio.shield(task)
     except asyncio.CancelledError:
         if ex.client_gone:
-            gw.spawn(_release_after(gw, task, endpoint, body))
+            ctx.spawn(_release_after(ctx, task, endpoint, body))
         else:
             task.cancel()
         raise
     if leg.reply is not None:
-        gw.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
-        gw.metrics.leg.labels("prefill").observe(leg.elapsed_s)
+        ctx.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
+        ctx.metrics.leg.labels("prefill").observe(leg.elapsed_s)
         ex.prefill = inst.name
         ex.prefill_ms = leg.elapsed_s * 1000.0
         usage = leg.reply.get("usage")
@@ -177,15 +196,15 @@ async def _leg1(
     return leg
 
 
-def _decode_body(gw: Gateway, ex: Exchange, body: dict[str, Any], leg: LegResult) -> dict[str, Any]:
+def _decode_body(ctx: PdContext, ex: Exchange, body: dict[str, Any], leg: LegResult) -> dict[str, Any]:
     assert leg.reply is not None
     params: Mapping[str, Any] | None = None
     ex.path = "disagg"
-    if gw.kind != "shared_storage":
+    if ctx.kind != "shared_storage":
         check = check_kv_params(leg.reply)
         if check.usable:
             params = check.params
-            if gw.settings.logging.log_kv_transfer and params is not None:
+            if ctx.settings.logging.log_kv_transfer and params is not None:
                 blocks = params.get("remote_block_ids")
                 nblocks = sum(len(b) if isinstance(b, list) else 1 for b in blocks) if isinstance(blocks, list) else 0
                 ex.kv = {
@@ -197,24 +216,26 @@ def _decode_body(gw: Gateway, ex: Exchange, body: dict[str, Any], leg: LegResult
             reason = check.reason
             ex.path = "fallback"
             ex.fallback_reason = reason
-            gw.metrics.fallbacks.labels(reason).inc()
+            ctx.metrics.fallbacks.labels(reason).inc()
             detail = f" (missing {', '.join(check.missing)})" if check.missing else ""
             log.warning(
                 "request %s: prefill %s returned no usable kv_transfer_params (%s%s) under %s: decode will "
                 "recompute the prompt (x-pd-path: fallback)", ex.request_id, ex.prefill, reason, detail,
-                gw.settings.connector or "an unknown connector",
+                ctx.settings.connector or "an unknown connector",
             )  # fmt: skip
     return build_decode_body(body, params)
 
 
-async def serve_colocated(gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
+async def serve_colocated(
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int
+) -> None:
     """The whole request on one instance (any role), least-loaded."""
     ex.path = "colocated"
-    await _decode(gw, ex, endpoint, body, ex.request_id, prompt_tokens, ("prefill", "decode"), "worker")
+    await _decode(ctx, ex, endpoint, body, ex.request_id, prompt_tokens, ("prefill", "decode"), "worker")
 
 
 async def _decode(
-    gw: Gateway,
+    ctx: PdContext,
     ex: Exchange,
     endpoint: str,
     body: Mapping[str, Any],
@@ -226,26 +247,26 @@ async def _decode(
 ) -> None:
     """Leg 2 (or the whole colocated request) on the least-loaded of ``roles``; ``source``: the prefill holding
     the KV this request pulls."""
-    inst = gw.pool.choose(roles)
+    inst = ctx.pool.choose(roles)
     if inst is None:
-        raise _no_instance(gw, roles, what)
+        raise _no_instance(ctx, roles, what)
     ex.decode = inst.name
     stream = ex.stream
-    concurrency = sum(i.in_flight for i in gw.pool.instances if i.role in roles)
+    concurrency = sum(i.in_flight for i in ctx.pool.instances if i.role in roles)
     payload = _dumps(body)
-    headers = _headers(gw, request_id)
+    headers = _headers(request_id)
     sent = time.monotonic()
     # Until the first token: the request's deadline plus the KV handoff's. Each read is also bounded by the
     # client's read timeout (request_timeout_s), so an explicit deadline (a Task per wait) is only needed
     # when it is the shorter one, e.g. after a slow leg 1.
-    first_deadline = ex.remaining() + gw.settings.kv_timeout_s
-    bounded = first_deadline if first_deadline < gw.settings.gateway.request_timeout_s else None
+    first_deadline = ex.remaining() + ctx.settings.kv_timeout_s
+    bounded = first_deadline if first_deadline < ctx.settings.gateway.request_timeout_s else None
     with inst.track(prompt_tokens):
         try:
             call = inst.client.request("POST", endpoint, body=payload, headers=headers)
             resp = await (call if bounded is None else asyncio.wait_for(call, timeout=max(0.05, bounded)))
         except (asyncio.TimeoutError, TransportError) as exc:
-            _count_failure(gw, inst, source)
+            _count_failure(ctx, inst, source)
             if isinstance(exc, asyncio.TimeoutError) or exc.kind in ("timeout", "connect_timeout"):
                 raise _DecodeFailed(504, f"{what} {inst.name} did not answer in time", code="decode_timeout") from None
             if exc.kind == "connect":
@@ -253,15 +274,15 @@ async def _decode(
             raise _DecodeFailed(502, f"{what} {inst.name} failed: {_what(exc)}", code="decode_unavailable") from None
         try:
             headers_at = time.monotonic()
-            gw.metrics.leg.labels("handoff").observe(headers_at - sent)
+            ctx.metrics.leg.labels("handoff").observe(headers_at - sent)
             if resp.status != 200:
                 try:
                     err_body = await resp.read()
                 except TransportError:
                     err_body = b""
-                err = translate_worker_error(resp.status, err_body[:_MAX_ERROR_BODY], gw.secrets)
+                err = translate_worker_error(resp.status, err_body[:_MAX_ERROR_BODY], ctx.secrets)
                 if resp.status >= 500 and err.status != 400:
-                    _count_failure(gw, inst, source)
+                    _count_failure(ctx, inst, source)
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
             result = await relay(
@@ -270,55 +291,57 @@ async def _decode(
         finally:
             resp.close()
     if result.error is None:
-        gw.pool.record_success(inst)
+        ctx.pool.record_success(inst)
     else:
         # After a first token the KV was already pulled: whatever broke is decode's.
-        _count_failure(gw, inst, source if result.first_chunk_at is None else None)
-        gw.metrics.stream_errors.labels(result.error.code or "error").inc()
+        _count_failure(ctx, inst, source if result.first_chunk_at is None else None)
+        ctx.metrics.stream_errors.labels(result.error.code or "error").inc()
     ex.tokens = result.completion_tokens
     # Only a stream's first chunk is a first token; a non-streamed body arrives when decode is done.
     if stream and result.first_chunk_at is not None:
-        gw.metrics.leg.labels("first_chunk").observe(result.first_chunk_at - headers_at)
-        gw.admission.observe_handoff(result.first_chunk_at - sent)
+        ctx.metrics.leg.labels("first_chunk").observe(result.first_chunk_at - headers_at)
+        ctx.admission.observe_handoff(result.first_chunk_at - sent)
         ex.ttft_s = result.first_chunk_at - ex.started
         n = result.completion_tokens
         if n and n > 1 and result.last_chunk_at is not None:
             tpot = (result.last_chunk_at - result.first_chunk_at) / (n - 1)
-            gw.metrics.tpot.labels(ex.path).observe(tpot)
-            gw.admission.observe_itl(tpot, max(1, concurrency + 1))
+            ctx.metrics.tpot.labels(ex.path).observe(tpot)
+            ctx.admission.observe_itl(tpot, max(1, concurrency + 1))
     if result.prompt_tokens is not None and ex.prompt_tokens is None:
         ex.prompt_tokens = result.prompt_tokens
 
 
-def _count_failure(gw: Gateway, inst: Instance, source: Instance | None) -> None:
+def _count_failure(ctx: PdContext, inst: Instance, source: Instance | None) -> None:
     """Count a failed call against ``inst``, unless it may be the KV source's fault (see :func:`_blame`)."""
     if source is None or source is inst:
-        gw.pool.record_failure(inst)
+        ctx.pool.record_failure(inst)
     else:
-        gw.spawn(_blame(gw, inst, source))
+        ctx.spawn(_blame(ctx, inst, source))
 
 
-async def _blame(gw: Gateway, decode: Instance, prefill: Instance) -> None:
+async def _blame(ctx: PdContext, decode: Instance, prefill: Instance) -> None:
     """A decode failed before its first token, so maybe while pulling KV from ``prefill``. When that prefill is
     down (it fails a ``/health`` probe now), the failure is the prefill's: counting it against decode would
     eject a healthy decode for every request that was in flight when a prefill crashed."""
-    await gw.pool.probe(prefill)
+    await ctx.pool.probe(prefill)
     if prefill.healthy is False:
-        gw.pool.record_failure(prefill)
+        ctx.pool.record_failure(prefill)
         log.warning("decode %s failed pulling KV from prefill %s, which is down: counted against %s",
                     decode.name, prefill.name, prefill.name)  # fmt: skip
     else:
-        gw.pool.record_failure(decode)
+        ctx.pool.record_failure(decode)
 
 
-async def _release_after(gw: Gateway, task: asyncio.Future[LegResult], endpoint: str, body: Mapping[str, Any]) -> None:
+async def _release_after(
+    ctx: PdContext, task: asyncio.Future[LegResult], endpoint: str, body: Mapping[str, Any]
+) -> None:
     """The client left during leg 1: let it finish, then have decode pull (and so free) the blocks."""
     leg = await task
     if leg.reply is None:
         return
     check = check_kv_params(leg.reply)
     if not check.usable or check.params is None:
-        gw.metrics.kv_release.labels("nothing_held").inc()
+        ctx.metrics.kv_release.labels("nothing_held").inc()
         return
     dbody = build_decode_body(body, check.params)
     dbody.pop("stream_options", None)
@@ -327,21 +350,21 @@ async def _release_after(gw: Gateway, task: asyncio.Future[LegResult], endpoint:
     dbody["max_tokens"] = 1
     if "max_completion_tokens" in dbody:
         dbody["max_completion_tokens"] = 1
-    inst = gw.pool.choose(("decode",))
+    inst = ctx.pool.choose(("decode",))
     if inst is None:
-        gw.metrics.kv_release.labels("no_decode").inc()
+        ctx.metrics.kv_release.labels("no_decode").inc()
         return
     try:
         with inst.track(0):
             resp = await inst.client.request(
-                "POST", endpoint, body=_dumps(dbody), headers=_headers(gw, f"{leg.request_id}-release"),
-                total_timeout_s=gw.settings.kv_timeout_s + gw.settings.gateway.request_timeout_s,
+                "POST", endpoint, body=_dumps(dbody), headers=_headers(f"{leg.request_id}-release"),
+                total_timeout_s=ctx.settings.kv_timeout_s + ctx.settings.gateway.request_timeout_s,
             )  # fmt: skip
             try:
                 await resp.read()
             finally:
                 resp.close()
-        gw.metrics.kv_release.labels("ok" if resp.status == 200 else "error").inc()
+        ctx.metrics.kv_release.labels("ok" if resp.status == 200 else "error").inc()
     except TransportError:
-        gw.metrics.kv_release.labels("error").inc()
+        ctx.metrics.kv_release.labels("error").inc()
     log.info("request %s: client left during leg 1; release leg sent to %s", leg.request_id, inst.name)

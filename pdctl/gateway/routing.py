@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
-from pdctl.transport import Client, TransportError
+from pdctl.gateway.workers import ClientFactory, WorkerClient, http_clients
+from pdctl.transport import TransportError
 
 __all__ = ["Instance", "Pool"]
 
@@ -26,7 +27,7 @@ Role = Literal["prefill", "decode"]
 class Instance:
     """One worker: its pooled HTTP client, load and health."""
 
-    def __init__(self, spec: InstanceSpec, client: Client, metrics: GatewayMetrics) -> None:
+    def __init__(self, spec: InstanceSpec, client: WorkerClient, metrics: GatewayMetrics) -> None:
         self.spec = spec
         self.name = spec.name
         self.role: Role = spec.role
@@ -71,26 +72,17 @@ class Instance:
 
 
 class Pool:
-    """All instances, the choice among them and the background health probe."""
+    """All instances, the choice among them and the background health probe.
 
-    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
+    ``connect`` makes each instance's client (default: :func:`pdctl.gateway.workers.http_clients`).
+    """
+
+    def __init__(
+        self, settings: GatewaySettings, metrics: GatewayMetrics, connect: ClientFactory | None = None
+    ) -> None:
         self.settings = settings
-        g = settings.gateway
-        self.instances = [
-            Instance(
-                spec,
-                Client(
-                    spec.url,
-                    read_timeout_s=g.request_timeout_s,
-                    connect_timeout_s=min(settings.connect_timeout_s, g.request_timeout_s),
-                    # Idle connections go after 4 s, before vLLM's (uvicorn's) 5 s keep-alive ends them.
-                    keepalive_s=4.0,
-                    headers={"accept-encoding": "identity"},
-                ),
-                metrics,
-            )
-            for spec in settings.instances
-        ]
+        connect = connect or http_clients(settings)
+        self.instances = [Instance(spec, connect(spec), metrics) for spec in settings.instances]
         self._rr: dict[tuple[Role, ...], itertools.count[int]] = {}
         self._task: asyncio.Task[None] | None = None
 

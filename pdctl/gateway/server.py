@@ -119,7 +119,8 @@ def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
 
     The supervisor sends SIGCONT right after it creates the file, which ends the wait at once; the file is
     checked again every ``poll_s`` as well, for a signal that came before this wait began (or a file made by
-    hand). Waking 50 times a second instead cost ~1 % of a core for the whole engine load.
+    hand). Not a fast poll: each wake-up costs CPU for the whole engine load (docs/performance.md, "Cutting
+    pdctl's own share").
     """
     signals = {signal.SIGTERM, signal.SIGINT, signal.SIGCONT}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)

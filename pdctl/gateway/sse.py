@@ -54,6 +54,30 @@ class Exchange:
         """Seconds left before the request's first-byte deadline."""
         return self.deadline - time.monotonic()
 
+    def outcome(self) -> str:
+        """The status as metrics and the access log name it: the HTTP status, or ``stream_error`` for a 200 stream
+        that ended with an error event."""
+        status = self.status or 500
+        return "stream_error" if self.error_code and self.headers_sent and status == 200 else str(status)
+
+    def access_line(self, outcome: str, duration_s: float) -> str:
+        """The request's one access-log line (``key=value`` pairs; no request or response content)."""
+        parts = [
+            f"request_id={self.request_id}", f"model={self.model}", f"path={self.path}",
+            f"prefill={self.prefill or '-'}", f"decode={self.decode or '-'}", f"status={outcome}",
+            f"ttft_ms={self.ttft_s * 1000:.1f}" if self.ttft_s is not None else "ttft_ms=-",
+            f"prefill_ms={self.prefill_ms:.1f}" if self.prefill_ms is not None else "prefill_ms=-",
+            f"prompt_tokens={self.prompt_tokens if self.prompt_tokens is not None else '-'}",
+            f"tokens={self.tokens if self.tokens is not None else '-'}", f"duration_ms={duration_s * 1000:.1f}",
+        ]  # fmt: skip
+        if self.error_code:
+            parts.append(f"error={self.error_code}")
+        if self.fallback_reason:
+            parts.append(f"fallback={self.fallback_reason}")
+        if self.kv:
+            parts.append(f"kv_engine={self.kv['engine']} kv_blocks={self.kv['blocks']} kv_remote={self.kv['remote']}")
+        return " ".join(parts)
+
     def _headers(self, content_type: bytes, extra: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
         h = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]
         if self.path in ("disagg", "fallback", "upstream", "colocated"):

@@ -20,16 +20,14 @@ import json
 import random
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from pdctl.gateway.errors import ApiError, sanitize
+from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.transport import TransportError
-
-if TYPE_CHECKING:
-    from pdctl.gateway.app import Gateway
 
 __all__ = ["MAX_RETRY_AFTER_WAIT_S", "Upstream", "upstream_url"]
 
@@ -88,12 +86,22 @@ def _transport_error(exc: httpx.HTTPError) -> TransportError:
 
 
 class Upstream:
-    """One pooled client to the upstream API."""
+    """One pooled client to the upstream API; ``secrets``: keys to scrub from its error messages (``key`` too)."""
 
-    def __init__(self, base_url: str, key: str, request_timeout_s: float, max_retries: int) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        request_timeout_s: float,
+        max_retries: int,
+        metrics: GatewayMetrics,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
         self.base_url = base_url
         self.max_retries = max_retries
         self._key = key
+        self._metrics = metrics
+        self._secrets = (*secrets, key)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=min(10.0, request_timeout_s)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -126,12 +134,11 @@ class Upstream:
         self._models = (time.monotonic(), data)
         return data
 
-    async def serve(self, gw: Gateway, ex: Exchange, endpoint: str, body: dict[str, Any]) -> None:
+    async def serve(self, ex: Exchange, endpoint: str, body: dict[str, Any]) -> None:
         """Send the request upstream and relay the answer."""
         ex.path = "upstream"
         url = upstream_url(self.base_url, endpoint.removeprefix("/v1"))
         content = json.dumps(body, separators=(",", ":")).encode()
-        secrets = (*gw.secrets, self._key)
         for attempt in range(self.max_retries + 1):
             rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
             req = self.client.build_request("POST", url, content=content, headers=self._headers(rid))
@@ -140,15 +147,15 @@ class Upstream:
             try:
                 resp = await asyncio.wait_for(self.client.send(req, stream=True), timeout=max(0.05, ex.remaining()))
             except (asyncio.TimeoutError, httpx.TimeoutException):
-                gw.metrics.upstream_calls.labels("timeout").inc()
+                self._metrics.upstream_calls.labels("timeout").inc()
                 err = ApiError(504, "the upstream API did not answer in time", code="upstream_timeout")
             except httpx.HTTPError as exc:
-                gw.metrics.upstream_calls.labels("connect_error").inc()
+                self._metrics.upstream_calls.labels("connect_error").inc()
                 err = ApiError(502, f"the upstream API is unreachable ({type(exc).__name__})", code="upstream_error")
             else:
                 try:
                     if resp.status_code == 200:
-                        gw.metrics.upstream_calls.labels("ok").inc()
+                        self._metrics.upstream_calls.labels("ok").inc()
                         result = await relay(ex, _HttpxBody(resp), ex.stream)
                         if ex.stream and result.first_chunk_at is not None:
                             ex.ttft_s = result.first_chunk_at - ex.started
@@ -158,8 +165,8 @@ class Upstream:
                     payload = (await resp.aread())[:65536]
                 finally:
                     await resp.aclose()
-                gw.metrics.upstream_calls.labels(str(resp.status_code)).inc()
-                err = self._translate(resp, payload, secrets)
+                self._metrics.upstream_calls.labels(str(resp.status_code)).inc()
+                err = self._translate(resp, payload, self._secrets)
                 if resp.status_code not in RETRY_STATUSES:
                     raise err
                 wait = _retry_after(resp)
@@ -168,7 +175,7 @@ class Upstream:
             delay = wait if wait is not None else random.uniform(0, min(2.0, 0.25 * 2**attempt))
             if (wait is not None and wait > MAX_RETRY_AFTER_WAIT_S) or delay >= ex.remaining():
                 raise err
-            gw.metrics.retries.labels("upstream").inc()
+            self._metrics.retries.labels("upstream").inc()
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +181,69 @@ def wait_for(cond: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(cond())
+
+
+@dataclass
+class AsgiReply:
+    """What an in-process ASGI call answered."""
+
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def asgi_request(
+    app: Any,
+    path: str,
+    body: dict[str, Any],
+    *,
+    key: str = KEY,
+    request_id: str | None = None,
+    disconnect_after_chunks: int | None = None,
+    disconnect_after_s: float | None = None,
+) -> AsgiReply:
+    """POST ``body`` to the ASGI ``app`` in this event loop (no server, no socket); the client may leave after
+    ``disconnect_after_chunks`` non-empty body messages or ``disconnect_after_s`` seconds."""
+    raw = json.dumps(body).encode()
+    headers = [(b"authorization", f"Bearer {key}".encode()), (b"content-type", b"application/json"),
+               (b"content-length", str(len(raw)).encode())]  # fmt: skip
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    out = AsgiReply()
+    gone = asyncio.Event()
+    sent_request = False
+    chunks = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_request
+        if not sent_request:
+            sent_request = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal chunks
+        if gone.is_set():
+            raise OSError("the client is gone")
+        if message["type"] == "http.response.start":
+            out.status = message["status"]
+            out.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message.get("body"):
+            out.body += message["body"]
+            chunks += 1
+            if disconnect_after_chunks is not None and chunks >= disconnect_after_chunks:
+                gone.set()
+
+    timer = asyncio.get_running_loop().call_later(disconnect_after_s, gone.set) if disconnect_after_s else None
+    try:
+        await app(scope, receive, send)
+    finally:
+        if timer is not None:
+            timer.cancel()
+        gone.set()
+    return out

@@ -1,0 +1,160 @@
+"""The gateway's own CPU per PD request, in-process: the ASGI app on scripted in-memory workers, no sockets.
+
+What it isolates: everything the gateway does per request besides the network (auth, body, validation, routing,
+limits, both legs' bookkeeping, the relay loop over 10 SSE chunks, metrics, the access log line), as CPU time
+(``time.process_time``), so a loaded machine moves it far less than wall-clock latency. Each checkout named in
+``--trees`` runs in its own interpreter, the trees alternating over ``--rounds``; the medians are printed. The
+workers are a minimal client object set on each instance (``Instance.client``), so older checkouts without
+:mod:`pdctl.gateway.memory` can be measured too.
+
+    .venv/bin/python benchmarks/gateway_cpu.py [--trees .,/path/to/other/checkout] [--rounds 6] [--requests 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+STREAM = [EVENT] * 8 + [b'data: {"choices":[],"usage":{"completion_tokens":8}}\n\n', b"data: [DONE]\n\n"]
+KEY = "sk-bench-0123456789"
+
+
+class _Response:
+    def __init__(self, parts: list[bytes]) -> None:
+        self.status = 200
+        self._parts = parts
+
+    async def read(self) -> bytes:
+        data, self._parts = b"".join(self._parts), []
+        return data
+
+    async def json(self) -> Any:
+        return json.loads(await self.read())
+
+    async def chunk(self) -> bytes:
+        return self._parts.pop(0) if self._parts else b""
+
+    def close(self) -> None:
+        pass
+
+
+class _Worker:
+    def __init__(self, role: str, prefill_reply: bytes) -> None:
+        self.role = role
+        self.prefill_reply = prefill_reply
+
+    async def request(self, method: str, path: str, *, body: bytes | None = None, **_: Any) -> _Response:
+        if path == "/health":
+            return _Response([])
+        if path == "/v1/models":
+            return _Response([b'{"data":[{"id":"tiny","max_model_len":2048}]}'])
+        if self.role == "prefill":
+            return _Response([self.prefill_reply])
+        streamed = body is not None and b'"stream":true' in body
+        return _Response(list(STREAM) if streamed else [b'{"id":"d","usage":{"completion_tokens":8}}'])
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _one(app: Any, raw: bytes) -> None:
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", str(len(raw)).encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    done = asyncio.Event()
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    await app(scope, receive, send)
+    done.set()
+
+
+async def _child(requests: int) -> dict[str, float]:
+    from pdctl.config import GatewayConfig, LoggingConfig, RoutingConfig, SLOConfig
+    from pdctl.gateway.app import create_app
+    from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
+    from pdctl.protocol import REQUIRED_DECODE_FIELDS
+
+    log = logging.getLogger("pdctl.gateway")  # INFO as shipped: the access line is formatted, then dropped
+    log.handlers[:] = [logging.NullHandler()]
+    log.setLevel("INFO")
+    log.propagate = False
+    kv: dict[str, Any] = {f: f"x-{f}" for f in REQUIRED_DECODE_FIELDS}
+    kv.update(remote_block_ids=[1, 2, 3], remote_port=5600, do_remote_prefill=True)
+    reply = json.dumps({"id": "p", "choices": [], "usage": {"prompt_tokens": 5}, "kv_transfer_params": kv}).encode()
+    settings = GatewaySettings(
+        gateway=GatewayConfig(listen_host="127.0.0.1", listen_port=0),
+        routing=RoutingConfig(("http://p",), ("http://d",), "pd_disagg", "NixlConnector"),
+        slo=SLOConfig(admission=False), logging=LoggingConfig(),
+        prefill=(InstanceSpec("prefill", "prefill", "http://p"),), decode=(InstanceSpec("decode", "decode", "http://d"),),
+        models=(LocalModel("tiny", 2048),), connector="NixlConnector", health_interval_s=60.0,
+    )  # fmt: skip
+    app = create_app(settings, KEY)
+    for inst in app.pool.instances:
+        inst.client = _Worker(inst.role, reply)  # type: ignore[assignment]
+    await app.startup()
+    out: dict[str, float] = {}
+    for stream in (True, False):
+        raw = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}],
+                          "max_tokens": 8, "stream": stream}).encode()  # fmt: skip
+        for _ in range(200):  # warm-up
+            await _one(app, raw)
+        t = time.process_time()
+        for _ in range(requests):
+            await _one(app, raw)
+        out["stream_us" if stream else "json_us"] = (time.process_time() - t) / requests * 1e6
+    await app.shutdown()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", default=".", help="comma list of checkouts (each one's pdctl is measured)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(asyncio.run(_child(args.requests))))
+        return 0
+    trees = [str(Path(t).resolve()) for t in args.trees.split(",") if t]
+    runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
+    for r in range(args.rounds):
+        for tree in trees if r % 2 == 0 else reversed(trees):
+            env = {**os.environ, "PYTHONPATH": tree}
+            cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests)]
+            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+            runs[tree].append(json.loads(done.stdout.splitlines()[-1]))
+    print("| tree | streamed request, CPU µs (median; all) | non-streamed request, CPU µs (median; all) |")
+    print("|---|---:|---:|")
+    for tree, rs in runs.items():
+        cells = []
+        for key in ("stream_us", "json_us"):
+            values = [x[key] for x in rs]
+            cells.append(f"{statistics.median(values):.1f} ({', '.join(f'{v:.0f}' for v in values)})")
+        print(f"| {tree} | {cells[0]} | {cells[1]} |")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""A completion request from bytes to a checked :class:`CompletionRequest`: pure functions, no I/O.
+
+The steps, in the order the gateway runs them (each raises :class:`~pdctl.gateway.errors.ApiError` 400/404)::
+
+    parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no duplicate keys), an object, nesting
+    read_model(body)                      `model` (read first: the access log names it even when a later check fails)
+    validate(body, endpoint, model)       stream, messages | prompt, max_tokens, n; the prompt-token estimate
+    route_model(model, local, upstream)   "local" | "upstream" | 404
+    check_fits(request, route, ...)       one prompt per PD request; max_tokens and prompt within the context
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdctl.gateway.errors import ApiError
+
+__all__ = [
+    "CHAT_PATH",
+    "COMPLETION_PATHS",
+    "MAX_N",
+    "CompletionRequest",
+    "Route",
+    "check_fits",
+    "parse_body",
+    "read_model",
+    "route_model",
+    "validate",
+]
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATHS = (CHAT_PATH, "/v1/completions")
+MAX_N = 64
+# A conservative estimate: only clearly too-long requests are refused here; vLLM's exact check stays behind it.
+CHARS_PER_TOKEN = 6
+
+Route = Literal["local", "upstream"]
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """What the gateway reads from a valid request body (not frozen: that is on every request's path, see
+    docs/performance.md, "The gateway without a god object")."""
+
+    model: str
+    stream: bool
+    prompt_tokens: int
+    """Estimated from the text (:data:`CHARS_PER_TOKEN` characters a token, at least 1)."""
+    max_tokens: int | None
+    chat: bool
+    multi_prompt: bool
+    """A ``/v1/completions`` prompt that is a list of several prompts (a batch)."""
+
+
+class _BadJSON(ValueError):
+    pass
+
+
+def _no_constants(name: str) -> Any:
+    raise _BadJSON(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _BadJSON(f"duplicate key {k!r}")
+            seen.add(k)
+    return out
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values() if isinstance(x, dict | list))
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v if isinstance(x, dict | list))
+    return True
+
+
+def _text_len(value: Any) -> int:
+    """Characters of text in a prompt or messages list (token ids count as one each)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, int):
+        return 4
+    if isinstance(value, list):
+        return sum(_text_len(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_text_len(v) for k, v in value.items() if k in ("content", "text", "prompt"))
+    return 0
+
+
+def parse_body(raw: bytes, max_nesting: int) -> dict[str, Any]:
+    """The request body as a JSON object; 400 ``invalid_json``/``invalid_request`` otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
+        raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
+    if not _depth_ok(body, max_nesting):
+        raise ApiError(400, f"request body is nested deeper than {max_nesting} levels", code="invalid_json")
+    return body
+
+
+def read_model(body: Mapping[str, Any]) -> str:
+    """The ``model`` field."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "`model` is required and must be a string", param="model", code="invalid_value")
+    return model
+
+
+def validate(body: Mapping[str, Any], endpoint: str, model: str) -> CompletionRequest:
+    """The OpenAI fields the gateway relies on, checked; ``model`` from :func:`read_model`."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "`stream` must be true or false", param="stream", code="invalid_type")
+    chat = endpoint == CHAT_PATH
+    multi = False
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "`messages` must be a non-empty list", param="messages", code="invalid_value")
+        chars = _text_len(messages)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list) or prompt == [] or prompt == "":
+            raise ApiError(400, "`prompt` must be a string or a list", param="prompt", code="invalid_value")
+        multi = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt)
+        chars = _text_len(prompt)
+    max_tokens: int | None = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ApiError(400, f"`{name}` must be a positive integer, got {json.dumps(value)}", param=name,
+                           code="invalid_value")  # fmt: skip
+        max_tokens = value
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+        raise ApiError(400, f"`n` must be an integer 1-{MAX_N}", param="n", code="invalid_value")
+    return CompletionRequest(model, stream, max(1, chars // CHARS_PER_TOKEN), max_tokens, chat, multi)
+
+
+def route_model(model: str, local: Mapping[str, int | None], has_upstream: bool) -> Route:
+    """Local when the workers serve ``model`` (or no model is known yet and there is no upstream), else upstream."""
+    if model in local or (not local and not has_upstream):
+        return "local"
+    if has_upstream:
+        return "upstream"
+    known = ", ".join(sorted(local)) or "none yet"
+    raise ApiError(404, f"model {model!r} is not served here (local models: {known})", param="model",
+                   code="model_not_found")  # fmt: skip
+
+
+def check_fits(req: CompletionRequest, route: Route, pd_disagg: bool, max_model_len: int | None) -> None:
+    """Refuse what the local path cannot serve: a batch of prompts on the PD path, a request beyond the context."""
+    if req.multi_prompt and pd_disagg and route == "local":
+        raise ApiError(400, "send one prompt per request: the PD path prefills one prompt at a time",
+                       param="prompt", code="invalid_value")  # fmt: skip
+    mlen, max_tokens = max_model_len, req.max_tokens
+    if mlen is None or max_tokens is None:
+        return
+    if max_tokens >= mlen:
+        raise ApiError(400, f"`max_tokens` = {max_tokens} is not below the model's context length {mlen}",
+                       param="max_tokens", code="context_length_exceeded")  # fmt: skip
+    if req.prompt_tokens + max_tokens > mlen:
+        raise ApiError(
+            400, f"this request (prompt of at least ~{req.prompt_tokens} tokens + max_tokens {max_tokens}) "
+            f"exceeds the model's context length {mlen}; shorten the prompt or lower max_tokens",
+            param="messages" if req.chat else "prompt", code="context_length_exceeded",
+        )  # fmt: skip

@@ -1,0 +1,247 @@
+"""The PD legs' retry, fallback and cancellation logic on in-memory workers (``pdctl.gateway.memory``).
+
+The whole gateway app runs in the test's event loop behind the ASGI interface; its workers are
+:class:`~pdctl.gateway.memory.MemoryWorker` scripts, so no process or socket is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pdctl.gateway.app import Gateway, create_app
+from pdctl.gateway.memory import MemoryReply, MemoryWorkers
+from pdctl.protocol import REQUIRED_DECODE_FIELDS
+from pdctl.transport import TransportError
+from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+STREAM = {**BODY, "stream": True}
+
+
+def _kv(engine: str) -> dict[str, Any]:
+    params: dict[str, Any] = {f: f"{engine}-{f}" for f in REQUIRED_DECODE_FIELDS}
+    params.update(remote_block_ids=[1, 2, 3], remote_port=5600, do_remote_prefill=True, do_remote_decode=False)
+    return params
+
+
+def _prefill(engine: str = "p0", delay_s: float = 0.0) -> MemoryReply:
+    reply = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}], "usage": {"prompt_tokens": 5},
+             "kv_transfer_params": _kv(engine)}  # fmt: skip
+    return MemoryReply.json(reply, delay_s=delay_s)
+
+
+def _event(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+DECODED = MemoryReply.json({"id": "cmpl-d", "choices": [{"index": 0, "message": {"content": "hi"}}],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 1}})  # fmt: skip
+
+
+def _run(workers: MemoryWorkers, n_prefill: int, test: Callable[[Gateway], Awaitable[None]], **extra: Any) -> Gateway:
+    """Start the app on ``workers`` (``make_settings`` keywords in ``extra``), run ``test``, shut it down."""
+    prefill = [f"http://prefill-{i}.invalid" for i in range(n_prefill)]
+    app = create_app(make_settings(prefill, ["http://decode.invalid"], **extra), KEY, clients=workers)
+
+    async def main() -> None:
+        await app.startup()
+        try:
+            await test(app)
+        finally:
+            await app.shutdown()
+
+    asyncio.run(main())
+    return app
+
+
+def _metric(app: Gateway, name: str, **labels: str) -> float:
+    return app.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_prefill_failure_is_retried_on_another_prefill() -> None:
+    workers = MemoryWorkers()
+    workers["prefill-0"].script(TransportError("connect", "refused"))
+    workers["prefill-1"].script(_prefill("p1"))
+    workers["decode"].script(DECODED)
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, BODY, request_id="r1"))
+
+    app = _run(workers, 2, test)
+    (reply,) = replies
+    assert reply.status == 200 and reply.json()["id"] == "cmpl-d"
+    assert reply.headers["x-pd-prefill"] == "prefill-1" and reply.headers["x-pd-path"] == "disagg"
+    assert [c.request_id for c in workers["prefill-0"].completions()] == ["r1"]
+    assert [c.request_id for c in workers["prefill-1"].completions()] == ["r1-retry1"]
+    (leg2,) = workers["decode"].completions()
+    assert leg2.request_id == "r1-retry1" and leg2.json()["kv_transfer_params"] == _kv("p1")
+    assert _metric(app, "pdctl_retries_total", leg="prefill") == 1
+    assert [i.failures for i in app.pool.instances] == [1, 0, 0]  # counted towards prefill-0's breaker
+
+
+def test_prefill_client_error_is_not_retried() -> None:
+    workers = MemoryWorkers()
+    error = {"error": {"message": "bad logit_bias", "type": "BadRequestError", "code": 400}}
+    workers["prefill-0"].script(MemoryReply.json(error, status=400))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, BODY))
+
+    app = _run(workers, 2, test)
+    assert replies[0].status == 400 and "bad logit_bias" in replies[0].body.decode()
+    assert len(workers["prefill-0"].completions()) == 1 and not workers["prefill-1"].completions()
+    assert not workers["decode"].completions()
+    assert _metric(app, "pdctl_retries_total", leg="prefill") == 0
+
+
+def test_decode_failure_before_the_first_byte_retries_the_whole_pipeline() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill("first"), _prefill("second"))
+    handshake = MemoryReply(500, (b'{"error": {"message": "NIXL handshake failed", "code": 500}}',))
+    workers["decode"].script(handshake, MemoryReply.sse([_event("hi"), DONE]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, STREAM, request_id="r2"))
+
+    app = _run(workers, 1, test)
+    (reply,) = replies
+    assert reply.status == 200 and reply.body == _event("hi") + DONE
+    assert [c.request_id for c in workers["prefill"].completions()] == ["r2", "r2-retry1"]
+    legs = workers["decode"].completions()
+    # A fresh leg 1 for the retry: kv_transfer_params are single-use and never replayed.
+    assert [c.json()["kv_transfer_params"] for c in legs] == [_kv("first"), _kv("second")]
+    assert _metric(app, "pdctl_retries_total", leg="decode") == 1
+
+
+def test_failure_after_the_first_byte_is_not_retried() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill(), _prefill())
+    workers["decode"].script(MemoryReply.sse([_event("a"), TransportError("broken", "connection reset")]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, STREAM))
+
+    app = _run(workers, 1, test)
+    (reply,) = replies
+    assert reply.status == 200  # headers were out: the failure is one SSE error event, after the tokens sent
+    events = [e for e in reply.body.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == _event("a") and len(events) == 2
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+    assert b"[DONE]" not in reply.body
+    assert len(workers["prefill"].completions()) == 1 and len(workers["decode"].completions()) == 1
+    assert _metric(app, "pdctl_retries_total", leg="decode") == 0
+    assert _metric(app, "pdctl_stream_errors_total", reason="upstream_error") == 1
+    assert _metric(app, "pdctl_requests_total", path="disagg", status="stream_error") == 1
+
+
+def test_fallback_when_prefill_returns_no_kv_params() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(MemoryReply.json({"id": "cmpl-p", "choices": []}))
+    workers["decode"].script(DECODED)
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, BODY))
+
+    app = _run(workers, 1, test)
+    assert replies[0].status == 200 and replies[0].headers["x-pd-path"] == "fallback"
+    assert "kv_transfer_params" not in workers["decode"].completions()[0].json()  # decode recomputes the prompt
+    assert _metric(app, "pdctl_pd_fallback_total", reason="missing") == 1
+
+
+def test_client_disconnect_while_streaming_closes_the_decode_call() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill())
+    workers["decode"].script(MemoryReply.sse([_event("a"), 30.0, _event("b"), DONE]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        call = asgi_request(app, CHAT, STREAM, disconnect_after_chunks=1)
+        replies.append(await asyncio.wait_for(call, timeout=10))
+
+    start = time.monotonic()
+    app = _run(workers, 1, test)
+    assert time.monotonic() - start < 10  # not the 30 s the worker would still have taken
+    assert replies[0].body == _event("a")
+    (leg2,) = workers["decode"].completions()
+    assert leg2.response is not None and leg2.response.closed_early is True  # vLLM aborts the request
+    assert _metric(app, "pdctl_client_cancelled_total", phase="streaming") == 1
+    assert _metric(app, "pdctl_requests_total", path="disagg", status="499") == 1
+
+
+def test_client_disconnect_during_prefill_sends_a_release_leg() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill("held", delay_s=0.3))
+    workers["decode"].script(DECODED)
+
+    async def test(app: Gateway) -> None:
+        reply = await asgi_request(app, CHAT, STREAM, request_id="r5", disconnect_after_s=0.05)
+        assert reply.status == 0  # nothing was sent: the client left first
+        assert not workers["decode"].completions()  # leg 1 still running, shielded from the cancel
+        end = time.monotonic() + 5
+        while not workers["decode"].completions() and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+
+    app = _run(workers, 1, test)
+    (release,) = workers["decode"].completions()
+    body = release.json()
+    assert release.request_id == "r5-release" and body["kv_transfer_params"] == _kv("held")
+    assert (body["max_tokens"], body["stream"]) == (1, False)  # decode pulls the blocks, frees them, stops
+    assert _metric(app, "pdctl_kv_release_total", outcome="ok") == 1
+    assert _metric(app, "pdctl_client_cancelled_total", phase="before_first_byte") == 1
+
+
+def test_prefill_past_the_deadline_is_a_504_and_not_retried() -> None:
+    workers = MemoryWorkers()
+    workers["prefill-0"].script(_prefill("slow", delay_s=5.0))
+    workers["prefill-1"].script(_prefill("fast"))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, BODY))
+
+    start = time.monotonic()
+    app = _run(workers, 2, test, request_timeout_s=0.5)
+    assert time.monotonic() - start < 3  # the leg was bounded by the request's deadline, not the worker
+    assert replies[0].status == 504 and replies[0].json()["error"]["code"] == "prefill_timeout"
+    # A retry after the whole deadline went to leg 1 would answer after the client's timeout: none is sent.
+    (call,) = workers["prefill-0"].completions()
+    assert call.total_timeout_s is not None and call.total_timeout_s <= 0.5
+    assert not workers["prefill-1"].completions() and not workers["decode"].completions()
+    assert _metric(app, "pdctl_retries_total", leg="prefill") == 0
+
+
+def test_decode_failure_while_its_prefill_is_down_is_counted_against_the_prefill() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill("dying"), TransportError("connect", "refused"))
+    handshake = MemoryReply(500, (b'{"error": {"message": "KV pull failed", "code": 500}}',), delay_s=0.2)
+    workers["decode"].script(handshake)
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        call = asyncio.ensure_future(asgi_request(app, CHAT, STREAM))
+        while not workers["decode"].completions():  # leg 2 started: now the prefill goes down
+            await asyncio.sleep(0.01)
+        workers["prefill"].healthy = False
+        replies.append(await call)
+        prefill = app.pool.instances[0]
+        end = time.monotonic() + 5
+        while prefill.failures < 2 and time.monotonic() < end:  # the blame probe runs in the background
+            await asyncio.sleep(0.02)
+
+    app = _run(workers, 1, test)
+    assert replies[0].status == 502  # the retry's leg 1 found the prefill gone
+    prefill, decode = app.pool.instances
+    # One failure from the probe that found the KV source down, one from the retry's refused leg 1; none
+    # against decode, which would otherwise be ejected for every request in flight when a prefill crashes.
+    assert (prefill.failures, decode.failures) == (2, 0)
