@@ -114,6 +114,7 @@ class WorkerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     restart: RestartPolicy | None = None
+    replicas: int = 1
     table: str = "prefill"
 
     @property
@@ -488,7 +489,7 @@ WORKER_KEYS = (
     "role", "model", "gpu_ids", "cpu_ids", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
     "enable_chunked_prefill", "gpu_memory_utilization", "engine", "host", "env", "extra_args",
     "side_channel_port", "max_model_len", "dtype", "served_model_name", "block_size", "enforce_eager",
-    "kv_connector", "restart", "name",
+    "kv_connector", "restart", "name", "replicas",
 )  # fmt: skip
 
 
@@ -719,6 +720,7 @@ def _load_workers(
             extra_args=w.get("extra_args", _str_list, "a list of strings", ()),
             restart=cast(RestartPolicy | None,
                          w.opt("restart", _choice("never", "on-failure"), "never or on-failure")),
+            replicas=w.get("replicas", _int(1, 1000), "an integer 1-1000", 1),
         )  # fmt: skip
         if worker.model is None:
             raise w.err("model", "missing", hint='set `model = "Qwen/Qwen3-8B"` (the same on prefill and decode)')
