@@ -212,8 +212,9 @@ class SourceMap:
     """Best-effort line numbers of dotted keys in the two source files."""
 
     def __init__(self, texts: Mapping[str, str], kinds: Mapping[str, str]) -> None:
-        self._texts = dict(texts)
-        self._kinds = dict(kinds)
+        # Keyed by resolved path: the loader names files as given, Deployment.config_path is absolute.
+        self._texts = {_norm(f): t for f, t in texts.items()}
+        self._kinds = {_norm(f): k for f, k in kinds.items()}
         self._cache: dict[tuple[str, str], int | None] = {}
 
     def line(self, file: str, key: str) -> int | None:
@@ -221,10 +222,10 @@ class SourceMap:
         cached = self._cache.get((file, key), -1)
         if cached != -1:
             return cached
-        text = self._texts.get(file)
+        text = self._texts.get(_norm(file))
         found: int | None = None
         if text is not None:
-            kind = self._kinds.get(file, "toml")
+            kind = self._kinds.get(_norm(file), "toml")
             found = _toml_line(text, key) if kind == "toml" else _json_line(text, key)
         self._cache[(file, key)] = found
         return found
@@ -232,6 +233,10 @@ class SourceMap:
     def error(self, file: str, key: str, message: str, hint: str | None = None) -> ConfigError:
         """A :class:`ConfigError` located at ``key`` in ``file``."""
         return ConfigError(Path(file).name, key, message, line=self.line(file, key), hint=hint)
+
+
+def _norm(file: str) -> str:
+    return str(Path(file).resolve())
 
 
 @dataclass(frozen=True, slots=True)
