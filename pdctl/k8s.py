@@ -53,6 +53,7 @@ __all__ = [
     "namespace_of",
     "next_steps",
     "render",
+    "service_url",
     "write",
 ]
 
@@ -181,12 +182,17 @@ def namespace_of(dep: Deployment, options: K8sOptions) -> str:
 # ------------------------------------------------------------------------------------------- render
 
 
+def service_url(w: WorkerConfig) -> str:
+    """The worker group's URL inside the namespace: its headless Service's name (resolves to its pods' IPs)."""
+    return f"http://{w.name}:{w.port}"
+
+
 def cluster_settings(dep: Deployment) -> str:
     """settings.json for the pods: each worker endpoint names its group's headless Service, nothing else changes."""
     data: dict[str, Any] = json.loads(Path(dep.settings_path).read_text(encoding="utf-8"))
     routing = data.setdefault("routing", {})
     for role, workers in (("prefill", dep.prefill), ("decode", dep.decode)):
-        urls = [f"http://{w.name}:{w.port}" for w in workers]
+        urls = [service_url(w) for w in workers]
         routing[f"{role}_endpoint"] = urls[0] if len(urls) == 1 else urls
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 

@@ -64,3 +64,18 @@ def k8s(
     console.print("next:")
     for step in next_steps(dep, rendered, out, options):
         console.print(f"  {step}", markup=False)
+
+
+@render_app.command("vllm-router")
+@handle_errors
+def vllm_router(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    k8s: Annotated[bool, typer.Option("--k8s", help="Workers by the Service names `render k8s` gives them.")] = False,
+) -> None:
+    """Print a vllm-router command line (PD mode, static workers) for the same prefill and decode instances."""
+    import shlex
+
+    from pdctl.peers import vllm_router_argv
+
+    typer.echo(shlex.join(vllm_router_argv(config.load(config_path, settings_path), cluster=k8s)))
