@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -268,3 +269,9 @@ def test_replicas_must_be_a_positive_integer(recipe_files: Any) -> None:
     with pytest.raises(config.ConfigError) as err:
         config.load(cpath, spath)
     assert str(err.value) == "config.toml:29: decode.replicas: expected an integer 1-1000, got 0"
+
+
+def test_every_render_rule_is_documented() -> None:
+    src = (REPO / "pdctl" / "k8s.py").read_text(encoding="utf-8")
+    doc = (REPO / "docs" / "multi-node.md").read_text(encoding="utf-8")
+    assert set(re.findall(r'"(K8S\d{3})"', src)) == set(re.findall(r"^\| (K8S\d{3}) \|", doc, flags=re.M))
