@@ -62,6 +62,7 @@ KUBERNETES_VERSION = "1.33"
 #: Where the ConfigMap's two files are mounted in the gateway and verify pods.
 CONFIG_MOUNT = "/etc/pdctl"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^[A-Za-z0-9.\-/]+=\d+$")
 _GATEWAY = "gateway"
 _VERIFY = "pdctl-verify"
@@ -131,6 +132,10 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
     if not _NAME.match(ns) or len(ns) > 63:
         add("K8S001", "error", "cluster.name", f"namespace {ns!r} is not a DNS label",
             "use lowercase letters, digits and '-' (or pass --namespace)")  # fmt: skip
+    if not _LABEL.match(dep.cluster.name):
+        add("K8S001", "error", "cluster.name",
+            f"{dep.cluster.name!r} cannot be a label value (app.kubernetes.io/part-of)",
+            "at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit")  # fmt: skip
     names = [w.name for w in dep.workers]
     for w in dep.workers:
         t = w.table

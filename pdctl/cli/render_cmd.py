@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from pdctl import config
-from pdctl.cli._app import app, console, handle_errors
+from pdctl.cli._app import app, console, err_console, handle_errors
 from pdctl.cli.config_cmds import ConfigOpt, SettingsOpt, render_findings
 
 render_app = typer.Typer(no_args_is_help=True, help="Export the deployment to other tools (Kubernetes).")
@@ -51,14 +51,16 @@ def k8s(
     )
     dep = config.load(config_path, settings_path)
     rendered = render(dep, options)
-    to_stdout = out == "-"
-    if rendered.findings and not (to_stdout and rendered.files):
+    if out == "-" and rendered.files:
+        for f in rendered.findings:  # stdout carries the YAML
+            where = f.file + (f":{f.line}" if f.line else "") + (f" {f.key}" if f.key else "")
+            err_console.print(f"{f.code} {f.severity}: {where}: {f.message}", markup=False)
+        typer.echo(dump_yaml(rendered.manifests), nl=False)
+        return
+    if rendered.findings:
         render_findings(list(rendered.findings))
     if not rendered.files:
         raise typer.Exit(2)
-    if to_stdout:
-        typer.echo(dump_yaml(rendered.manifests), nl=False)
-        return
     for path in write(rendered, Path(out)):
         console.print(f"wrote {path}", markup=False)
     console.print("next:")
