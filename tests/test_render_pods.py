@@ -18,6 +18,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ def write_settings(path: Path, ports: dict[str, tuple[int, int]]) -> None:
     path.write_text(json.dumps({"routing": urls}), encoding="utf-8")
 
 
-def write_config(folder: Path) -> tuple[Path, Path]:
+def write_config(folder: Path, sim: str = 'profile = "fast"\nspeed = 20') -> tuple[Path, Path]:
     ports = {role: (free_port(ip), free_port(ip)) for role, ip in POD_IPS.items()}
     cpath, spath = folder / "config.toml", folder / "settings.json"
     cpath.write_text(
@@ -55,7 +56,7 @@ def write_config(folder: Path) -> tuple[Path, Path]:
         + "".join(
             f'[{role}]\nmodel = "sim-model"\nengine = "sim"\nside_channel_port = {ports[role][1]}\n' for role in POD_IPS
         )
-        + '[sim]\nprofile = "fast"\nspeed = 20\n',
+        + f"[sim]\n{sim}\n",
         encoding="utf-8",
     )
     write_settings(spath, ports)
@@ -116,13 +117,22 @@ def two_legs(prefill_url: str, decode_url: str, model: str, prompt: str, side_po
     )
 
 
-def run_pods(dep: config.Deployment, tmp_path: Path, ready_timeout_s: float) -> tuple[dict[str, SimProcess], str, str]:
+def worker_containers(dep: config.Deployment) -> dict[str, dict[str, Any]]:
+    """Each worker's container, read back from the rendered YAML as kubectl would."""
     docs = [d for d in yaml.safe_load_all(dump_yaml(render(dep).manifests)) if d]
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+        for d in docs
+        if d["kind"] == "StatefulSet"
+    }
+
+
+def run_pods(dep: config.Deployment, tmp_path: Path, ready_timeout_s: float) -> tuple[dict[str, SimProcess], str, str]:
+    containers = worker_containers(dep)
     pods: dict[str, SimProcess] = {}
     try:
         for w in dep.workers:
-            (sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == w.name]
-            (container,) = sts["spec"]["template"]["spec"]["containers"]
+            container = containers[w.name]
             assert container["args"][container["args"].index("--host") + 1] == "0.0.0.0"
             pods[w.role] = start_pod(container, POD_IPS[w.role], tmp_path / f"{w.name}.log")
         p_url, d_url = (f"http://{POD_IPS[r]}:{pods[r].port}" for r in ("prefill", "decode"))
@@ -146,6 +156,36 @@ def test_rendered_sim_pods_serve_pd_with_the_pod_ip_as_side_channel_host(tmp_pat
     pods, p_url, d_url = run_pods(dep, tmp_path, 60.0)
     try:
         assert two_legs(p_url, d_url, "sim-model", "pods on loopback " * 20, pods["prefill"].side_port) > 0
+    finally:
+        stop(pods)
+
+
+def test_the_prestop_hook_waits_for_the_request_in_flight(tmp_path: Path) -> None:
+    # h100 timing at speed 1: a 1500-token answer takes seconds, longer than the hook's first pause.
+    dep = config.load(*write_config(tmp_path, 'profile = "h100"\nspeed = 1'))
+    pods, p_url, _ = run_pods(dep, tmp_path, 60.0)
+    hook = worker_containers(dep)["prefill"]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[0] == "python3"
+    finished: list[float] = []
+
+    def long_request() -> None:
+        body = {"model": "sim-model", "prompt": "drain me", "max_tokens": 1500, "ignore_eos": True}
+        r = httpx.post(f"{p_url}/v1/completions", json=body, timeout=120.0)
+        assert r.status_code == 200
+        finished.append(time.monotonic())
+
+    try:
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(0.5)
+        hook_started = time.monotonic()
+        subprocess.run([sys.executable, *hook[1:]], check=True, timeout=120)
+        hook_done = time.monotonic()
+        thread.join(120)
+        assert finished, "the request did not finish"
+        # The request outlived the hook's fixed first pause, so only polling /metrics can explain the wait.
+        assert finished[0] > hook_started + 6
+        assert hook_done >= finished[0], "the hook returned while the request was still running"
     finally:
         stop(pods)
 
