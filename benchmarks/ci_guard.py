@@ -7,7 +7,7 @@ and the ratios gateway/direct (throughput) and gateway - direct (TTFT). The whol
 with the defaults; ``tests/test_benchmarks_smoke.py`` runs it with smaller ones and checks only that the
 numbers exist and the throughput ratio clears a generous bound.
 
-    .venv/bin/python benchmarks/ci_guard.py [--streams 16] [--seconds 3] [--out benchmarks/results/ci_guard.json]
+    .venv/bin/python -m benchmarks.ci_guard [--streams 16] [--seconds 3] [--out benchmarks/results/ci_guard.json]
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness as H
-import gateway_overhead as G
+from benchmarks import _harness as H
+from benchmarks import gateway_overhead as G
 
 ARMS = ("direct", "pdctl-colocated", "direct-pd", "pdctl-pd")
 

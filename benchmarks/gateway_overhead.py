@@ -25,7 +25,7 @@ The Rust routers and the toy proxy are installed from PyPI into their own venvs 
 (``pip install vllm-router`` / ``sglang-router`` / ``fastapi uvicorn[standard] httpx``); an arm that cannot
 be installed or started is skipped with a note.
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--modes latency,throughput] [--streams 1,16,64,256]
+    .venv/bin/python -m benchmarks.gateway_overhead [--modes latency,throughput] [--streams 1,16,64,256]
         [--arms all|NAME,..] [--measure-s 8] [--rounds 1] [--out benchmarks/results/gateway_overhead.json]
 """
 
@@ -43,9 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness as H
+from benchmarks import _harness as H
+from pdctl.testing import free_port
 
 BENCH = Path(__file__).resolve().parent
 VENV_ROOT = Path(os.environ.get("PDBENCH_VENVS", "/tmp"))
@@ -107,10 +106,10 @@ def start_arm(arm: str, s: Setup) -> tuple[H.Proc | None, int, int | None]:
         else:
             proc = H.start_pdctl_gateway(arm, logs, p.url, d.url, "pd_disagg", tree=tree)
         return proc, proc.port, None
-    port = H.free_port()
+    port = free_port()
     # Both routers export Prometheus on port 29000 by default: each instance gets its own free port.
     common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-              str(H.free_port())]  # fmt: skip
+              str(free_port())]  # fmt: skip
     if arm.startswith("vllm-router"):
         exe = ensure_venv("vllm-router")
         if exe is None:
@@ -170,7 +169,7 @@ def window(
         )
     )  # fmt: skip
     t = w.ttfts_ms()
-    lvl = {
+    lvl: dict[str, Any] = {
         "streams": n,
         "requests": len(w.results),
         "errors": w.errors,
@@ -228,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     streams = [int(x) for x in args.streams.split(",")]
     modes = args.modes.split(",")
     report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "benchmarks/gateway_overhead.py", *sys.argv[1:]]),
+        "command": " ".join([".venv/bin/python", "-m", "benchmarks.gateway_overhead", *sys.argv[1:]]),
         "machine_before": H.machine(),
         "params": {"streams": streams, "modes": modes, "tpot_ms": args.tpot_ms, "warmup_s": args.warmup_s,
                    "measure_s": args.measure_s, "rounds": args.rounds},

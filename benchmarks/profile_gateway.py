@@ -6,7 +6,7 @@ records the gateway with ``py-spy record --format raw`` for ``--duration`` secon
 most inclusive and self samples; the collapsed stacks are written for flame graphs.
 
     .venv/bin/pip install py-spy
-    .venv/bin/python benchmarks/profile_gateway.py [--arm pdctl-pd] [--streams 32] [--duration 10]
+    .venv/bin/python -m benchmarks.profile_gateway [--arm pdctl-pd] [--streams 32] [--duration 10]
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness as H
-import gateway_overhead as G
+from benchmarks import _harness as H
+from benchmarks import gateway_overhead as G
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     self_: collections.Counter[str] = collections.Counter()
     total = 0
     for line in Path(args.out).read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
+        stack, _, samples = line.rpartition(" ")
         if not stack:
             continue
-        count = int(n)
+        count = int(samples)
         frames = stack.split(";")
         total += count
         for f in set(frames):

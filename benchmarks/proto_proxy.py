@@ -11,7 +11,7 @@ Variants (``--variant``):
 * ``uvicorn-aiohttp``  the same server, worker legs with one ``aiohttp.ClientSession`` per worker.
 * ``aiohttp``          aiohttp end to end: ``aiohttp.web`` server and ``ClientSession`` legs (on uvloop).
 
-    .venv/bin/python benchmarks/proto_proxy.py --variant uvicorn-aiohttp --port P --prefill URL --decode URL
+    .venv/bin/python -m benchmarks.proto_proxy --variant uvicorn-aiohttp --port P --prefill URL --decode URL
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Both run the same workload against one colocated worker (the recipe's prefill ba
 prefill), a chunked-prefill worker (vLLM's default alternative) and a prefill + decode pair, and print
 TTFT / TPOT / ITL percentiles of the short streams.
 
-    .venv/bin/python benchmarks/sim_interference.py [--clock virtual|wall] [--long-len 8000] [--long-every 0.25]
+    .venv/bin/python -m benchmarks.sim_interference [--clock virtual|wall] [--long-len 8000] [--long-every 0.25]
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import httpx
 
+from benchmarks._harness import pct
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
-from pdctl.sim.experiment import percentile
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 MODEL = "Qwen/Qwen3-8B"
 
@@ -149,10 +149,21 @@ def summarize(res: Result, speed: float) -> dict[str, Any]:
         "short_requests": len(res.streams),
         "long_requests": len(res.long_ttft_s),
         "errors": res.errors,
-        "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
-        "tpot_ms": {"p50": percentile(tpot, 50), "p90": percentile(tpot, 90), "max": max(tpot, default=float("nan"))},
-        "itl_ms": {"p50": percentile(itl, 50), "p90": percentile(itl, 90), "p99": percentile(itl, 99)},
-        "long_ttft_ms": {"p50": percentile(longt, 50), "p90": percentile(longt, 90)},
+        "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90)},
+        "tpot_ms": {
+            "p50": pct(tpot, 50),
+            "p90": pct(tpot, 90),
+            "max": max(tpot, default=float("nan")),
+        },
+        "itl_ms": {
+            "p50": pct(itl, 50),
+            "p90": pct(itl, 90),
+            "p99": pct(itl, 99),
+        },
+        "long_ttft_ms": {
+            "p50": pct(longt, 50),
+            "p90": pct(longt, 90),
+        },
         "mean_tpot_ms": statistics.fmean(tpot) if tpot else float("nan"),
     }
 
@@ -169,13 +180,19 @@ def _virtual(args: argparse.Namespace) -> int:
                  long_len=args.long_len, long_every_s=args.long_every, duration_s=args.duration)  # fmt: skip
         out.append(s)
         print(json.dumps(s), flush=True)
-    hdr = f"{'mode':10} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>9} {'ITL p99':>9} {'TTFT p50':>9} {'long TTFT p50':>14}"
-    print(hdr)
+    return _report(out, args.json)
+
+
+def _report(out: list[dict[str, Any]], json_path: str | None) -> int:
+    """The summary table on stdout, and every mode's summary as JSON when asked."""
+    print(
+        f"{'mode':10} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>9} {'ITL p99':>9} {'TTFT p50':>9} {'long TTFT p50':>14}"
+    )
     for s in out:
         print(f"{s['mode']:10} {s['tpot_ms']['p50']:9.1f} {s['tpot_ms']['p90']:9.1f} {s['itl_ms']['p90']:9.1f} "
               f"{s['itl_ms']['p99']:9.1f} {s['ttft_ms']['p50']:9.1f} {s['long_ttft_ms']['p50']:14.1f}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
     return 0
 
@@ -235,16 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                            long_len=args.long_len, long_every_s=args.long_every * args.speed)  # fmt: skip
             out.append(summary)
             print(json.dumps(summary), flush=True)
-    print(
-        f"{'mode':10} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>9} {'ITL p99':>9} {'TTFT p50':>9} {'long TTFT p50':>14}"
-    )
-    for s in out:
-        print(f"{s['mode']:10} {s['tpot_ms']['p50']:9.1f} {s['tpot_ms']['p90']:9.1f} {s['itl_ms']['p90']:9.1f} "
-              f"{s['itl_ms']['p99']:9.1f} {s['ttft_ms']['p50']:9.1f} {s['long_ttft_ms']['p50']:14.1f}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
+    return _report(out, args.json)
 
 
 if __name__ == "__main__":

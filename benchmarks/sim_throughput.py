@@ -4,7 +4,7 @@ Starts ``python -m pdctl.sim`` (fast profile, ``--sim-speed`` high so the timing
 one core, drives it with a minimal raw-socket streaming client (pinned elsewhere when there is a second core),
 and reports chunks/s of wall time and chunks per CPU-second of the simulator process.
 
-    .venv/bin/python benchmarks/sim_throughput.py [--streams 64] [--tokens 256] [--duration 10]
+    .venv/bin/python -m benchmarks.sim_throughput [--streams 64] [--tokens 256] [--duration 10]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from pdctl.sim.testing import start_sim
+from pdctl.testing import start_sim
 
 
 async def _one_stream(port: int, tokens: int, counter: list[int]) -> None:

@@ -2,8 +2,8 @@
 with random client disconnects, one SIGKILL of decode's process group and one of prefill's, then the
 "nothing lost" invariants N1–N6 (pdctl/invariants.py, docs/reliability.md) and ``pdctl down``.
 
-    .venv/bin/python benchmarks/soak.py                          # 500 requests, the documented long soak
-    .venv/bin/python benchmarks/soak.py --requests 2000 --seed 7 --json soak.json
+    .venv/bin/python -m benchmarks.soak                          # 500 requests, the documented long soak
+    .venv/bin/python -m benchmarks.soak --requests 2000 --seed 7 --json soak.json
 
 Every wait is bounded; the seed fixes the request mix, the disconnects and the fault points. Exit status 0
 when every invariant holds, 1 otherwise. ``tests/test_soak.py`` runs a short form of the same code in CI.
@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,12 +45,12 @@ from pdctl.invariants import (
     client_outcome,
     decode_requests_from_log,
     gateway_outcomes,
-    metric_value,
-    parse_metrics,
     run_census,
     sample_resources,
     sample_workers,
 )
+from pdctl.promtext import metric_value, samples
+from pdctl.testing import free_port
 
 KEY_VAR = "PDCTL_SOAK_KEY"
 LEASE_S = 5
@@ -125,15 +124,9 @@ class SoakReport:
         return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_deployment(d: Path, cfg: SoakConfig) -> dict[str, int]:
     """config.toml + settings.json for two simulator workers and the gateway on free ports."""
-    ports = {n: _free_port() for n in ("prefill", "decode", "gateway", "p_side", "d_side")}
+    ports = {n: free_port() for n in ("prefill", "decode", "gateway", "p_side", "d_side")}
     (d / "config.toml").write_text(f"""
 [kv_transfer]
 timeout_ms = {LEASE_S * 1000}
@@ -407,8 +400,8 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         text = _metrics(gw_url)
         outcomes = gateway_outcomes(text)
         n1 = check_n1(outcomes, traffic.tally)
-        samples = parse_metrics(text)
-        retries = metric_value(samples, "pdctl_retries_total") or 0.0
+        parsed = samples(text, ("pdctl_retries_total", "pdctl_kv_release_total"))
+        retries = metric_value(parsed, "pdctl_retries_total") or 0.0
         decode_log = Path(_procs(workdir)["decode"]["log_file"]).read_text(encoding="utf-8", errors="replace")
         n3 = check_n3(decode_requests_from_log(decode_log.splitlines()), retries=retries)
         after = _settled(gw_pid, gw_url, warm)
@@ -431,7 +424,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         if outcomes is not None:
             report.gateway = {"accepted": outcomes.accepted, "succeeded": outcomes.succeeded,
                               "errored": outcomes.errored, "cancelled": outcomes.cancelled, "retries": retries,
-                              "kv_release_legs": metric_value(samples, "pdctl_kv_release_total") or 0.0}  # fmt: skip
+                              "kv_release_legs": metric_value(parsed, "pdctl_kv_release_total") or 0.0}  # fmt: skip
         census = census.merge(run_census(workdir / ".pdctl"))
         for c in censuses:
             census = census.merge(c)
@@ -466,7 +459,7 @@ _DEFAULT = SoakConfig()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python benchmarks/soak.py``: run the soak, print the report."""
+    """``python -m benchmarks.soak``: run the soak, print the report."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=_DEFAULT.requests)
     p.add_argument("--concurrency", type=int, default=_DEFAULT.concurrency)

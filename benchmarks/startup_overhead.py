@@ -14,7 +14,7 @@ Overhead = pdctl up - by hand (health + first PD request); target <= 5 %. Uses t
 (examples/cpu: 8000, 8100, 8200, 5600, 5700): nothing else may be using them. Needs the tiny model
 (``pdctl model tiny models/tiny-qwen3``) and vLLM CPU in .venv.
 
-    PDCTL_API_KEY=... .venv/bin/python benchmarks/startup_overhead.py [-c examples/cpu/config.toml]
+    PDCTL_API_KEY=... .venv/bin/python -m benchmarks.startup_overhead [-c examples/cpu/config.toml]
         [-s examples/cpu/settings.json] [--order up-first|hand-first]
 """
 
@@ -36,12 +36,11 @@ from typing import Any
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _harness as H
-
+from benchmarks import _harness as H
 from pdctl.config import load
+from pdctl.pgroup import signal_group
 from pdctl.protocol import build_decode_body, build_prefill_body
+from pdctl.testing import stop_group
 
 BENCH = Path(__file__).resolve().parent
 PDCTL = str(Path(H.PY).parent / "pdctl")
@@ -164,15 +163,9 @@ def time_by_hand(config: str, settings: str, env: dict[str, str]) -> dict[str, A
         out["seconds"] = time.monotonic() - t0
     finally:
         for pr in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pr.pid, signal.SIGTERM)
+            signal_group(pr.pid, signal.SIGTERM)
         for pr in procs:
-            try:
-                pr.wait(60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pr.pid, signal.SIGKILL)
-                pr.wait(30)
+            stop_group(pr, 60)
         for log in logs:
             log.close()
     return out
@@ -188,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("PDCTL_API_KEY", "pdbench-startup-key")
     report: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "benchmarks/startup_overhead.py", *sys.argv[1:]]),
+        "command": " ".join([".venv/bin/python", "-m", "benchmarks.startup_overhead", *sys.argv[1:]]),
         "machine_before": H.machine(),
         "order": args.order,
     }

@@ -2,6 +2,9 @@
 
 Each rule has a stable code, a severity (``error`` blocks ``up``; ``warning`` and ``info`` do not), the
 file, line and key it is about, and a fix hint. Rules never raise; they return findings.
+
+Vocabulary: a lint result is a **finding** (:class:`Finding`, by severity), never a "check" (``verify``'s
+word for a test of a running deployment) nor an "invariant" (the reliability tests'); docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
 from types import FrameType
 from typing import TextIO
 
@@ -23,6 +22,7 @@ import psutil
 
 from pdctl.config import Deployment, load
 from pdctl.errors import PdctlError
+from pdctl.eventlog import EVENT_LOG, format_event
 from pdctl.logs import LogLine
 from pdctl.plan import Plan, build_plan
 from pdctl.probe import ProbeAttempt, run_warmup
@@ -32,14 +32,7 @@ from pdctl.watchdog import Watchdog
 
 __all__ = ["EVENT_LOG", "Runner", "ensure_not_running", "main", "prepare_run_dir"]
 
-EVENT_LOG = "pdctl.log"
 STATE_EVERY_S = 1.0
-
-
-def format_event(ev: Event) -> str:
-    """One line of ``logs/pdctl.log`` (ISO time first, so ``logs --since`` can read it)."""
-    stamp = datetime.fromtimestamp(ev.ts).isoformat(sep=" ", timespec="milliseconds")
-    return f"{stamp} {ev.kind:<8} {ev.message}"
 
 
 class Runner:
@@ -95,7 +88,7 @@ class Runner:
             if self._event_fh is None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 self._event_fh = (self.log_dir / EVENT_LOG).open("a", encoding="utf-8")
-            self._event_fh.write(format_event(ev) + "\n")
+            self._event_fh.write(format_event(ev.ts, ev.kind, ev.message) + "\n")
             self._event_fh.flush()
         if self._on_event is not None:
             self._on_event(ev)

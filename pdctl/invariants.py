@@ -18,6 +18,9 @@ N6     bounded resources      gateway fds, RSS, threads and asyncio tasks within
 
 Each ``check_nX`` returns an :class:`InvariantResult`; :class:`InvariantReport` collects them. Nothing here
 prints or exits; details never contain a secret.
+
+Vocabulary: these are **invariants** (ok / FAIL / skip, after a run), not ``pdctl check``'s lint
+**findings** nor ``pdctl verify``'s **checks**; docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from typing import Any, Literal
 
 import httpx
 import psutil
+
+from pdctl.eventstream import sse_events
+from pdctl.promtext import metric_value, samples
 
 __all__ = [
     "ClientTally",
@@ -57,17 +63,13 @@ __all__ = [
     "client_outcome",
     "decode_requests_from_log",
     "gateway_outcomes",
-    "metric_value",
-    "parse_metrics",
     "port_free",
     "run_census",
     "sample_resources",
     "sample_workers",
-    "sse_events",
     "worker_load",
 ]
 
-Sample = tuple[str, dict[str, str], float]
 OutcomeKind = Literal["succeeded", "errored", "cancelled"]
 
 
@@ -124,36 +126,6 @@ def _result(name: str, problems: Sequence[str], ok_detail: str) -> InvariantResu
 
 # ------------------------------------------------------------------------------------------- metrics
 
-_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[Sample]:
-    """Prometheus text exposition -> ``(name, labels, value)`` samples (comments and junk skipped)."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        try:
-            value = float(m["value"])
-        except ValueError:
-            continue
-        out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), value))
-    return out
-
-
-def metric_value(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
-    """Sum of the samples called ``name`` whose labels include ``labels``; None if there is none."""
-    total: float | None = None
-    for n, lab, v in samples:
-        if n == name and all(lab.get(k) == want for k, want in labels.items()):
-            total = (total or 0.0) + v
-    return total
-
-
 # ------------------------------------------------------------------------------------------------ N1
 
 
@@ -183,19 +155,19 @@ class GatewayOutcomes:
 
 def gateway_outcomes(metrics_text: str) -> GatewayOutcomes | None:
     """Parse the gateway's /metrics; None when it has no ``pdctl_accepted_total`` (not a pdctl gateway)."""
-    samples = parse_metrics(metrics_text)
-    accepted = metric_value(samples, "pdctl_accepted_total")
+    parsed = samples(metrics_text, ("pdctl_accepted_total", "pdctl_requests_total", "pdctl_gateway_in_flight"))
+    accepted = metric_value(parsed, "pdctl_accepted_total")
     if accepted is None:
         return None
     by_status: dict[str, float] = {}
-    for name, labels, value in samples:
+    for name, labels, value in parsed:
         if name == "pdctl_requests_total":
             status = labels.get("status", "?")
             by_status[status] = by_status.get(status, 0.0) + value
     succeeded = by_status.get("200", 0.0)
     cancelled = by_status.get("499", 0.0)
     errored = sum(v for s, v in by_status.items() if s not in ("200", "499"))
-    in_flight = metric_value(samples, "pdctl_gateway_in_flight") or 0.0
+    in_flight = metric_value(parsed, "pdctl_gateway_in_flight") or 0.0
     return GatewayOutcomes(accepted, succeeded, errored, cancelled, in_flight, by_status)
 
 
@@ -226,35 +198,6 @@ def _openai_error(obj: Any) -> str | None:
 def _finish_reason_set(obj: Any) -> bool:
     choices = obj.get("choices") if isinstance(obj, dict) else None
     return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
-
-
-def sse_events(data: bytes) -> list[str]:
-    """The ``data`` of each event a client's EventSource would dispatch (WHATWG event-stream rules).
-
-    Lines end in CRLF, LF or CR; ``data`` lines are joined by LF; comments are skipped; an event still
-    open when the stream ends is discarded. Raises UnicodeDecodeError on bytes that are not UTF-8.
-    """
-    text = data.decode("utf-8")
-    events: list[str] = []
-    buf: list[str] | None = None
-    i, n = 0, len(text)
-    while i < n:
-        j = i
-        while j < n and text[j] not in "\r\n":
-            j += 1
-        if j == n:
-            break  # an unterminated last line is never dispatched
-        line = text[i:j]
-        i = j + 2 if text.startswith("\r\n", j) else j + 1
-        if not line:
-            if buf is not None:
-                events.append("\n".join(buf))
-            buf = None
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            if name == "data":
-                buf = [*(buf or []), value[1:] if value.startswith(" ") else value]
-    return events
 
 
 def client_outcome(status: int, body: bytes, *, stream: bool, cancelled: bool = False) -> Outcome:
@@ -395,9 +338,15 @@ class WorkerLoad:
         return self.running == 0 and self.waiting == 0
 
 
+_LOAD_METRICS = (
+    "vllm:num_requests_running", "num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "held_blocks",
+)  # fmt: skip
+
+
 def worker_load(metrics_text: str) -> WorkerLoad:
     """Read ``vllm:num_requests_running/waiting`` and ``vllm:kv_cache_usage_perc`` (or the fake's names)."""
-    s = parse_metrics(metrics_text)
+    s = samples(metrics_text, _LOAD_METRICS)
     running = metric_value(s, "vllm:num_requests_running")
     if running is None:
         running = metric_value(s, "num_requests_running")
@@ -749,7 +698,7 @@ def sample_resources(pid: int, metrics_text: str | None = None) -> ResourceSampl
         fds, rss, threads = p.num_fds(), p.memory_info().rss, p.num_threads()
     tasks: int | None = None
     if metrics_text is not None:
-        v = metric_value(parse_metrics(metrics_text), "pdctl_asyncio_tasks")
+        v = metric_value(samples(metrics_text, ("pdctl_asyncio_tasks",)), "pdctl_asyncio_tasks")
         tasks = int(v) if v is not None else None
     return ResourceSample(fds, rss, threads, tasks)
 

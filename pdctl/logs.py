@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
@@ -251,10 +251,3 @@ def follow_logs(
                 stop.wait(poll_s)
             else:
                 time.sleep(poll_s)
-
-
-def filter_lines(lines: Iterable[LogLine], request_id: str | None) -> Iterator[LogLine]:
-    """Lines mentioning ``request_id`` (all lines when it is None)."""
-    for ln in lines:
-        if not request_id or request_id in ln.text:
-            yield ln

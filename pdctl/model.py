@@ -1,10 +1,17 @@
 """A tiny random Qwen3 model with a byte-level BPE tokenizer, for running real vLLM without a model hub.
 
-``generate_tiny_model(DIR, seed=N)`` writes ``config.json``, ``model.safetensors``, ``tokenizer.json``,
-``tokenizer_config.json`` and a ChatML chat template with ``save_pretrained``. The same seed gives the same
-files byte for byte. The weights are random but drawn with a large initializer range (0.3): with the usual 0.02
-a small model's greedy output only echoes the last prompt token whatever its KV cache holds, so a corrupted
-prefill -> decode transfer would go unnoticed; at 0.3 the output depends on the whole context.
+``generate_tiny_model(DIR, seed=N, spec=SIZES[name])`` writes ``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json`` and a ChatML chat template with ``save_pretrained``. The same
+seed gives the same files byte for byte. The weights are random but drawn with a large initializer range
+(0.3): with the usual 0.02 a small model's greedy output only echoes the last prompt token whatever its KV cache
+holds, so a corrupted prefill -> decode transfer would go unnoticed; at 0.3 the output depends on the whole
+context.
+
+Sizes (:data:`SIZES`, ``pdctl model tiny --size``): ``tiny`` (the default, the verified CPU recipe's ~0.4M
+parameters: quick to start, too small for a prefill to stall decode) and ``small`` / ``medium`` (13M / 40M
+parameters), big enough that a long prompt's prefill takes of the order of a second on one CPU core while a
+decode step of a few sequences stays at tens of ms: where colocated decode stalls (issue #18). Their
+tokenizers also learn ``pdctl bench``'s word list, so a bench prompt of N words is N tokens on the engine too.
 
 transformers, tokenizers and torch come with vLLM; they are imported only when a model is generated.
 """
@@ -14,13 +21,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pdctl.errors import EngineMissingError, PdctlError
+from pdctl.recipe import RECIPE_REQUESTS
 
-__all__ = ["TINY_MODEL_FILES", "TinyModel", "TinyModelSpec", "generate_tiny_model", "model_digest"]
+__all__ = ["SIZES", "TINY_MODEL_FILES", "TinyModel", "TinyModelSpec", "generate_tiny_model", "model_digest"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -38,8 +46,7 @@ CHATML_TEMPLATE = (
 
 # Mixed English/Chinese text (including the recipe's test prompts) so the merges cover both scripts.
 TRAINING_TEXT = (
-    "用一句话解释 KV Cache",
-    "写一段 200 字的自我介绍",
+    *(r.prompt for r in RECIPE_REQUESTS),
     "KV Cache 是大模型推理时缓存注意力键和值的技术，可以避免重复计算。",
     "预填充阶段计算提示词的缓存，解码阶段逐个生成新的词元。",
     "把预填充和解码分开部署，可以同时满足首字延迟和每字延迟的目标。",
@@ -68,6 +75,20 @@ class TinyModelSpec:
     head_dim: int = 64
     max_position_embeddings: int = 4096
     initializer_range: float = 0.3
+    # Train the tokenizer on pdctl bench's words too (one token each), so bench prompt lengths hold.
+    bench_words: bool = False
+
+
+_LARGER = TinyModelSpec(vocab_size=2048, max_position_embeddings=8192, bench_words=True)
+
+# ``pdctl model tiny --size NAME``; docs/cpu.md has what each one costs per prefill and per decode step.
+SIZES: dict[str, TinyModelSpec] = {
+    "tiny": TinyModelSpec(),
+    "small": replace(_LARGER, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2),
+    "medium": replace(_LARGER, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
+                      num_attention_heads=12, num_key_value_heads=4),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +114,11 @@ def generate_tiny_model(
 ) -> TinyModel:
     """Write a random Qwen3ForCausalLM + byte-level BPE tokenizer to ``out_dir``.
 
-    An existing model folder generated with the same seed is reused unless ``force``; a non-empty folder
-    that is not one is refused, so a typo cannot overwrite someone's files.
+    An existing model folder generated with the same seed and spec is reused unless ``force``; a non-empty
+    folder that is not one is refused, so a typo cannot overwrite someone's files.
     """
     spec = spec or TinyModelSpec()
+    shape = asdict(spec)
     root = Path(out_dir).expanduser()
     marker = root / "pdctl-model.json"
     if root.exists() and not root.is_dir():
@@ -104,7 +126,9 @@ def generate_tiny_model(
     if root.is_dir() and any(root.iterdir()):
         if not force:
             existing = _read_marker(marker)
-            if existing is not None and existing.get("seed") == seed and _complete(root):
+            # Folders written before sizes existed hold the default spec.
+            same_shape = existing is not None and existing.get("spec", asdict(TinyModelSpec())) == shape
+            if existing is not None and existing.get("seed") == seed and same_shape and _complete(root):
                 return TinyModel(
                     path=root,
                     seed=seed,
@@ -113,7 +137,12 @@ def generate_tiny_model(
                     files=tuple(sorted(p.name for p in root.iterdir())),
                     created=False,
                 )
-            what = "a tiny model with another seed" if existing is not None else "other files"
+            if existing is None:
+                what = "other files"
+            elif existing.get("seed") != seed:
+                what = "a tiny model with another seed"
+            else:
+                what = "a tiny model of another size"
             raise PdctlError(
                 f"{root}: folder is not empty (it holds {what})",
                 hint="pass --force to replace it, or choose an empty folder",
@@ -162,7 +191,7 @@ def generate_tiny_model(
         (tmp / "pdctl-model.json").write_text(
             json.dumps(
                 {"generator": "pdctl model tiny", "seed": seed, "vocab_size": vocab_size,
-                 "num_parameters": num_parameters},
+                 "num_parameters": num_parameters, "spec": shape},
                 indent=2,
             ) + "\n",
             encoding="utf-8",
@@ -221,8 +250,13 @@ def _train_tokenizer(tokenizers: Any, transformers: Any, spec: TinyModelSpec) ->
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    corpus = list(TRAINING_TEXT)
+    if spec.bench_words:
+        from pdctl.bench.workload import WORDS
+
+        corpus += [" " + " ".join(WORDS)] * 8
     # Repeating the corpus gives every merge a count above 1, so the vocabulary fills up to vocab_size.
-    tok.train_from_iterator(list(TRAINING_TEXT) * 4, trainer=trainer)
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from pdctl.config import parse_endpoint
 from pdctl.diagnose import Diagnosis, diagnose
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine, start_reader
+from pdctl.pgroup import signal_group
 from pdctl.plan import ProcessSpec
 
 __all__ = ["ExitInfo", "ManagedProcess", "ProcessExitedError", "child_env", "signal_name"]
@@ -260,13 +260,8 @@ class ManagedProcess:
 
     def send_signal_group(self, sig: signal.Signals) -> None:
         """Signal the child's process group; a group that is gone is not an error."""
-        if not self.pgid:
-            return
-        try:
-            os.killpg(self.pgid, sig)
-        except OSError as exc:
-            if exc.errno not in (errno.ESRCH, errno.EPERM):
-                raise
+        if self.pgid:
+            signal_group(self.pgid, sig)
 
     def begin_stop(self) -> None:
         """SIGTERM to the group (after recording the descendants)."""
@@ -318,9 +313,9 @@ class ManagedProcess:
 
 
 def _accepts(url: str) -> bool:
-    """Whether anything listens at ``url``'s host and port: a bare TCP connect, ~25 µs of CPU against ~250 µs for
-    an HTTP client's refused GET. An engine loading a model polled every 0.1 s for a minute makes the difference
-    show on a machine the engines already keep busy."""
+    """Whether anything listens at ``url``'s host and port: a bare TCP connect, a tenth of the CPU of an HTTP
+    client's refused GET, which shows when a loading engine is polled 10 times a second on a machine the
+    engines keep busy (docs/performance.md, section 5)."""
     try:
         with socket.create_connection(parse_endpoint(url), timeout=1.0):
             return True

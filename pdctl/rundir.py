@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
@@ -81,10 +80,22 @@ class RunState:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RunState:
-        """Parse, ignoring unknown keys (a newer pdctl may add some)."""
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+    def from_json(cls, data: Any) -> RunState:
+        """Parse, ignoring unknown keys (a newer pdctl may add some); ValueError names what is damaged."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        missing = [k for k in ("run_dir", "config_path", "settings_path") if k not in data]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        state = cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        if not isinstance(state.supervisor_pid, int) or not isinstance(state.supervisor_create_time, (int, float)):
+            raise ValueError("supervisor_pid / supervisor_create_time: expected numbers")
+        if not isinstance(state.processes, list):
+            raise ValueError("processes: expected a list")
+        for i, rec in enumerate(state.processes):
+            if not (isinstance(rec, dict) and isinstance(rec.get("name"), str) and isinstance(rec.get("pid", 0), int)):
+                raise ValueError(f"processes[{i}]: expected an object with a name and an integer pid")
+        return state
 
 
 def write_state(run_dir: Path, state: RunState) -> None:
@@ -97,17 +108,19 @@ def write_state(run_dir: Path, state: RunState) -> None:
 
 
 def read_state(run_dir: Path) -> RunState:
-    """Read ``state.json``; :class:`NotRunningError` when there is none."""
+    """Read ``state.json``; :class:`NotRunningError` when there is none or it is damaged."""
     path = run_dir / STATE_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return RunState.from_json(json.loads(path.read_text(encoding="utf-8")))
     except FileNotFoundError:
         raise NotRunningError(
             f"no deployment found: {path} does not exist", hint="start one with `pdctl up` (or pass -c CONFIG)"
         ) from None
     except (OSError, ValueError) as exc:
-        raise NotRunningError(f"cannot read {path}: {exc}") from None
-    return RunState.from_json(data)
+        raise NotRunningError(
+            f"cannot read {path}: {exc}",
+            hint=f"stop any process of that deployment by hand, then remove {path}; `pdctl up` writes a new one",
+        ) from None
 
 
 def owned_process(pid: int, create_time: float, argv: Sequence[str] | None = None) -> psutil.Process | None:
@@ -305,7 +318,7 @@ def collect_status(state: RunState, *, sample_s: float = 0.3) -> list[ProcessSta
                     alive=alive,
                     uptime_s=(time.time() - started) if alive and started else None,
                     restarts=int(rec.get("restarts", 0)),
-                    health=_health(client, rec["ready_url"]) if alive else "-",
+                    health=_health(client, rec["ready_url"]) if alive and rec.get("ready_url") else "-",
                     cpu_percent=cpu,
                     rss_bytes=rss,
                     gpu_mem_mib=gpu_mib,
@@ -317,12 +330,11 @@ def collect_status(state: RunState, *, sample_s: float = 0.3) -> list[ProcessSta
     return rows
 
 
-_METRIC = re.compile(r"^pdctl_requests_total\{([^}]*)\}\s+([0-9.eE+-]+)")
-
-
 def gateway_counters(gateway_url: str) -> dict[str, float] | None:
     """``pdctl_requests_total`` from the gateway's /metrics, keyed ``path/status`` (None if unreachable)."""
     import httpx
+
+    from pdctl.promtext import samples
 
     try:
         r = httpx.get(f"{gateway_url}/metrics", timeout=2.0)
@@ -331,11 +343,8 @@ def gateway_counters(gateway_url: str) -> dict[str, float] | None:
     if r.status_code != 200:
         return None
     out: dict[str, float] = {}
-    for line in r.text.splitlines():
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        key = f"{labels.get('path', '?')}/{labels.get('status', '?')}"
-        out[key] = out.get(key, 0.0) + float(m.group(2))
+    for name, labels, value in samples(r.text, ("pdctl_requests_total",)):
+        if name == "pdctl_requests_total":
+            key = f"{labels.get('path', '?')}/{labels.get('status', '?')}"
+            out[key] = out.get(key, 0.0) + value
     return out

@@ -1,14 +1,13 @@
 """HTTP to the workers over aiohttp: a small native client for the gateway, and httpx's API for the bench.
 
-Why aiohttp (docs/performance.md): with httpx's default transport every streamed chunk goes through
-httpcore, anyio and h11's pure-Python chunked-encoding reader, and every request through httpcore's
-connection pool, whose bookkeeping grows with the number of open connections; profiling the gateway put
-35-50 % of its CPU there. aiohttp parses HTTP in C (llhttp) and hands over everything already buffered in
-one piece.
+Why aiohttp: with httpx's default transport every streamed chunk goes through httpcore, anyio and h11's
+pure-Python chunked-encoding reader, and every request through a connection pool whose bookkeeping grows
+with the number of open connections; aiohttp parses HTTP in C (llhttp) and hands over everything already
+buffered in one piece. The measurements are in docs/performance.md, section 2.
 
 * :class:`Client` / :class:`Response`: what the gateway's worker legs use. No httpx layer per request or
-  per chunk (request building, auth and redirect handling, cookies, three async generators per chunk):
-  measured, that layer was a third of the gateway's CPU per streamed chunk. Failures below HTTP raise
+  per chunk (request building, auth and redirect handling, cookies, three async generators per chunk),
+  the largest cost left after the move to aiohttp (section 2, step 2). Failures below HTTP raise
   :class:`TransportError` with a ``kind`` (``connect``, ``connect_timeout``, ``timeout``, ``broken``).
 * :class:`AiohttpTransport`: the same sockets under httpx's API, for ``pdctl bench`` (and tests), whose
   code stays on httpx. Mapping: per-request ``timeout`` (httpx's ``connect``/``read``) ->
@@ -18,7 +17,7 @@ one piece.
 
 A response closed before its end closes the connection (the worker sees the client leave and aborts the
 request). ``HTTP(S)_PROXY`` and ``.netrc`` are not read (aiohttp's ``trust_env`` reads ``.netrc`` in a
-thread on every request, which cost a quarter of the gateway's CPU): pdctl's workers are local.
+thread on every request, a large share of the gateway's CPU, section 2): pdctl's workers are local.
 """
 
 from __future__ import annotations

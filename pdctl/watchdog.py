@@ -5,7 +5,7 @@ started process group (``g PGID``) or stray descendant (``p PID``); ``d PGID`` /
 the supervisor dies, the kernel closes the pipe's write end and the watchdog reads EOF: it sends SIGTERM
 to every recorded group, waits a few seconds, then SIGKILLs them. ``exit`` ends it without killing
 (a clean shutdown already stopped everything). It lives in its own session so a terminal's Ctrl-C does
-not reach it, and imports nothing but the standard library so it starts fast.
+not reach it, and imports nothing but the standard library (and ``pdctl.pgroup``) so it starts fast.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from pdctl.pgroup import signal_group
+
 __all__ = ["Watchdog", "main"]
 
 GRACE_S = 3.0
@@ -24,11 +26,7 @@ GRACE_S = 3.0
 def _kill(groups: set[int], pids: set[int], sig: int) -> bool:
     alive = False
     for g in groups:
-        try:
-            os.killpg(g, sig)
-            alive = True
-        except OSError:
-            pass
+        alive = signal_group(g, sig) or alive
     for p in pids:
         try:
             os.kill(p, sig)

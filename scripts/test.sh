@@ -19,6 +19,7 @@ echo "== lint and types"
 .venv/bin/ruff check pdctl tests benchmarks
 .venv/bin/ruff format --check pdctl tests benchmarks
 .venv/bin/mypy pdctl
+.venv/bin/mypy benchmarks   # relaxed settings (pyproject.toml)
 
 echo "== fast suite (simulator, fakes, fixtures)"
 $py -m pytest -m "not real and not gpu and not soak" -q "$@"

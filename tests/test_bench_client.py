@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.bench.client import BenchClient, RequestResult, SSEParser
+from pdctl.bench.client import BenchClient, RequestResult
 from pdctl.bench.workload import BenchRequest
+from pdctl.eventstream import SSEParser
 
 REQ = BenchRequest(7, "[bench 0-7] hello", 16, 4, "random", ignore_eos=True)
 

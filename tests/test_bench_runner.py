@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from pdctl.bench.runner import (
     BenchTarget,
     LiveStats,
     LoadShape,
+    discover_model,
     kv_summary,
     metric_deltas,
     parse_metrics,
@@ -213,6 +216,55 @@ def test_sweep_and_max_goodput_search() -> None:
     assert 5.0 <= search.best_rate < 2000.0
 
 
+def _prompts(server: FakeServer) -> list[str]:
+    return [str(b["messages"][0]["content"]) for b in server.requests]
+
+
+def test_every_run_of_a_sweep_and_a_search_sends_prompts_no_earlier_run_sent() -> None:
+    server = FakeServer()
+    shape = LoadShape(num_requests=6, warmup=1, slo=SLO(ttft_ms=1000))
+    runs = run_async(run_sweep(target(server), shape, [100.0, 200.0, 400.0]))
+    run_search = run_async(search_max_goodput_rate(target(server), shape, start_rate=100.0, max_rate=400.0))
+    prompts = _prompts(server)
+    assert len(prompts) == 7 * (3 + len(run_search.runs)) == len(set(prompts))  # warm-ups included
+    ids = [r.run_id for r in [*runs, *run_search.runs]]
+    assert len(set(ids)) == len(ids) and all(len(i.split()) == 3 for i in ids)
+    # Each run sends the seed's requests: the text after the tag, and the lengths, are the same every time.
+    bodies = [p.split("] ", 1)[1] for p in prompts]
+    assert bodies[:7] == bodies[7:14] == bodies[14:21]
+    assert [r.prompt_len for r in runs[0].results] == [r.prompt_len for r in runs[2].results]
+    assert result_json(runs[1])["pdctl"]["workload"]["run_id"] == runs[1].run_id
+    assert all(runs[1].run_id.replace(" ", "-") in r.request_id for r in runs[1].results)
+
+
+def test_a_given_run_id_repeats_a_run_exactly() -> None:
+    first, second = FakeServer(), FakeServer()
+    for server in (first, second):
+        run_async(run_once(target(server), LoadShape(rate=100.0, num_requests=4), run_id="red blue green"))
+    assert _prompts(first) == _prompts(second)
+    assert _prompts(first)[1].startswith("[bench red blue green 0-0] ")
+
+
+def test_discover_model_reads_the_first_listed_id_with_the_key() -> None:
+    seen: list[str | None] = []
+
+    def models(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        if request.url.host == "listed":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}, {"id": "other"}]})
+        if request.url.host == "locked":
+            return httpx.Response(401, json={"error": "no key"})
+        return httpx.Response(200, json=["not", "a", "model", "list"])
+
+    transport = httpx.MockTransport(models)
+    assert discover_model("http://listed/", "k", transport) == "tiny"
+    assert seen == ["Bearer k"]
+    for host in ("locked", "odd"):
+        with pytest.raises(BenchError, match=f"cannot tell which model http://{host} serves") as err:
+            discover_model(f"http://{host}", None, transport)
+        assert err.value.hint is not None and "--model" in err.value.hint
+
+
 def test_search_needs_slo() -> None:
     with pytest.raises(BenchError, match="SLO"):
         run_async(search_max_goodput_rate(target(FakeServer()), LoadShape(num_requests=2)))
@@ -228,8 +280,11 @@ def test_ab_runs_both_targets_with_the_same_requests() -> None:
             [20.0],
         )
     )
-    assert [r.label for r in pair.a] == ["colocated"] and [r.label for r in pair.b] == ["pd"]
-    assert [b["messages"] for b in fast.requests] == [b["messages"] for b in slow.requests]
+    assert [r.target.label for r in pair.a] == ["colocated"] and [r.target.label for r in pair.b] == ["pd"]
+    # The same requests behind each side's own tag: shared workers would otherwise serve B from A's cache.
+    a_texts, b_texts = (_prompts(slow), _prompts(fast))
+    assert [t.split("] ", 1)[1] for t in a_texts] == [t.split("] ", 1)[1] for t in b_texts]
+    assert not set(a_texts) & set(b_texts)
     rows = {row.key: row for row in compare(result_json(pair.a[0]), result_json(pair.b[0]))}
     assert rows["mean_ttft_ms"].better == "B" and rows["mean_ttft_ms"].ratio is not None
     assert rows["mean_ttft_ms"].ratio < 0.5
@@ -280,17 +335,60 @@ def test_load_results_rejects_other_json(tmp_path: Path) -> None:
         load_results(path)
 
 
-def test_html_report_is_self_contained() -> None:
+def _svgs(page: str) -> dict[str, str]:
+    """The page's plots by title."""
+    out = {}
+    for chunk in page.split("<svg")[1:]:
+        title = re.search(r'font-weight="bold">([^<]*)</text>', chunk)
+        assert title is not None
+        out[html.unescape(title.group(1))] = chunk.split("</svg>")[0]
+    return out
+
+
+def _y_ticks(svg: str) -> list[float]:
+    return [float(v.replace(",", "")) for v in re.findall(r'text-anchor="end">([^<]*)</text>', svg)]
+
+
+def test_html_report_of_a_sweep_has_every_rate_and_no_url() -> None:
     server = FakeServer(ttft_s=0.01)
     wl = make_workload(WorkloadSpec("mixed", short_len=10, long_len=50, output_len=4, long_fraction=0.3))
-    t = BenchTarget("http://fake", "m", wl, label="pd", transport=server.transport())
+    t = BenchTarget("http://fake", "m", wl, transport=server.transport())
     shape = LoadShape(num_requests=12, warmup=0, slo=SLO(ttft_ms=400, tpot_ms=40))
     runs = run_async(run_sweep(t, shape, [50.0, 100.0]))
     page = render_html(runs, title="t <x>")
     assert page.startswith("<!DOCTYPE html>") and "t &lt;x&gt;" in page
-    assert page.count("<svg") == 7  # 4 CDFs, TPOT over time, goodput and attainment vs rate
-    assert "Goodput vs request rate" in page and "long-prompt arrival" in page
     assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    plots = _svgs(page)
+    assert set(plots) == {
+        "Goodput vs request rate", "SLO attainment vs request rate", "TTFT p90 vs request rate",
+        "TPOT p90 vs request rate", "TTFT CDF", "TPOT CDF", "ITL CDF", "E2EL CDF",
+        "TPOT over time, 50 req/s", "TPOT over time, 100 req/s",
+    }  # fmt: skip
+    for metric in ("TTFT", "TPOT", "ITL", "E2EL"):  # every rate's curve, not only the last one's
+        cdf = plots[f"{metric} CDF"]
+        assert cdf.count("<polyline") == 2 and ">50 req/s<" in cdf and ">100 req/s<" in cdf
+    assert max(_y_ticks(plots["SLO attainment vs request rate"])) == 100.0
+    assert "long-prompt arrival" in plots["TPOT over time, 100 req/s"]
+    assert "By request kind" in page and "<td>long</td>" in page
+
+
+def test_html_report_of_an_ab_overlays_the_sides_at_every_rate() -> None:
+    fast, slow = FakeServer(ttft_s=0.005), FakeServer(ttft_s=0.03)
+    shape = LoadShape(num_requests=6, warmup=0, slo=SLO(ttft_ms=20))
+    pair = run_async(run_ab(target(slow, label="colocated"), target(fast, label="pd"), shape, [20.0, 40.0]))
+    runs = [x for ab in zip(pair.a, pair.b, strict=True) for x in ab]
+    plots = _svgs(render_html(runs))
+    for rate in ("20", "40"):
+        for metric in ("TTFT", "TPOT", "ITL", "E2EL"):
+            cdf = plots[f"{metric} CDF, {rate} req/s"]
+            assert cdf.count("<polyline") == 2 and ">colocated<" in cdf and ">pd<" in cdf
+        assert ">colocated<" in plots[f"TPOT over time, {rate} req/s"]
+    goodput = plots["Goodput vs request rate"]
+    assert ">colocated<" in goodput and ">pd<" in goodput and "goodput = rate" in goodput
+    # Each side keeps its colour on every plot.
+    colour = re.search(r'fill="(#[0-9a-f]{6})"/><text[^>]*>pd<', goodput)
+    assert colour is not None
+    assert all(f'fill="{colour.group(1)}"/><text' in p for t, p in plots.items() if "CDF" in t)
 
 
 def test_trace_replays_its_timestamps(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,8 +24,8 @@ import pytest
 from pdctl.bench.metrics import SLO
 from pdctl.bench.runner import BenchTarget, LoadShape, kv_summary, run_ab, run_async, run_once
 from pdctl.bench.workload import WorkloadSpec, make_workload
-from pdctl.sim.testing import SimProcess, free_port, start_sim
 from pdctl.sim.timing import get_profile
+from pdctl.testing import SimProcess, free_port, start_sim, stop_group
 
 SLOW = ["--sim-profile", "h100", "--sim-speed", "0.25", "--sim-kv-scale", "0.001"]
 PD_ARGS = ["--sim-profile", "h100", "--sim-speed", "0.5", "--sim-kv-scale", "0.001"]
@@ -87,12 +86,7 @@ def gateway(tmp_path: Path) -> Iterator[Callable[..., str]]:
 
     yield start
     for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        stop_group(proc, 10)
 
 
 def test_measured_ttft_and_tpot_match_the_sim_profile(sims: Callable[..., SimProcess]) -> None:
@@ -194,6 +188,31 @@ def test_ab_mixed_shows_interference_pd_vs_colocated(
     assert kv["kv_transfers"] >= 30 and kv["external_kv_tokens"] > 0
     assert kv["kv_failed_transfers"] == 0
     assert not any("fallback" in w for w in pair.b[0].warnings)
+
+
+def test_sweep_moves_the_same_kv_per_request_at_every_rate(
+    sims: Callable[..., SimProcess], gateway: Callable[..., str], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    """Each rate of a sweep sends prompts of its own: no rate finds the previous ones in a prefix cache."""
+    p = sims(PD_ARGS, "prefill", connector="NixlConnector")
+    d = sims(PD_ARGS, "decode", connector="NixlConnector")
+    gw = gateway(p.url, d.url)
+    out = tmp_path / "sweep.json"
+    result = cli(
+        "bench", "--gateway", gw, "-w", "mixed", "--rate", "2,4,8", "-n", "12", "--short-len", "128",
+        "--long-len", "1024", "--long-fraction", "0.25", "--output-len", "8", "--long-output-len", "4",
+        "--metrics-url", f"{p.url}/metrics", "--metrics-url", f"{d.url}/metrics", "--no-progress", "-o", str(out),
+        env={"PDCTL_API_KEY": KEY},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "[long] TTFT p50 / p90 / p99 (ms)" in result.output and "[short] ITL max (ms)" in result.output
+    runs = json.loads(out.read_text())
+    assert [r["request_rate"] for r in runs] == [2.0, 4.0, 8.0] and all(r["completed"] == 12 for r in runs)
+    kv = [r["pdctl"]["kv_transfer"] for r in runs]
+    per_request = [k["external_kv_tokens"] / r["completed"] for k, r in zip(kv, runs, strict=True)]
+    assert per_request[0] > 128 and per_request == [per_request[0]] * 3, kv
+    assert all(k["local_cache_hit_tokens"] == 0 for k in kv), kv
+    assert len({r["pdctl"]["workload"]["run_id"] for r in runs}) == 3
 
 
 def test_cli_admission_and_ab_modes(sims: Callable[..., SimProcess], tmp_path: Path, cli: Callable[..., Any]) -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from pdctl.bench.workload import DOC_PROMPTS, WorkloadError, WorkloadSpec, estimate_tokens, make_workload
+from pdctl.bench.workload import (
+    DOC_PROMPTS,
+    WorkloadError,
+    WorkloadSpec,
+    estimate_tokens,
+    make_workload,
+    new_run_id,
+)
 
 
 def test_doc_alternates_the_recipe_prompts_and_is_unique() -> None:
@@ -36,6 +43,22 @@ def test_random_lengths_range_and_determinism() -> None:
     other = make_workload(WorkloadSpec("random", input_len=200, output_len=50, range_ratio=0.5, seed=4))
     assert other.request(0).prompt != reqs[0].prompt
     assert len({r.prompt for r in reqs}) == 300
+
+
+@pytest.mark.parametrize("name", ["doc", "random", "mixed"])
+def test_a_run_id_changes_the_tag_only(name: str) -> None:
+    wl = make_workload(WorkloadSpec(name, input_len=60, short_len=30, long_len=90, long_fraction=0.5))
+    ids = {new_run_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i.split()) == 3 for i in ids)
+    a, b = sorted(ids)[:2]
+    for i in range(20):
+        ra, rb = wl.request(i, a), wl.request(i, b)
+        assert ra.prompt != rb.prompt and ra.prompt.startswith(f"[bench {a} 0-{i}] ")
+        assert ra.prompt.split("] ", 1)[1] == rb.prompt.split("] ", 1)[1]
+        assert (ra.prompt_len, ra.max_tokens, ra.kind) == (rb.prompt_len, rb.max_tokens, rb.kind)
+        assert estimate_tokens(ra.prompt) == estimate_tokens(rb.prompt)
+    same = make_workload(WorkloadSpec(name, unique=False))
+    assert same.request(3, a).prompt == same.request(3, b).prompt
 
 
 def test_random_shared_prefix() -> None:

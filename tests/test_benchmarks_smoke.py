@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/ci_guard.py: the gateway-vs-direct ratios get recorded (no timing assertions).
+"""Smoke run of benchmarks.ci_guard: the gateway-vs-direct ratios get recorded (no timing assertions).
 
 Only generous bounds: every arm streamed without errors and the gateway kept at least 5 % of the direct
 throughput (it keeps 50-100 % on an idle machine; docs/performance.md). The JSON is left in the test's tmp
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ci_guard_records_gateway_ratios(tmp_path: Path) -> None:
     out = tmp_path / "ci_guard.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ci_guard.py"), "--streams", "4", "--seconds", "1.5",
+        [sys.executable, "-m", "benchmarks.ci_guard", "--streams", "4", "--seconds", "1.5",
          "--warmup-s", "0.5", "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )  # fmt: skip

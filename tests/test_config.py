@@ -9,7 +9,7 @@ from pdctl.config import load
 from pdctl.errors import ConfigError
 from tests.conftest import RECIPE, REPO
 
-SEED = REPO.parent / "shared" / "seed"
+SEED = REPO / "tests" / "data" / "seed"
 
 
 def test_recipe_files_load_unchanged() -> None:
@@ -31,7 +31,6 @@ def test_recipe_files_load_unchanged() -> None:
     assert dep.connector.kv_role == "kv_both"
 
 
-@pytest.mark.skipif(not SEED.is_dir(), reason="shared/seed not beside the checkout")
 def test_examples_are_the_seed_verbatim() -> None:
     for name in ("config.toml", "settings.json"):
         seed = (SEED / name).read_bytes()

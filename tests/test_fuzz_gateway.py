@@ -32,7 +32,7 @@ from pdctl.invariants import (
     client_outcome,
     gateway_outcomes,
 )
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "150"))

@@ -21,9 +21,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdctl.eventstream import sse_events as parse_sse
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.invariants import client_outcome
-from pdctl.invariants import sse_events as parse_sse
 from pdctl.transport import TransportError
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "300"))

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fakes"))
 
 from gateway_harness import KEY, GatewayThread, make_settings, wait_for
 
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.promtext import metric_value, samples
+from pdctl.testing import SimProcess, start_sim
 
 ARGS = ["--max-model-len", "1024", "--sim-profile", "fast"]
 
@@ -38,11 +39,7 @@ def _pair(
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_value(samples(httpx.get(url + "/metrics", timeout=10).text), name, **labels) or 0.0
 
 
 def test_sim_pd_end_to_end_with_openai_sdk(sims: list[SimProcess], tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from pdctl.invariants import (
     sample_workers,
 )
 from pdctl.protocol import build_prefill_body
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, free_port, start_sim
 from tests.fakes.gateway_harness import KEY, GatewayThread, make_settings
 
 PROMPT = " ".join(f"invariant{i % 7} word {i}." for i in range(40))
@@ -199,9 +198,7 @@ def test_n2_prefill_kv_freed_as_soon_as_decode_pulls(tmp_path: Path, sims: list[
 
 
 def test_n2_unreachable_worker_fails() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     r = check_n2({"decode": f"http://127.0.0.1:{port}"}, timeout_s=0.3)
     assert not r.ok and "decode: /metrics unreachable" in r.detail
 
@@ -267,9 +264,7 @@ def test_n4_finds_group_members_and_busy_ports(tmp_path: Path) -> None:
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "print('up', flush=True); time.sleep(60)\n"
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", script, str(port)], start_new_session=True, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"

@@ -17,9 +17,7 @@ import pytest
 from pdctl.kvevents import scan
 from pdctl.logs import LogLine, Printer, follow_logs, line_time, read_logs, start_reader, use_colour
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "vllm-cpu"
-if not FIXTURES.exists():
-    FIXTURES = Path("/work/shared/fixtures/vllm-cpu")
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-cpu"
 
 
 class FakeTTY(io.StringIO):

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from pdctl.cli import app
 from pdctl.model import SPECIAL_TOKENS, TINY_MODEL_FILES, generate_tiny_model, model_digest
+from pdctl.recipe import RECIPE_REQUESTS
 
-RECIPE_PROMPTS = ("用一句话解释 KV Cache", "写一段 200 字的自我介绍")
+RECIPE_PROMPTS = tuple(r.prompt for r in RECIPE_REQUESTS)
 
 needs_transformers = pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("transformers", "torch", "tokenizers")),
@@ -144,3 +145,35 @@ def test_missing_transformers_names_the_install_step(tmp_path: Path) -> None:
     assert "install-cpu-engine.sh" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "m").exists()
+
+
+@needs_transformers
+def test_small_size_shape_and_bench_words_are_one_token_each(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from pdctl.bench.workload import WORDS, WorkloadSpec, make_workload
+    from pdctl.model import SIZES
+
+    model = generate_tiny_model(tmp_path / "small", seed=0, spec=SIZES["small"])
+    config = json.loads((model.path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (512, 4, 1536)
+    assert config["max_position_embeddings"] == 8192 and config["head_dim"] == 64
+    assert 12_000_000 < model.num_parameters < 15_000_000
+    tok = AutoTokenizer.from_pretrained(str(model.path))
+    assert [w for w in WORDS if len(tok.encode(" " + w, add_special_tokens=False)) != 1] == []
+    # So a bench prompt's estimated length is its length on the engine, within the tag's few tokens.
+    long = make_workload(WorkloadSpec("mixed", long_len=2048, long_fraction=1.0)).request(0, "red blue green")
+    assert 0 <= len(tok.encode(long.prompt, add_special_tokens=False)) - long.prompt_len <= 8
+    for prompt in RECIPE_PROMPTS:
+        assert tok.decode(tok.encode(prompt, add_special_tokens=False)) == prompt
+
+
+@needs_transformers
+def test_cli_size_is_part_of_what_is_reused(tmp_path: Path) -> None:
+    runner = CliRunner()
+    target = tmp_path / "m"
+    assert runner.invoke(app, ["model", "tiny", str(target)]).exit_code == 0
+    other = runner.invoke(app, ["model", "tiny", str(target), "--size", "medium"])
+    assert other.exit_code == 1 and "another size" in other.output and "--force" in other.output
+    bad = runner.invoke(app, ["model", "tiny", str(tmp_path / "x"), "--size", "huge"])
+    assert bad.exit_code == 1 and "unknown size 'huge'" in bad.output and "tiny, small, medium" in bad.output

@@ -11,14 +11,15 @@ import pytest
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine
 from pdctl.process import ManagedProcess, ProcessExitedError, child_env
-from tests.fakes.helpers import alive, fake_spec, free_port, kill_tree_of_groups
+from pdctl.testing import alive, free_port, kill_groups
+from tests.fakes.helpers import fake_spec
 
 
 @pytest.fixture
 def started():
     procs: list[ManagedProcess] = []
     yield procs
-    kill_tree_of_groups([p.pid for p in procs if p.pid])
+    kill_groups([p.pid for p in procs if p.pid])
 
 
 def test_start_ready_stop_and_log_file(tmp_path: Path, started: list[ManagedProcess]) -> None:
@@ -128,11 +129,11 @@ def test_grandchild_is_swept(tmp_path: Path, started: list[ManagedProcess], new_
             time.sleep(0.1)
         assert not alive(kids[0])
     finally:
-        kill_tree_of_groups(kids)
+        kill_groups(kids)
 
 
 def test_port_is_free_after_stop(tmp_path: Path, started: list[ManagedProcess]) -> None:
-    from tests.fakes.helpers import port_free
+    from pdctl.testing import port_free
 
     port = free_port()
     p = ManagedProcess(fake_spec("w", "prefill", "--spawn-grandchild", port=port), tmp_path)

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import psutil
 import pytest
 
 from pdctl.kvevents import request_matches
+from pdctl.testing import port_free
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
@@ -94,16 +94,6 @@ def _pdctl(*args: str, env: dict[str, str], timeout: float) -> subprocess.Comple
     )
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _run_processes(marker: str) -> list[psutil.Process]:
     """Every live process whose command line names ``marker`` (our temp folder), and their descendants."""
     found: dict[int, psutil.Process] = {}
@@ -154,7 +144,7 @@ class Deployment:
         return _pdctl(*args, *self.files, env=self.env, timeout=timeout)
 
     def up(self) -> None:
-        taken = [p for p in PORTS if not _port_free(p)]
+        taken = [p for p in PORTS if not port_free(p)]
         assert not taken, f"ports {taken} are in use: stop what holds them (another pdctl run?) and retry"
         proc = self.pdctl("up", "-d", timeout=UP_TIMEOUT_S)
         assert proc.returncode == 0, f"pdctl up failed:\n{proc.stdout}\n{proc.stderr}\n{self.log_tails()}"
@@ -201,7 +191,7 @@ class Deployment:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
                     continue
             alive_pids = [pid for pid in pids if psutil.pid_exists(pid) and _alive(psutil.Process(pid))]
-            taken = [port for port in PORTS if not _port_free(port)]
+            taken = [port for port in PORTS if not port_free(port)]
             if not (left or engines or alive_pids or taken) or time.monotonic() > deadline:
                 break
             time.sleep(1)
@@ -359,7 +349,7 @@ def test_connector_mismatch_fails_verify_with_5_1(mismatched: Deployment) -> Non
     # check refuses this config (PD001); --no-check starts it anyway, as a person wiring it by hand would.
     proc = mismatched.pdctl("check", "--json", timeout=120)
     assert proc.returncode == 1 and '"PD001"' in proc.stdout, proc.stdout
-    taken = [p for p in PORTS if not _port_free(p)]
+    taken = [p for p in PORTS if not port_free(p)]
     assert not taken, f"ports {taken} are in use"
     proc = mismatched.pdctl("up", "-d", "--no-check", timeout=UP_TIMEOUT_S)
     assert proc.returncode == 0, f"pdctl up failed:\n{proc.stdout}\n{proc.stderr}\n{mismatched.log_tails()}"

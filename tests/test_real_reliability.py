@@ -50,7 +50,7 @@ from pdctl.invariants import (
     sample_workers,
 )
 from pdctl.protocol import build_prefill_body, check_kv_params
-from pdctl.sim.testing import free_port
+from pdctl.testing import free_port, kill_groups
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1500)]
@@ -134,15 +134,8 @@ class Run:
 
     def stop(self) -> None:
         """Teardown: whatever survived, by group and by recorded pid."""
-        with contextlib.suppress(OSError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
         census = run_census(self.dir / ".pdctl")
-        for pgid in census.pgids:
-            with contextlib.suppress(OSError):
-                os.killpg(pgid, signal.SIGKILL)
-        for pid in census.pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        kill_groups([self.proc.pid, *census.pgids, *census.pids])
         self.out.close()
 
 

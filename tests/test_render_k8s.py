@@ -17,8 +17,8 @@ from pdctl.gateway.settings import from_deployment
 from pdctl.k8s import CONFIG_MOUNT, KUBERNETES_VERSION, K8sOptions, Rendered, dump_yaml, render
 from pdctl.plan import VllmInstall, build_plan
 from pdctl.sim.server import VLLM_VERSION
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "seed": REPO / "examples" / "recipe",
     "tp2": REPO / "tests" / "configs" / "k8s-tp2",

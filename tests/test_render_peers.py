@@ -6,7 +6,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO
+
 P2D2 = REPO / "tests" / "configs" / "k8s-2p2d"
 
 

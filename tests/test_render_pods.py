@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -29,17 +28,13 @@ import yaml
 
 from pdctl import config
 from pdctl.k8s import dump_yaml, render
+from pdctl.promtext import metric_value, samples
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
-from pdctl.sim.testing import SimProcess
+from pdctl.testing.ports import free_port
+from pdctl.testing.sim import SimProcess
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 POD_IPS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def write_settings(path: Path, ports: dict[str, tuple[int, int]]) -> None:
@@ -49,7 +44,7 @@ def write_settings(path: Path, ports: dict[str, tuple[int, int]]) -> None:
 
 
 def write_config(folder: Path, sim: str = 'profile = "fast"\nspeed = 20') -> tuple[Path, Path]:
-    ports = {role: (free_port(ip), free_port(ip)) for role, ip in POD_IPS.items()}
+    ports = {role: (free_port(), free_port()) for role in POD_IPS}
     cpath, spath = folder / "config.toml", folder / "settings.json"
     cpath.write_text(
         '[cluster]\nname = "pods"\n'
@@ -110,11 +105,8 @@ def two_legs(prefill_url: str, decode_url: str, model: str, prompt: str, side_po
         assert r2.status_code == 200, r2.text
         assert r2.json()["choices"][0]["text"]
         metrics = client.get(f"{decode_url}/metrics").text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line
-    )
+    parsed = samples(metrics, ["vllm:prompt_tokens_by_source"])
+    return metric_value(parsed, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") or 0.0
 
 
 def worker_containers(dep: config.Deployment) -> dict[str, dict[str, Any]]:
@@ -203,7 +195,7 @@ def test_rendered_vllm_cpu_pods_move_kv(tmp_path: Path) -> None:
         [sys.executable, "-m", "pdctl", "model", "tiny", str(model)], capture_output=True, timeout=600
     )
     assert made.returncode == 0, made.stderr
-    ports = {role: (free_port(ip), free_port(ip)) for role, ip in POD_IPS.items()}
+    ports = {role: (free_port(), free_port()) for role in POD_IPS}
     workers = "".join(
         f"""[{role}]
 model = "{model}"

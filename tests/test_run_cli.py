@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.fakes.helpers import alive, free_port, port_free
+from pdctl.testing import alive, free_port, kill_groups, port_free
 
 KEY_VAR = "PDCTL_H4_TEST_KEY"
 KEY = "sk-h4-never-in-argv-0123456789"
@@ -94,11 +94,7 @@ def recorded_pids(d: Path) -> list[int]:
 @pytest.fixture
 def deploy_dir(tmp_path: Path):
     yield tmp_path
-    for pid in recorded_pids(tmp_path):
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    kill_groups(recorded_pids(tmp_path))
 
 
 def wait_for(pred, timeout: float = 120, what: str = "") -> None:
@@ -238,8 +234,7 @@ def test_foreground_multiplexed_view_ctrl_c(deploy_dir: Path) -> None:
         proc.send_signal(signal.SIGINT)
         out = _output(d, proc)
     finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
     assert proc.returncode == 0, out
     lines = out.splitlines()
     assert any(" prefill | " in ln for ln in lines) and any(" decode  | " in ln for ln in lines)
@@ -267,8 +262,7 @@ def test_sigkill_of_foreground_pdctl_takes_children_down(deploy_dir: Path) -> No
         # The watchdog sees its pipe close: SIGTERM, 3 s, SIGKILL (decode ignores SIGTERM).
         wait_for(lambda: not any(alive(p) for p in tree), 20, "children of a SIGKILLed pdctl to exit")
     finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
 
 
 def test_port_conflict_caught_before_starting(deploy_dir: Path) -> None:
@@ -307,8 +301,7 @@ def test_warmup_retries_a_failed_handshake_and_fails_without_kv_params(deploy_di
         assert r.returncode == 0, r.stderr
         out = _output(d, proc)
     finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
     assert proc.returncode == 0
     assert "SIGTERM: stopping" in out
     wait_for(lambda: not any(alive(p) for p in tree), 30, "every process of the run to exit")
@@ -463,3 +456,89 @@ def test_exit_without_teardown_keeps_output_and_exit_code(tmp_path: Path) -> Non
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
         assert r.returncode == code, r.stderr
         assert r.stdout.count("x") == 70000 and "teardown ran" not in r.stdout
+
+
+def _status_json(run_dir: Path) -> tuple[int, dict[str, Any]]:
+    from typer.testing import CliRunner
+
+    from pdctl.cli import app
+
+    r = CliRunner().invoke(app, ["status", "--json", "--run-dir", str(run_dir)])
+    assert "Traceback" not in r.output
+    return r.exit_code, json.loads(r.stdout)
+
+
+def _write_raw_state(run_dir: Path, text: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "state.json").write_text(text, encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[]",
+        '{"status": "ready"}',
+        '{"run_dir": "r", "config_path": "c", "settings_path": "s", "processes": [{"pid": 1}]}',
+        '{"run_dir": "r", "config_path": "c", "settings_path": "s", "supervisor_pid": "12"}',
+    ],
+)
+def test_status_json_of_a_damaged_state_file(tmp_path: Path, text: str) -> None:
+    rd = tmp_path / ".pdctl"
+    _write_raw_state(rd, text)
+    code, out = _status_json(rd)
+    assert code == 1
+    assert out["status"] == "unreadable" and out["supervisor_running"] is False and out["processes"] == []
+    assert out["error"].startswith(f"cannot read {rd / 'state.json'}") and "remove" in out["hint"]
+
+
+def test_status_of_a_damaged_state_file_is_an_error_with_a_hint(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from pdctl.cli import app
+
+    rd = tmp_path / ".pdctl"
+    _write_raw_state(rd, "[]")
+    r = CliRunner().invoke(app, ["status", "--run-dir", str(rd)])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "cannot read" in r.output and "not a JSON object" in r.output and "hint:" in r.output
+
+
+def test_status_json_when_nothing_ran(tmp_path: Path) -> None:
+    code, out = _status_json(tmp_path / "never")
+    assert code == 1 and out["status"] == "not running" and out["supervisor_pid"] is None
+    assert "does not exist" in out["error"] and "pdctl up" in out["hint"]
+
+
+def test_status_json_of_a_dead_supervisor_without_logs(tmp_path: Path) -> None:
+    from pdctl.rundir import RunState, write_state
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rd = tmp_path / ".pdctl"
+    rec = {"name": "prefill", "role": "prefill", "pid": gone.pid, "create_time": 1.0, "state": "ready"}
+    write_state(rd, RunState(run_dir=str(rd), config_path="c", settings_path="s", status="ready",
+                             supervisor_pid=gone.pid, supervisor_create_time=1.0, processes=[rec]))  # fmt: skip
+    assert not (rd / "logs").exists()
+    code, out = _status_json(rd)
+    assert code == 0 and out["status"] == "supervisor gone" and out["error"] is None
+    assert [(p["name"], p["state"], p["alive"]) for p in out["processes"]] == [("prefill", "gone", False)]
+    st = RunState.from_json(json.loads((rd / "state.json").read_text()))
+    st.status = "stopped"
+    write_state(rd, st)
+    assert _status_json(rd) == (0, {**out, "status": "stopped"})
+
+
+def test_curl_commands_are_the_recipe_requests() -> None:
+    from pdctl.cli.run_cmds import curl_commands
+    from pdctl.config import load
+    from pdctl.recipe import RECIPE_REQUESTS
+
+    data = Path(__file__).resolve().parent.parent / "pdctl" / "data"
+    dep = load(data / "config.toml", data / "settings.json")
+    cmds = curl_commands(dep)
+    assert [c.split()[1] for c in cmds] == ["-N" if r.stream else "-s" for r in RECIPE_REQUESTS]
+    for cmd, r in zip(cmds, RECIPE_REQUESTS, strict=True):
+        body = json.loads(cmd.split(" -d '", 1)[1].rstrip("'"))
+        assert body == r.body(dep.decode[0].model_name)
+        assert f"${dep.gateway.api_key_env}" in cmd

@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdctl.promtext import metric_value, samples
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.sim.faults import FaultSet, parse_fault
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 PROMPT = " ".join(f"fault{i % 11} case {i}." for i in range(30))
 
@@ -70,11 +70,9 @@ def _pd(prefill: SimProcess, decode: SimProcess, body: dict[str, Any]) -> httpx.
 
 
 def _metric(sp: SimProcess, name: str) -> float:
-    for fam in text_string_to_metric_families(httpx.get(sp.url + "/metrics").text):
-        for s in fam.samples:
-            if s.name == name:
-                return float(s.value)
-    raise AssertionError(name)
+    value = metric_value(samples(httpx.get(sp.url + "/metrics").text), name)
+    assert value is not None, name
+    return value
 
 
 def _wait_for(cond: Any, timeout_s: float = 20.0) -> bool:

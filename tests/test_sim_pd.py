@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdctl.promtext import metric_value, samples
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
-from pdctl.sim.testing import SimProcess, start_sim
+from pdctl.testing import SimProcess, start_sim
 
 PROMPT = " ".join(f"word{i % 37} and stuff, line {i}." for i in range(60))
 
@@ -55,12 +55,9 @@ def _post(base: str, body: dict[str, Any], rid: str, path: str = "/v1/completion
 
 
 def _metric(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=10).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    raise AssertionError(f"{name}{labels} not exported")
+    value = metric_value(samples(httpx.get(base + "/metrics", timeout=10).text), name, **labels)
+    assert value is not None, f"{name}{labels} not exported"
+    return value
 
 
 def _pd(prefill: SimProcess, decode: SimProcess, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

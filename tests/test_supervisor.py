@@ -18,8 +18,9 @@ from pdctl.plan import GATEWAY_HOLD_ENV, Plan, ProcessSpec
 from pdctl.probe import probe_pair
 from pdctl.process import ProcessExitedError
 from pdctl.supervisor import Event, ProcState, Supervisor, SupervisorOptions
+from pdctl.testing import alive, free_port, kill_groups, port_free
 from pdctl.watchdog import Watchdog
-from tests.fakes.helpers import alive, fake_spec, free_port, kill_tree_of_groups, port_free
+from tests.fakes.helpers import fake_spec
 
 OPTS = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=0.2, poll_s=0.1)
 
@@ -29,7 +30,7 @@ def sups():
     made: list[Supervisor] = []
     yield made
     for s in made:
-        kill_tree_of_groups([p.pid for p in s.processes().values() if p is not None and p.pid])
+        kill_groups([p.pid for p in s.processes().values() if p is not None and p.pid])
 
 
 def make(

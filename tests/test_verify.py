@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +25,7 @@ import pytest
 from pdctl import config, kvevents
 from pdctl.config import Deployment
 from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
-from pdctl.sim.testing import free_port
+from pdctl.testing import free_port, kill_groups
 from pdctl.verify import CheckResult, VerifyReport, metric_total, run_verify
 
 KEY_ENV = "PDCTL_VERIFY_TEST_KEY"
@@ -46,8 +45,7 @@ class Cluster:
 
     def stop(self, name: str) -> None:
         proc = self.procs[name]
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_groups([proc.pid])
         proc.wait(10)
 
     def stop_all(self) -> None:

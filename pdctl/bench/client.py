@@ -11,8 +11,8 @@ Timing (``time.perf_counter``, seconds; ``t0`` is the run's start):
 ``vllm bench serve``. A chunk's time is when its bytes are read, before its JSON is parsed; vLLM takes it
 after parsing the event, a few microseconds later (docs/performance.md, section 3).
 
-The SSE parser is incremental: it splits events on blank lines as bytes arrive, skips ``:`` comments (vLLM's
-and proxies' keep-alive pings) and stops at ``data: [DONE]``. A stream that ends without ``[DONE]``, an SSE
+Events are split as bytes arrive by :class:`pdctl.eventstream.SSEParser` (``:`` comments, vLLM's and
+proxies' keep-alive pings, skipped); the stream stops at ``data: [DONE]``. A stream that ends without ``[DONE]``, an SSE
 ``error`` event, an HTTP error and a timeout are all failures with a reason; none is dropped.
 """
 
@@ -27,9 +27,10 @@ from typing import Any, Literal
 import httpx
 
 from pdctl.bench.workload import BenchRequest
+from pdctl.eventstream import SSEParser
 from pdctl.transport import AiohttpTransport
 
-__all__ = ["BenchClient", "Endpoint", "RequestResult", "SSEParser"]
+__all__ = ["BenchClient", "Endpoint", "RequestResult"]
 
 Endpoint = Literal["chat", "completions"]
 
@@ -73,50 +74,6 @@ class RequestResult:
     def rejected(self) -> bool:
         """Turned away by the gateway's admission control or a rate limit (503 overloaded / 429)."""
         return self.pd_path == "rejected"
-
-
-class SSEParser:
-    """Incremental Server-Sent Events parser: feed bytes, get the ``data`` payloads of complete events."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self._data: list[bytes] = []
-
-    def feed(self, chunk: bytes) -> list[str]:
-        """Add received bytes; return the payloads of the events they completed (comments skipped)."""
-        self._buf += chunk
-        out: list[str] = []
-        while True:
-            nl = self._buf.find(b"\n")
-            if nl < 0:
-                break
-            line = self._buf[:nl]
-            self._buf = self._buf[nl + 1 :]
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            self._line(line, out)
-        return out
-
-    def close(self) -> list[str]:
-        """End of stream: flush a last event that was not followed by a blank line."""
-        out: list[str] = []
-        if self._buf:
-            line, self._buf = self._buf.rstrip(b"\r"), b""
-            self._line(line, out)
-        self._line(b"", out)
-        return out
-
-    def _line(self, line: bytes, out: list[str]) -> None:
-        if not line:
-            if self._data:
-                out.append(b"\n".join(self._data).decode("utf-8", errors="replace"))
-                self._data = []
-            return
-        if line.startswith(b":"):
-            return
-        if line.startswith(b"data:"):
-            value = line[5:]
-            self._data.append(value[1:] if value.startswith(b" ") else value)
 
 
 def _content(choice: dict[str, Any]) -> str:
@@ -212,12 +169,6 @@ class BenchClient:
     def path(self) -> str:
         """The API path requests go to."""
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
-
-    async def get_text(self, url: str, timeout_s: float = 10.0) -> str:
-        """GET an absolute URL (a worker's /metrics) with the same pool; raises httpx errors."""
-        resp = await self._client.get(url, timeout=timeout_s)
-        resp.raise_for_status()
-        return resp.text
 
     async def send(
         self,

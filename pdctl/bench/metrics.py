@@ -107,12 +107,12 @@ class Summary:
     percentiles: tuple[float, ...]
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile (0-100) with linear interpolation, like ``numpy.percentile``; 0 if empty."""
+def percentile(values: Sequence[float], p: float, empty: float = 0.0) -> float:
+    """The ``p``-th percentile (0-100) with linear interpolation, like ``numpy.percentile``; ``empty`` if empty."""
     if not 0.0 <= p <= 100.0:
         raise ValueError(f"percentile must be in [0, 100], got {p}")
     if not values:
-        return 0.0
+        return empty
     ordered = sorted(values)
     rank = (len(ordered) - 1) * p / 100.0
     lo = math.floor(rank)

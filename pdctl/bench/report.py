@@ -4,8 +4,10 @@
   in ms in the statistics, seconds in the per-request arrays ``ttfts``/``itls``/``latencies``), with pdctl's
   extras under the ``"pdctl"`` key. Several runs are written as a JSON list of such objects.
 * :func:`load_results` / :func:`compare` -- two result files side by side with ratios (B / A).
-* :func:`render_html` -- a self-contained HTML page with inline SVG plots: latency CDFs, TPOT over time with
-  long-prompt arrivals marked, goodput and SLO attainment against the rate. No plotting library needed.
+* :func:`render_html` -- a self-contained HTML page: tables (per run, per request kind, KV transfer), then
+  inline SVG plots (:mod:`pdctl.bench.svg`): goodput, SLO attainment and p90 latencies against the rate, latency
+  CDFs for every load (A/B sides overlaid), TPOT over time with long-prompt arrivals marked. Runs are named by
+  side and load (:func:`run_name`), never by URL.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdctl import __version__
+from pdctl.bench import svg
 from pdctl.bench.metrics import Stats, Summary, tpot_s
 from pdctl.bench.runner import RunResult, SearchResult, kv_summary
 from pdctl.errors import PdctlError
@@ -32,6 +35,8 @@ __all__ = [
     "percentile_key",
     "render_html",
     "result_json",
+    "run_load",
+    "run_name",
     "write_results",
 ]
 
@@ -139,6 +144,7 @@ def result_json(run: RunResult) -> dict[str, Any]:
             "name": t.workload.name,
             "seed": t.workload.spec.seed,
             "unique_prompts": t.workload.spec.unique,
+            "run_id": run.run_id if t.workload.spec.unique else None,
             **_workload_params(run),
         },
         "load": {
@@ -276,215 +282,202 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[CompareRow]:
 
 # ---------------------------------------------------------------------------------------------- HTML
 
-_W, _H = 560, 300
-_ML, _MR, _MT, _MB = 60, 16, 28, 40
-_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
+_CDF_SIZE = (320, 240)
+_TIME_SIZE = (660, 260)
+_RATE_SIZE = (560, 300)
+_LATENCIES = (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"), ("itl", "ITL (ms)"), ("e2el", "E2EL (ms)"))
 
 
-def _nice_max(v: float) -> float:
-    if v <= 0:
-        return 1.0
-    exp = 10 ** math.floor(math.log10(v))
-    for m in (1, 2, 2.5, 5, 10):
-        if v <= m * exp:
-            return float(m * exp)
-    return float(10 * exp)
-
-
-def _fmt(v: float) -> str:
-    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
-
-
-def _frame(
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    xmax: float,
-    ymax: float,
-    body: list[str],
-    legend: Sequence[str],
-    legend_bottom: bool = False,
-) -> str:
-    pw, ph = _W - _ML - _MR, _H - _MT - _MB
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" viewBox="0 0 {_W} {_H}" '
-        'font-family="sans-serif" font-size="11">',
-        f'<text x="{_W / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">{html.escape(title)}</text>',
-        f'<rect x="{_ML}" y="{_MT}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
-    ]
-    for i in range(5):
-        fx, fy = i / 4, i / 4
-        x = _ML + fx * pw
-        y = _MT + ph - fy * ph
-        parts.append(f'<line x1="{_ML}" y1="{y:.1f}" x2="{_ML + pw}" y2="{y:.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{_ML - 4}" y="{y + 4:.1f}" text-anchor="end">{_fmt(ymax * fy)}</text>')
-        parts.append(f'<text x="{x:.1f}" y="{_MT + ph + 14}" text-anchor="middle">{_fmt(xmax * fx)}</text>')
-    parts.append(f'<text x="{_ML + pw / 2}" y="{_H - 6}" text-anchor="middle">{html.escape(xlabel)}</text>')
-    parts.append(
-        f'<text x="14" y="{_MT + ph / 2}" text-anchor="middle" transform="rotate(-90 14 {_MT + ph / 2})">'
-        f"{html.escape(ylabel)}</text>"
-    )
-    parts.extend(body)
-    # 6.2 px per character of the 11 px sans-serif font, roughly: keep the legend inside the plot.
-    lx = max(_ML + 4, _ML + pw - 20 - 6.2 * max((len(n) for n in legend), default=0))
-    for i, name in enumerate(legend):
-        y = (_MT + ph - 8 - 14 * (len(legend) - 1 - i)) if legend_bottom else (_MT + 12 + 14 * i)
-        colour = _COLOURS[i % len(_COLOURS)]
-        parts.append(f'<rect x="{lx:.0f}" y="{y - 8}" width="10" height="10" fill="{colour}"/>')
-        parts.append(f'<text x="{lx + 14:.0f}" y="{y + 1}">{html.escape(name)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _xy(x: float, y: float, xmax: float, ymax: float) -> tuple[float, float]:
-    pw, ph = _W - _ML - _MR, _H - _MT - _MB
-    return _ML + min(x / xmax, 1.0) * pw, _MT + ph - min(y / ymax, 1.0) * ph
-
-
-def svg_cdf(title: str, xlabel: str, series: Mapping[str, Sequence[float]]) -> str:
-    """Empirical CDFs of several samples (x clipped at the largest p99, so one outlier cannot flatten it)."""
-    from pdctl.bench.metrics import percentile
-
-    nonempty = {k: sorted(v) for k, v in series.items() if v}
-    xmax = _nice_max(max((percentile(v, 99.0) for v in nonempty.values()), default=1.0) * 1.05)
-    body: list[str] = []
-    for i, (_, values) in enumerate(nonempty.items()):
-        n = len(values)
-        step = max(1, n // 400)
-        pts = []
-        for j in range(0, n, step):
-            pts.append(_xy(values[j], (j + 1) / n, xmax, 1.0))
-        pts.append(_xy(values[-1], 1.0, xmax, 1.0))
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
-        body.append(
-            f'<polyline fill="none" stroke="{_COLOURS[i % len(_COLOURS)]}" stroke-width="1.5" points="{path}"/>'
-        )
-    return _frame(title, xlabel, "fraction of requests", xmax, 1.0, body, list(nonempty), legend_bottom=True)
-
-
-def svg_over_time(
-    title: str, ylabel: str, series: Mapping[str, Sequence[tuple[float, float]]], markers: Sequence[float]
-) -> str:
-    """Per-request points against their send time, with vertical lines where long prompts arrived."""
-    all_pts = [p for pts in series.values() for p in pts]
-    xmax = _nice_max(max([p[0] for p in all_pts] + list(markers) + [1e-9]) * 1.02)
-    from pdctl.bench.metrics import percentile
-
-    ymax = _nice_max(percentile([p[1] for p in all_pts], 99.5) * 1.1 if all_pts else 1.0)
-    body: list[str] = []
-    for t in markers:
-        x, _ = _xy(t, 0, xmax, ymax)
-        body.append(f'<line x1="{x:.1f}" y1="{_MT}" x2="{x:.1f}" y2="{_H - _MB}" stroke="#f4a" stroke-opacity="0.35"/>')
-    for i, (_, pts) in enumerate(series.items()):
-        colour = _COLOURS[i % len(_COLOURS)]
-        for px, py in pts:
-            x, y = _xy(px, py, xmax, ymax)
-            body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2" fill="{colour}" fill-opacity="0.7"/>')
-    legend = list(series) + (["long-prompt arrival (line)"] if markers else [])
-    return _frame(title, "send time (s)", ylabel, xmax, ymax, body, legend)
-
-
-def svg_lines(title: str, xlabel: str, ylabel: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> str:
-    """Lines with point markers, e.g. goodput against request rate."""
-    pts_all = [p for pts in series.values() for p in pts if math.isfinite(p[0])]
-    xmax = _nice_max(max((p[0] for p in pts_all), default=1.0) * 1.05)
-    ymax = _nice_max(max((p[1] for p in pts_all), default=1.0) * 1.1)
-    body: list[str] = []
-    for i, (_, pts) in enumerate(series.items()):
-        colour = _COLOURS[i % len(_COLOURS)]
-        xy = [_xy(x, y, xmax, ymax) for x, y in sorted(pts) if math.isfinite(x)]
-        body.append(
-            f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
-            f'points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in xy)}"/>'
-        )
-        body.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>' for x, y in xy)
-    return _frame(title, xlabel, ylabel, xmax, ymax, body, list(series))
-
-
-def _run_name(run: RunResult) -> str:
+def run_load(run: RunResult) -> str:
+    """What load a run was under, in words: ``8 req/s``, ``4 req/s, ≤ 16 in flight``, ``closed loop, 8 in flight``."""
     shape = run.shape
-    load = f"{shape.rate:g} req/s" if math.isfinite(shape.rate) else "rate inf"
-    if shape.concurrency:
-        load += f", concurrency {shape.concurrency}"
-    return f"{run.label} @ {load}"
+    if run.target.workload.timed:
+        text = f"trace at {run.target.workload.spec.trace_speed:g}x"
+    elif math.isfinite(shape.rate):
+        text = f"{shape.rate:g} req/s"
+        if shape.burstiness != 1.0:
+            text += f", burstiness {shape.burstiness:g}"
+        if shape.concurrency:
+            text += f", ≤ {shape.concurrency} in flight"
+    elif shape.concurrency:
+        text = f"closed loop, {shape.concurrency} in flight"
+    else:
+        text = "all at once"
+    return text
 
 
-def _summary_table(runs: Sequence[RunResult]) -> str:
-    heads = ["run", "completed", "failed", "req/s", "goodput", "SLO att.", "TTFT p50", "TTFT p90", "TTFT p99",
-             "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "paths"]  # fmt: skip
+def run_name(run: RunResult) -> str:
+    """A run as a reader knows it: its side (the target's label, if any) and its load; never its URL."""
+    side = run.target.label
+    return f"{side} @ {run_load(run)}" if side else run_load(run)
+
+
+def _latencies_ms(run: RunResult, metric: str) -> list[float]:
+    done = [r for r in run.results if r.success and not r.warmup]
+    if metric == "ttft":
+        return [r.ttft_s * 1000 for r in done]
+    if metric == "tpot":
+        return [t * 1000 for r in done if (t := tpot_s(r)) is not None]
+    if metric == "itl":
+        return [g * 1000 for r in done for g in r.itl_s]
+    return [r.latency_s * 1000 for r in done]
+
+
+def _cell(st: Stats, q: float) -> str:
+    if not st.count:
+        return "-"
+    return f"{st.percentiles.get(q, st.median if q == 50 else float('nan')):.1f}"
+
+
+def _table(heads: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def _who(run: RunResult, with_side: bool) -> list[str]:
+    return [run.target.label, run_load(run)] if with_side else [run_load(run)]
+
+
+def _summary_table(runs: Sequence[RunResult], with_side: bool) -> str:
+    heads = [*(["side"] if with_side else []), "load", "completed", "failed", "req/s", "goodput", "SLO att.",
+             "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "paths"]  # fmt: skip
     rows = []
     for run in runs:
         s = run.summary
-
-        def p(st: Stats, q: float) -> str:
-            return f"{st.percentiles.get(q, st.median if q == 50 else float('nan')):.1f}"
-
-        cells = [
-            _run_name(run),
-            str(s.completed),
-            str(s.failed),
-            f"{s.request_throughput:.2f}",
+        rows.append([
+            *_who(run, with_side), str(s.completed), str(s.failed), f"{s.request_throughput:.2f}",
             "-" if s.request_goodput is None else f"{s.request_goodput:.2f}",
             "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%",
-            f"{s.ttft.median:.1f}",
-            p(s.ttft, 90.0),
-            p(s.ttft, 99.0),
-            f"{s.tpot.median:.1f}",
-            p(s.tpot, 90.0),
-            p(s.tpot, 99.0),
-            p(s.itl, 99.0),
+            _cell(s.ttft, 50.0), _cell(s.ttft, 90.0), _cell(s.ttft, 99.0),
+            _cell(s.tpot, 50.0), _cell(s.tpot, 90.0), _cell(s.tpot, 99.0), _cell(s.itl, 99.0),
             ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items())),
+        ])  # fmt: skip
+    return _table(heads, rows)
+
+
+def _kind_table(runs: Sequence[RunResult], with_side: bool) -> str:
+    """TTFT, TPOT and ITL per request kind (``short``/``long`` of ``mixed``), when a run has several kinds."""
+    if not any(run.summary.by_kind for run in runs):
+        return ""
+    heads = [*(["side"] if with_side else []), "load", "kind", "requests", "TTFT p50", "TTFT p90", "TTFT p99",
+             "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "ITL max"]  # fmt: skip
+    rows = []
+    for run in runs:
+        for kind, d in sorted(run.summary.by_kind.items(), key=lambda kv: kv[0] != "short"):
+            ttft, tpot, itl = d["ttft"], d["tpot"], d["itl"]
+            rows.append([
+                *_who(run, with_side), kind, str(ttft.count), _cell(ttft, 50.0), _cell(ttft, 90.0),
+                _cell(ttft, 99.0), _cell(tpot, 50.0), _cell(tpot, 90.0), _cell(tpot, 99.0), _cell(itl, 99.0),
+                f"{itl.max:.1f}" if itl.count else "-",
+            ])  # fmt: skip
+    return "<h2>By request kind</h2>" + _table(heads, rows)
+
+
+def _kv_table(runs: Sequence[RunResult], with_side: bool) -> str:
+    rows = []
+    for run in runs:
+        if run.metric_deltas:
+            kv = kv_summary(run.metric_deltas)
+            done = run.summary.completed
+            rows.append([
+                *_who(run, with_side), f"{kv['kv_transfers']:.0f}", f"{kv['kv_bytes'] / 1e6:.2f}",
+                f"{kv['kv_xfer_ms_mean']:.2f}", f"{kv['kv_failed_transfers']:.0f}", f"{kv['external_kv_tokens']:.0f}",
+                f"{kv['external_kv_tokens'] / done:.1f}" if done else "-",
+            ])  # fmt: skip
+    if not rows:
+        return ""
+    heads = [*(["side"] if with_side else []), "load", "transfers", "MB", "mean ms", "failed", "external KV tokens",
+             "per completed request"]  # fmt: skip
+    return "<h2>KV transfer during the run (workers' /metrics deltas)</h2>" + _table(heads, rows)
+
+
+def _colours(names: Sequence[str]) -> dict[str, str]:
+    return {name: svg.PALETTE[i % len(svg.PALETTE)] for i, name in enumerate(names)}
+
+
+def _over_time(run_by_name: Mapping[str, RunResult], colours: Mapping[str, str], title: str) -> str:
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    for name, run in run_by_name.items():
+        series[name] = [
+            (r.sent_s + r.ttft_s, r.sent_s + r.latency_s, t * 1000)
+            for r in run.results
+            if (t := tpot_s(r)) is not None and r.kind != "long"
         ]
-        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    head = "<tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>"
-    return f"<table>{head}{''.join(rows)}</table>"
+    first = next(iter(run_by_name.values()))
+    markers = [r.sent_s for r in first.results if r.kind == "long"]
+    ylabel = "TPOT of the other requests (ms)" if markers else "TPOT (ms)"
+    return svg.spans(title, ylabel, series, colours, markers, size=_TIME_SIZE)
+
+
+def _against_rate(runs: Sequence[RunResult], sides: Sequence[str], colours: Mapping[str, str]) -> list[str]:
+    rated = [r for r in runs if math.isfinite(r.shape.rate) and not r.target.workload.timed]
+    if len({r.shape.rate for r in rated}) < 2:
+        return []
+    name = {side: side or "this deployment" for side in sides}
+    named = {name[s]: c for s, c in colours.items()}
+
+    def per_side(value: Callable[[RunResult], float]) -> dict[str, list[tuple[float, float]]]:
+        return {name[s]: [(r.shape.rate, value(r)) for r in rated if r.target.label == s] for s in sides}
+
+    def p90(st: Stats) -> float:
+        return st.percentiles.get(90.0, st.median)
+
+    plots = []
+    if any(r.summary.slo is not None for r in rated):
+        plots.append(svg.lines("Goodput vs request rate", "request rate (req/s)", "goodput (req/s)",
+                               per_side(lambda r: r.summary.request_goodput or 0.0), named,
+                               diagonal="goodput = rate", size=_RATE_SIZE))  # fmt: skip
+        plots.append(svg.lines("SLO attainment vs request rate", "request rate (req/s)", "attainment (%)",
+                               per_side(lambda r: 100 * (r.summary.slo_attainment or 0.0)), named, ymax=100.0,
+                               size=_RATE_SIZE))  # fmt: skip
+    else:
+        plots.append(svg.lines("Throughput vs request rate", "request rate (req/s)", "completed (req/s)",
+                               per_side(lambda r: r.summary.request_throughput), named,
+                               diagonal="throughput = rate", size=_RATE_SIZE))  # fmt: skip
+    plots.append(svg.lines("TTFT p90 vs request rate", "request rate (req/s)", "TTFT p90 (ms)",
+                           per_side(lambda r: p90(r.summary.ttft)), named, size=_RATE_SIZE))  # fmt: skip
+    plots.append(svg.lines("TPOT p90 vs request rate", "request rate (req/s)", "TPOT p90 (ms)",
+                           per_side(lambda r: p90(r.summary.tpot)), named, size=_RATE_SIZE))  # fmt: skip
+    return plots
+
+
+def _sections(runs: Sequence[RunResult]) -> str:
+    """The plots: against the rate, then latency CDFs and TPOT over time for every load of every side."""
+    sides = list(dict.fromkeys(r.target.label for r in runs))
+    loads = list(dict.fromkeys(run_load(r) for r in runs))
+    out: list[str] = []
+    rate_plots = _against_rate(runs, sides, _colours(sides))
+    if rate_plots:
+        out.append(f"<h2>Against the request rate</h2><div class='plots'>{''.join(rate_plots)}</div>")
+    if len(sides) > 1:
+        # A/B: one row per load, the sides overlaid in each plot, each side in the same colour everywhere.
+        colours = _colours(sides)
+        out.append("<h2>Latency CDFs, sides overlaid, one row per load</h2>")
+        for load in loads:
+            by_side = {r.target.label: r for r in runs if run_load(r) == load}
+            cdfs = [svg.cdf(f"{metric.upper()} CDF, {load}", label,
+                            {side: _latencies_ms(run, metric) for side, run in by_side.items()}, colours,
+                            ylabel="fraction of gaps" if metric == "itl" else "fraction of requests",
+                            size=_CDF_SIZE) for metric, label in _LATENCIES]  # fmt: skip
+            out.append(f"<div class='plots'>{''.join(cdfs)}</div>")
+        times = [_over_time({r.target.label: r for r in runs if run_load(r) == load}, colours,
+                            f"TPOT over time, {load}") for load in loads]  # fmt: skip
+    else:
+        # One deployment: every load overlaid in each CDF.
+        colours = _colours(loads)
+        cdfs = [svg.cdf(f"{metric.upper()} CDF", label, {run_load(r): _latencies_ms(r, metric) for r in runs},
+                        colours, ylabel="fraction of gaps" if metric == "itl" else "fraction of requests",
+                        size=_CDF_SIZE) for metric, label in _LATENCIES]  # fmt: skip
+        out.append(f"<h2>Latency CDFs, one curve per load</h2><div class='plots'>{''.join(cdfs)}</div>")
+        times = [_over_time({run_load(r): r}, colours, f"TPOT over time, {run_load(r)}") for r in runs]
+    out.append(f"<h2>TPOT over time</h2><div class='plots'>{''.join(times)}</div>")
+    return "".join(out)
 
 
 def render_html(runs: Sequence[RunResult], *, title: str = "pdctl bench", search: SearchResult | None = None) -> str:
-    """A self-contained HTML report of ``runs`` (one or several labels and rates)."""
-    plots: list[str] = []
-    # CDFs for the highest-rate run of each label: where A/B differences show most.
-    last_by_label: dict[str, RunResult] = {}
-    for run in runs:
-        last_by_label[run.label] = run
-    for metric, label in (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"), ("itl", "ITL (ms)"), ("e2el", "E2EL (ms)")):
-        series: dict[str, list[float]] = {}
-        for run in last_by_label.values():
-            done = [r for r in run.results if r.success and not r.warmup]
-            if metric == "ttft":
-                values = [r.ttft_s * 1000 for r in done]
-            elif metric == "tpot":
-                values = [t * 1000 for r in done if (t := tpot_s(r)) is not None]
-            elif metric == "itl":
-                values = [g * 1000 for r in done for g in r.itl_s]
-            else:
-                values = [r.latency_s * 1000 for r in done]
-            series[_run_name(run)] = values
-        plots.append(svg_cdf(f"{metric.upper()} CDF", label, series))
-    over: dict[str, list[tuple[float, float]]] = {}
-    markers: list[float] = []
-    for run in last_by_label.values():
-        pts = []
-        for r in run.results:
-            t = tpot_s(r)
-            if t is not None and r.kind != "long":
-                pts.append((r.sent_s, t * 1000))
-        over[_run_name(run)] = pts
-        if not markers:
-            markers = [r.sent_s for r in run.results if r.kind == "long"]
-    plots.append(svg_over_time("TPOT over time", "TPOT (ms)", over, markers))
-    labels = list(dict.fromkeys(r.label for r in runs))
-    rated = [r for r in runs if math.isfinite(r.shape.rate)]
-    if len({r.shape.rate for r in rated}) > 1:
-        good = {
-            lab: [(r.shape.rate, r.summary.request_goodput or 0.0) for r in rated if r.label == lab] for lab in labels
-        }
-        plots.append(svg_lines("Goodput vs request rate", "request rate (req/s)", "goodput (req/s)", good))
-        att = {
-            lab: [(r.shape.rate, 100 * (r.summary.slo_attainment or 0.0)) for r in rated if r.label == lab]
-            for lab in labels
-        }
-        plots.append(svg_lines("SLO attainment vs request rate", "request rate (req/s)", "attainment (%)", att))
+    """A self-contained HTML report of ``runs``: tables, then the plots of :func:`_sections`."""
+    with_side = any(r.target.label for r in runs)
     notes: list[str] = []
     if search is not None:
         best = "none of the probed rates" if search.best_rate is None else f"{search.best_rate:.3g} req/s"
@@ -494,28 +487,14 @@ def render_html(runs: Sequence[RunResult], *, title: str = "pdctl bench", search
         )
     for run in runs:
         for w in run.warnings:
-            notes.append(f'<p class="warn">{html.escape(_run_name(run))}: {html.escape(w)}</p>')
+            notes.append(f'<p class="warn">{html.escape(run_name(run))}: {html.escape(w)}</p>')
     slo = next((r.summary.slo for r in runs if r.summary.slo is not None), None)
     slo_text = "no SLO given" if slo is None else ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.as_dict().items())
-    kv_rows = []
-    for run in runs:
-        if run.metric_deltas:
-            kv = kv_summary(run.metric_deltas)
-            kv_rows.append(
-                f"<tr><td>{html.escape(_run_name(run))}</td><td>{kv['kv_transfers']:.0f}</td>"
-                f"<td>{kv['kv_bytes'] / 1e6:.2f}</td><td>{kv['kv_xfer_ms_mean']:.2f}</td>"
-                f"<td>{kv['kv_failed_transfers']:.0f}</td><td>{kv['external_kv_tokens']:.0f}</td></tr>"
-            )
-    kv_table = (
-        "<h2>KV transfer during the run (workers' /metrics deltas)</h2><table><tr><th>run</th><th>transfers</th>"
-        "<th>MB</th><th>mean ms</th><th>failed</th><th>external KV tokens</th></tr>" + "".join(kv_rows) + "</table>"
-        if kv_rows
-        else ""
-    )
     style = (
         "body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;font-size:13px}td:first-child{text-align:left}"
-        ".plots{display:flex;flex-wrap:wrap;gap:12px}.warn{color:#a40}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;font-size:13px}"
+        "td:first-child,th:first-child{text-align:left}h2{font-size:18px;margin:20px 0 6px}"
+        ".plots{display:flex;flex-wrap:wrap;gap:12px;margin-bottom:8px}.warn{color:#a40}"
     )
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
@@ -523,8 +502,9 @@ def render_html(runs: Sequence[RunResult], *, title: str = "pdctl bench", search
         f"<p>SLOs: {html.escape(slo_text)}. Latencies in ms; TTFT = send → first content chunk, "
         "TPOT = (E2EL − TTFT)/(output tokens − 1), ITL = gaps between chunks (vLLM definitions).</p>"
         + "".join(notes)
-        + _summary_table(runs)
-        + kv_table
-        + f"<div class='plots'>{''.join(plots)}</div>"
+        + _summary_table(runs, with_side)
+        + _kind_table(runs, with_side)
+        + _kv_table(runs, with_side)
+        + _sections(runs)
         + f"<p style='color:#888'>pdctl {html.escape(__version__)}</p></body></html>"
     )

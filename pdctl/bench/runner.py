@@ -10,6 +10,12 @@ One run = warm-up requests (sent one by one, excluded), then the measured reques
 A run is bounded by ``num_requests`` or ``duration_s``. Around it, the workers' and the gateway's ``/metrics``
 are scraped before and after, and the KV-transfer counters' deltas are reported.
 
+Every run (each rate of a sweep, each side of an A/B, each probe of the search) draws a fresh run id for its
+prompt tags (:func:`pdctl.bench.workload.new_run_id`), so no run finds an earlier run's prompts in a prefix
+cache. ``vllm bench sweep`` gets the same effect by calling ``POST /reset_prefix_cache`` between runs, but
+vLLM serves that route only with ``VLLM_SERVER_DEV_MODE=1``, which also opens ``/collective_rpc``, ``/sleep``
+and the RL routes to anyone who can reach the port; pdctl does not start workers that way.
+
 Max goodput rate (DistServe): the highest rate at which at least ``slo.attainment`` (90 %) of the requests meet
 every SLO, found by doubling the rate until a run misses, then bisecting until the bracket is within
 ``rel_tol``.
@@ -30,8 +36,9 @@ import httpx
 from pdctl.bench.arrivals import arrival_offsets
 from pdctl.bench.client import BenchClient, Endpoint, RequestResult
 from pdctl.bench.metrics import SLO, Summary, percentile, summarize, tpot_s
-from pdctl.bench.workload import Workload
+from pdctl.bench.workload import Workload, new_run_id
 from pdctl.errors import PdctlError
+from pdctl.promtext import samples
 
 __all__ = [
     "BenchError",
@@ -41,6 +48,7 @@ __all__ = [
     "PairResult",
     "RunResult",
     "SearchResult",
+    "discover_model",
     "kv_summary",
     "metric_deltas",
     "parse_metrics",
@@ -78,6 +86,21 @@ class BenchTarget:
     extra_body: dict[str, Any] = field(default_factory=dict)
     # A test seam (httpx.MockTransport); None = real network.
     transport: httpx.AsyncBaseTransport | None = field(default=None, compare=False, repr=False)
+
+
+def discover_model(url: str, api_key: str | None, transport: httpx.BaseTransport | None = None) -> str:
+    """The first model id that ``GET {url}/v1/models`` lists (for a target given without ``--model``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(transport=transport, timeout=10.0) as client:
+            resp = client.get(f"{url.rstrip('/')}/v1/models", headers=headers)
+        body = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        body = None
+    data = body.get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
+        return str(data[0]["id"])
+    raise BenchError(f"cannot tell which model {url} serves", hint="pass --model NAME (or -c config.toml)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +146,10 @@ class RunResult:
     results: list[RequestResult]
     summary: Summary
     date: str
+    run_id: str = ""
     warmups: int = 0
     metric_deltas: dict[str, dict[str, float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        """The run's label (the target's, else its URL)."""
-        return self.target.label or self.target.base_url
 
 
 @dataclass(slots=True)
@@ -158,21 +177,13 @@ def parse_metrics(text: str) -> dict[str, float]:
 
     ``engine``/``model_name`` labels are dropped (summed), ``_bucket``/``_created`` samples skipped.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError):
-        return out
-    for fam in families:
-        for sample in fam.samples:
-            name = sample.name
-            if not name.startswith(_METRIC_PREFIXES) or name.endswith(("_bucket", "_created")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in _IGNORED_LABELS)
-            key = f"{name}{{{labels}}}" if labels else name
-            out[key] = out.get(key, 0.0) + float(sample.value)
+    for name, sample_labels, value in samples(text, _METRIC_PREFIXES):
+        if name.endswith(("_bucket", "_created")):
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(sample_labels.items()) if k not in _IGNORED_LABELS)
+        key = f"{name}{{{labels}}}" if labels else name
+        out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -266,15 +277,25 @@ def _plan(target: BenchTarget, shape: LoadShape) -> tuple[int | None, list[float
 
 
 async def run_once(
-    target: BenchTarget, shape: LoadShape, live: LiveStats | None = None, *, request_id_prefix: str = "bench"
+    target: BenchTarget,
+    shape: LoadShape,
+    live: LiveStats | None = None,
+    *,
+    request_id_prefix: str = "bench",
+    run_id: str | None = None,
 ) -> RunResult:
-    """One measured run (warm-up first) against ``target`` under ``shape``."""
+    """One measured run (warm-up first) against ``target`` under ``shape``, with prompts of its own.
+
+    ``run_id`` names the run in its prompt tags and request ids; None draws a fresh one (the module docstring
+    says why every run needs its own).
+    """
     n, offsets = _plan(target, shape)
     live = live if live is not None else LiveStats()
     live.label, live.total = target.label or target.base_url, n
     pool = shape.concurrency if shape.concurrency is not None else None
     date = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_tag = f"{request_id_prefix}-{date}-{shape.seed}"
+    run_id = new_run_id() if run_id is None else run_id
+    run_tag = f"{request_id_prefix}-{date}-{run_id.replace(' ', '-')}-{shape.seed}"
     wl = target.workload
     warmup_base = 10_000_000
     async with (
@@ -294,7 +315,7 @@ async def run_once(
         warm_failures: list[str] = []
         for k in range(shape.warmup):
             wres = await client.send(
-                wl.request(warmup_base + k), t0=time.perf_counter(), request_id=f"{run_tag}-warmup-{k}"
+                wl.request(warmup_base + k, run_id), t0=time.perf_counter(), request_id=f"{run_tag}-warmup-{k}"
             )
             if not wres.success:
                 warm_failures.append(wres.error)
@@ -306,7 +327,7 @@ async def run_once(
         t0 = time.perf_counter()
 
         async def one(index: int, scheduled: float) -> None:
-            req = wl.request(index)
+            req = wl.request(index, run_id)
             waited = 0.0
             live.sent += 1
             if sem is not None:
@@ -366,7 +387,7 @@ async def run_once(
         warnings.append(f"{len(warm_failures)} of {shape.warmup} warm-up request(s) failed: {warm_failures[0]}")
     warnings.extend(_warnings(summary, deltas))
     live.phase = "done"
-    return RunResult(target, shape, results, summary, date, shape.warmup, deltas, warnings)
+    return RunResult(target, shape, results, summary, date, run_id, shape.warmup, deltas, warnings)
 
 
 def _warnings(summary: Summary, deltas: dict[str, dict[str, float]]) -> list[str]:
@@ -405,7 +426,7 @@ async def run_sweep(
     rates: Sequence[float],
     on_start: Callable[[float], LiveStats] | None = None,
 ) -> list[RunResult]:
-    """One run per rate (same seed, so the same requests), in order."""
+    """One run per rate, in order: the same requests (same seed) behind each run's own tag."""
     runs: list[RunResult] = []
     for rate in rates:
         live = on_start(rate) if on_start else None
@@ -469,7 +490,11 @@ async def run_ab(
     rates: Sequence[float],
     on_start: Callable[[str, float], LiveStats] | None = None,
 ) -> PairResult:
-    """The same workload and arrivals against ``a`` then ``b``, rate by rate (A/B, admission on/off)."""
+    """The same workload and arrivals against ``a`` then ``b``, rate by rate (A/B, admission on/off).
+
+    Each side's run has its own prompt tags: when both deployments share workers, B must not find A's prompts
+    in the prefix cache.
+    """
     out = PairResult([], [])
     for rate in rates:
         for target, sink in ((a, out.a), (b, out.b)):

@@ -3,7 +3,10 @@
 Every workload produces :class:`BenchRequest` objects by index, deterministically for a seed, so a run can be
 repeated exactly and a duration-bound run can draw as many requests as it needs. Prompts are made unique by a
 leading tag unless ``unique=False``: a shared prefix would let vLLM's prefix cache skip prefill work and hide
-exactly the cost that PD disaggregation moves.
+exactly the cost that PD disaggregation moves. The tag carries the run's id (:func:`new_run_id`, three words),
+so no two runs send the same prompt either: a sweep's second rate, an A/B's second side and a second
+``pdctl bench`` against the same workers all start cold. Lengths and the text after the tag depend on the seed
+alone.
 
 * ``doc``      -- the recipe's two test prompts, alternating (32 and 256 output tokens).
 * ``random``   -- input/output lengths drawn uniformly in ``[L(1-r), L(1+r)]``, optional shared prefix.
@@ -21,32 +24,33 @@ import json
 import math
 import random
 import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pdctl.errors import PdctlError
+from pdctl.recipe import RECIPE_REQUESTS
 
 __all__ = [
     "DOC_PROMPTS",
+    "WORDS",
     "BenchRequest",
     "Workload",
     "WorkloadError",
     "WorkloadSpec",
     "estimate_tokens",
     "make_workload",
+    "new_run_id",
 ]
 
 RequestKind = Literal["doc", "random", "short", "long", "sharegpt", "trace"]
 
 # The recipe's two verification requests (section 4), in its own words.
-DOC_PROMPTS: tuple[tuple[str, int], ...] = (
-    ("用一句话解释 KV Cache", 32),
-    ("写一段 200 字的自我介绍", 256),
-)
+DOC_PROMPTS: tuple[tuple[str, int], ...] = tuple((r.prompt, r.max_tokens) for r in RECIPE_REQUESTS)
 
 # Common English words that most BPE vocabularies encode as one token each (with their leading space).
-_WORDS = (
+WORDS = (
     "time year people way day man thing woman life child world school state family student group "
     "country problem hand part place case week company system program question work government "
     "number night point home water room mother area money story fact month lot right study book eye "
@@ -107,8 +111,16 @@ def estimate_tokens(text: str) -> int:
     return max(1, len(re.findall(r"[\u3000-\u9fff\uac00-\ud7af]|[A-Za-z0-9_]+|[^\sA-Za-z0-9_]", text)))
 
 
+def new_run_id() -> str:
+    """A fresh id for one run's prompt tags: three common words (one token each, so every id costs the same).
+
+    About 10⁷ ids: two runs share one with odds of 10⁻⁷.
+    """
+    return " ".join(secrets.choice(WORDS) for _ in range(3))
+
+
 def _words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(0, n)))
+    return " ".join(rng.choice(WORDS) for _ in range(max(0, n)))
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
@@ -146,14 +158,16 @@ class Workload:
         """True for a trace, whose own timestamps set the arrivals."""
         return self.spec.name == "trace"
 
-    def _tag(self, index: int) -> str:
-        return f"[bench {self.spec.seed}-{index}] " if self.spec.unique else ""
+    def _tag(self, index: int, run_id: str) -> str:
+        if not self.spec.unique:
+            return ""
+        return f"[bench {run_id} {self.spec.seed}-{index}] " if run_id else f"[bench {self.spec.seed}-{index}] "
 
-    def request(self, index: int) -> BenchRequest:
-        """The request at ``index`` (the same every time for the same spec)."""
+    def request(self, index: int, run_id: str = "") -> BenchRequest:
+        """The request at ``index`` of the run ``run_id`` (the same every time for the same spec and run id)."""
         spec = self.spec
         rng = random.Random(spec.seed * 1_000_003 + index)
-        tag = self._tag(index)
+        tag = self._tag(index, run_id)
         if spec.name == "doc":
             text, max_tokens = DOC_PROMPTS[index % len(DOC_PROMPTS)]
             prompt = tag + text

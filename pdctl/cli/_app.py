@@ -86,9 +86,9 @@ class _Exit:
 def exit_without_teardown() -> None:
     """Have :func:`run` end the process as soon as the command returns, without the interpreter's teardown.
 
-    For a command that leaves nothing of its own to clean up (``up -d``: the supervisor runs detached). With
-    vLLM CPU engines spinning both cores, that teardown ended ``up -d`` 0.6 s after its last line (50 ms on an
-    idle machine). Only the console script honours it; an in-process caller (``CliRunner``) is unaffected.
+    For a command that leaves nothing of its own to clean up (``up -d``: the supervisor runs detached), whose
+    return the teardown delays noticeably while vLLM CPU engines keep the cores busy (docs/performance.md,
+    section 5). Only the console script honours it; an in-process caller (``CliRunner``) is unaffected.
     """
     _Exit.fast = True
 

@@ -100,6 +100,7 @@ def bench(
         LoadShape,
         RunResult,
         SearchResult,
+        discover_model,
         run_ab,
         run_async,
         run_sweep,
@@ -108,7 +109,6 @@ def bench(
     from pdctl.bench.workload import make_workload
     from pdctl.cli.bench_view import (
         Progress,
-        discover_model,
         goodput_slo,
         load_context,
         parse_percentiles,

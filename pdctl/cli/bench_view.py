@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -29,7 +28,6 @@ from pdctl.cli._app import console, err_console
 __all__ = [
     "BenchContext",
     "Progress",
-    "discover_model",
     "goodput_slo",
     "load_context",
     "parse_percentiles",
@@ -77,18 +75,6 @@ def load_context(config_path: Path | None, settings_path: Path | None, attainmen
     if settings_path is not None:
         raise BenchError(f"{spath}: no such file", hint="give -s settings.json, or --gateway URL alone")
     return BenchContext(None, None, "PDCTL_API_KEY", None, ())
-
-
-def discover_model(url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10.0)
-        data = resp.json().get("data") if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        data = None
-    if isinstance(data, list) and data and isinstance(data[0], dict) and isinstance(data[0].get("id"), str):
-        return str(data[0]["id"])
-    raise BenchError(f"cannot tell which model {url} serves", hint="pass --model NAME (or -c config.toml)")
 
 
 def workload_spec(name: str, seed: int, unique: bool, **params: Any) -> WorkloadSpec:
@@ -204,9 +190,11 @@ def _summary_rows(s: Summary) -> list[tuple[str, str]]:
         rows.append(("paths", ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items()))))
     rows.append(("client lag p99 / max (ms)", f"{_fmt(s.lag.percentiles.get(99.0, s.lag.max))} / {_fmt(s.lag.max)}"))
     for kind, d in sorted(s.by_kind.items()):
-        rows.append(
-            (f"[{kind}] TPOT p50 / p90 (ms)", f"{_fmt(d['tpot'].median)} / {_fmt(d['tpot'].percentiles.get(90.0))}")
-        )
+        for name in ("ttft", "tpot"):
+            st = d[name]
+            pct = " / ".join(_fmt(v) for v in (st.median, st.percentiles.get(90.0), st.percentiles.get(99.0)))
+            rows.append((f"[{kind}] {name.upper()} p50 / p90 / p99 (ms)", pct))
+        rows.append((f"[{kind}] ITL max (ms)", _fmt(d["itl"].max if d["itl"].count else None)))
     return rows
 
 

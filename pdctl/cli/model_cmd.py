@@ -24,20 +24,26 @@ def tiny(
     directory: Annotated[Path, typer.Argument(help="Folder to write the model into (created if missing).")],
     seed: Annotated[int, typer.Option("--seed", help="Random seed; the same seed gives identical files.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing model in DIR.")] = False,
+    size: Annotated[
+        str, typer.Option("--size", help="tiny (0.4M parameters), small (13M) or medium (40M): docs/cpu.md.")
+    ] = "tiny",
 ) -> None:
-    """Write a tiny random Qwen3 (head_dim 64, ~400-token byte-level BPE, ChatML template) to DIR.
+    """Write a small random Qwen3 (head_dim 64, byte-level BPE, ChatML template) to DIR.
 
     Needs torch + transformers (they come with vLLM: scripts/install-cpu-engine.sh). Reuses DIR when it
-    already holds the model for the same seed.
+    already holds the model for the same seed and size.
     """
-    from pdctl.model import generate_tiny_model
+    from pdctl.errors import PdctlError
+    from pdctl.model import SIZES, generate_tiny_model
 
+    if size not in SIZES:
+        raise PdctlError(f"--size: unknown size {size!r}", hint=f"use one of {', '.join(SIZES)}")
     started = time.monotonic()
-    model = generate_tiny_model(directory, seed=seed, force=force)
+    model = generate_tiny_model(directory, seed=seed, force=force, spec=SIZES[size])
     if model.created:
         console.print(
-            f"wrote {model.path}: Qwen3ForCausalLM, {model.num_parameters:,} parameters, "
+            f"wrote {model.path}: Qwen3ForCausalLM ({size}), {model.num_parameters:,} parameters, "
             f"vocab {model.vocab_size}, seed {model.seed} ({time.monotonic() - started:.1f} s)"
         )
     else:
-        console.print(f"reusing {model.path}: tiny model with seed {model.seed} is already there")
+        console.print(f"reusing {model.path}: the {size} model with seed {model.seed} is already there")

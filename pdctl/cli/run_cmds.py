@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,20 +20,11 @@ from rich.markup import escape
 
 from pdctl.cli._app import app, console, err_console, exit_without_teardown, handle_errors
 from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
-from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
+from pdctl.errors import ConfigError, LaunchError, PdctlError
 from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
 from pdctl.plan import Plan, build_plan
-from pdctl.rundir import (
-    STATE_FILE,
-    RunState,
-    collect_status,
-    gateway_counters,
-    is_running,
-    kill_recorded,
-    owned_process,
-    read_state,
-    write_state,
-)
+from pdctl.recipe import RECIPE_REQUESTS
+from pdctl.rundir import RunState
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -107,13 +96,10 @@ def curl_commands(dep: Deployment) -> list[str]:
     model = dep.decode[0].model_name if dep.decode else "MODEL"
     var = dep.gateway.api_key_env
     auth = f'-H "Authorization: Bearer ${var}" -H "Content-Type: application/json"'
-    one = json.dumps({"model": model, "messages": [{"role": "user", "content": "用一句话解释 KV Cache"}],
-                      "max_tokens": 32, "stream": False}, ensure_ascii=False, separators=(",", ":"))  # fmt: skip
-    two = json.dumps({"model": model, "messages": [{"role": "user", "content": "写一段 200 字的自我介绍"}],
-                      "max_tokens": 256, "stream": True}, ensure_ascii=False, separators=(",", ":"))  # fmt: skip
     return [
-        f"curl -s {url}/v1/chat/completions {auth} -d '{one}'",
-        f"curl -N {url}/v1/chat/completions {auth} -d '{two}'",
+        f"curl {'-N' if r.stream else '-s'} {url}/v1/chat/completions {auth} "
+        f"-d '{json.dumps(r.body(model), ensure_ascii=False, separators=(',', ':'))}'"
+        for r in RECIPE_REQUESTS
     ]
 
 
@@ -204,97 +190,12 @@ def _up_foreground(dep: Deployment, plan: Plan) -> None:
 
 
 def _up_detached(dep: Deployment, plan: Plan) -> None:
-    run_dir = dep.run_dir
-    log_dir = run_dir / "logs"
-    daemon_log = (log_dir / "daemon.log").open("ab")
-    argv = [sys.executable, "-m", "pdctl.daemon", "-c", dep.config_path, "-s", dep.settings_path]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=daemon_log, stderr=subprocess.STDOUT,
-                            start_new_session=True, close_fds=True)  # fmt: skip
-    daemon_log.close()
-    tail = _EventTail(log_dir / "pdctl.log")
-    sup = dep.supervisor
-    # A held gateway is waited for after the last wave, under its own ready_timeout_s.
-    waves = len({p.wave for p in plan.processes}) + int(any(p.hold_file for p in plan.processes))
-    deadline = time.monotonic() + sup.ready_timeout_s * waves + (sup.warmup_timeout_s if sup.warmup else 0) + 60
+    from pdctl.control import start_detached
+
     printer = Printer(sys.stdout, [p.name for p in plan.processes])
-    state: RunState | None = None
-    seen: tuple[int, int, int] | None = None
-    try:
-        while True:
-            tail.print_new(printer)
-            stamp = _stamp(run_dir / STATE_FILE)
-            if stamp != seen:  # parse state.json only when it was rewritten
-                seen = stamp
-                state = _state_of(run_dir, proc.pid)
-            if state is not None and state.status in ("ready", "failed", "stopped"):
-                break
-            if proc.poll() is not None:
-                state = _state_of(run_dir, proc.pid)
-                break
-            if time.monotonic() > deadline:
-                proc.send_signal(signal.SIGTERM)
-                raise LaunchError("the detached supervisor did not report ready in time; it was asked to stop")
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=sup.stop_timeout_s * 3 + 30)
-        raise
-    tail.print_new(printer)
-    if state is None or state.status != "ready":
-        proc.wait(timeout=sup.stop_timeout_s * 3 + 30)
-        error = state.error if state and state.error else _tail(log_dir / "daemon.log")
-        raise LaunchError(f"up failed:\n{error}", hint=f"see {log_dir}")
+    state = start_detached(dep, plan, lambda msg: printer.write(LogLine(PDCTL_NAME, msg, time.time())))
     _print_ready(dep, state)
     exit_without_teardown()
-
-
-_EVENT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \S+\s+(.*)$")
-
-
-class _EventTail:
-    """New complete lines of the detached supervisor's event log, printed as ``pdctl`` lines."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def print_new(self, printer: Printer) -> None:
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        for raw in data[:end].splitlines():
-            text = raw.decode("utf-8", errors="replace")
-            m = _EVENT_LINE.match(text)
-            printer.write(LogLine(PDCTL_NAME, m.group(1) if m else text, time.time()))
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    # Each write is a new file (os.replace), so the inode changes too; the daemon rewrites it every second anyway.
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-def _state_of(run_dir: Path, pid: int) -> RunState | None:
-    try:
-        state = read_state(run_dir)
-    except NotRunningError:
-        return None
-    return state if state.supervisor_pid == pid else None
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
-    except OSError:
-        return f"(no output in {path})"
 
 
 # ---------------------------------------------------------------------------------------------- down
@@ -309,32 +210,9 @@ def down(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the ordered stop before SIGKILL.")] = 120.0,
 ) -> None:
     """Stop a running deployment (from any shell): gateway, decode, prefill; nothing survives."""
-    import psutil
+    from pdctl.control import stop_deployment
 
-    rd = _run_dir(config, settings, run_dir)
-    state = read_state(rd)
-    sup = owned_process(state.supervisor_pid, state.supervisor_create_time, state.supervisor_argv)
-    if sup is not None:
-        console.print(f"stopping the deployment (supervisor pid {sup.pid})")
-        sup.terminate()
-        deadline = time.monotonic() + timeout
-        # Poll rather than psutil's wait(): a supervisor that exited but is not yet reaped by its parent
-        # (a zombie) is gone for our purposes.
-        while time.monotonic() < deadline and is_running(state):
-            time.sleep(0.2)
-        if is_running(state):
-            err_console.print(f"supervisor did not stop within {timeout:g} s: killing it and every process")
-            with contextlib.suppress(psutil.Error):
-                sup.kill()
-    elif state.status not in ("stopped", "failed"):
-        console.print(f"the supervisor (pid {state.supervisor_pid}) is gone; stopping its processes directly")
-    left = kill_recorded(read_state(rd), grace_s=10.0)
-    if left:
-        err_console.print(f"killed {len(left)} leftover process(es): {', '.join(map(str, left))}")
-    state = read_state(rd)
-    if state.status not in ("stopped", "failed"):
-        state.status = "stopped"
-        write_state(rd, state)
+    stop_deployment(_run_dir(config, settings, run_dir), timeout, say=console.print, warn=err_console.print)
     console.print("stopped")
 
 
@@ -359,27 +237,25 @@ def status(
     run_dir: RunDirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Per process: state, pid, uptime, restarts, health, CPU/RSS of its tree, GPU memory; gateway counters."""
+    """Per process: state, pid, uptime, restarts, health, CPU/RSS of its tree, GPU memory; gateway counters.
+
+    ``--json`` prints one JSON object in every state (no deployment, a damaged run directory included); the
+    exit code is 1 when there is no readable state.json, with or without ``--json``.
+    """
     from rich.table import Table
 
+    from pdctl.control import deployment_status
+
     rd = _run_dir(config, settings, run_dir)
-    state = read_state(rd)
-    running = is_running(state)
-    rows = collect_status(state)
-    counters = gateway_counters(state.gateway_url) if state.gateway_url and running else None
-    overall = state.status if running or state.status in ("stopped", "failed") else "supervisor gone"
+    st = deployment_status(rd)
     if as_json:
-        out = {
-            "status": overall,
-            "supervisor_pid": state.supervisor_pid,
-            "supervisor_running": running,
-            "run_dir": str(rd),
-            "error": state.error,
-            "processes": [r.to_json() for r in rows],
-            "gateway_requests": counters,
-        }
-        console.print_json(json.dumps(out))
+        console.print_json(json.dumps(st.to_json()))
+        if st.problem is not None:
+            raise typer.Exit(st.problem.exit_code)
         return
+    if st.problem is not None:
+        raise st.problem
+    rows, counters, overall = st.processes, st.gateway_requests, st.status
     table = Table(title=f"pdctl {overall} ({rd})", title_justify="left")
     for col in ("process", "role", "state", "pid", "uptime", "restarts", "health", "CPU %", "RSS", "GPU mem"):
         table.add_column(col)
@@ -392,8 +268,8 @@ def status(
         total = sum(counters.values())
         parts = ", ".join(f"{k}={v:g}" for k, v in sorted(counters.items())) or "none yet"
         console.print(f"gateway requests: {total:g} ({parts})")
-    if state.error:
-        console.print(f"last error: {state.error}", markup=False)
+    if st.state is not None and st.state.error:
+        console.print(f"last error: {st.state.error}", markup=False)
 
 
 # ---------------------------------------------------------------------------------------------- logs
@@ -415,29 +291,6 @@ def parse_since(text: str) -> float:
         ) from None
 
 
-def _log_files(rd: Path, names: list[str]) -> dict[str, Path]:
-    log_dir = rd / "logs"
-    known: list[str] = []
-    try:
-        known = [p["name"] for p in read_state(rd).processes]
-    except NotRunningError:
-        pass
-    files = {n: log_dir / f"{n}.log" for n in known}
-    for path in sorted(log_dir.glob("*.log")):
-        name = path.stem
-        if name == "daemon":
-            continue
-        files.setdefault(name, path)
-    if not files and not log_dir.exists():
-        raise NotRunningError(f"no logs in {log_dir}", hint="start a deployment with `pdctl up`")
-    if names:
-        unknown = [n for n in names if n not in files]
-        if unknown:
-            raise PdctlError(f"no process named {', '.join(unknown)}", hint=f"known: {', '.join(files)}")
-        files = {n: files[n] for n in names}
-    return files
-
-
 @app.command("logs")
 @handle_errors
 def logs(
@@ -453,8 +306,10 @@ def logs(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """Show the per-process log files of the deployment, merged by time."""
+    from pdctl.control import log_files
+
     rd = _run_dir(config, settings, run_dir)
-    files = _log_files(rd, list(names or []))
+    files = log_files(rd, list(names or []))
     since_ts = parse_since(since) if since else None
     lines = read_logs(files, since=since_ts, request_id=request, tail=None if kv else tail)
     if kv:

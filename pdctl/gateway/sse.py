@@ -9,7 +9,6 @@ any :class:`Body` (a worker's :class:`pdctl.transport.Response`, or the upstream
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -205,11 +204,3 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
 def _end_of(data: bytes, sep: bytes) -> int:
     i = data.rfind(sep)
     return i + len(sep) if i >= 0 else 0
-
-
-def parse_json(data: bytes) -> Any:
-    """``json.loads`` that returns None for bad JSON."""
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pdctl.bench.metrics import percentile
 from pdctl.protocol import PREFILL_REQUEST_PARAMS, check_kv_params
 from pdctl.sim.engine import EngineConfig, KVSettings, SimEngine, SimRequest
 from pdctl.sim.logfmt import VllmLog
@@ -21,7 +22,7 @@ from pdctl.sim.text import VOCAB_SIZE
 from pdctl.sim.timing import get_link, get_profile
 from pdctl.sim.virtual import run_virtual
 
-__all__ = ["Mode", "ModeResult", "Workload", "percentile", "run_mode"]
+__all__ = ["Mode", "ModeResult", "Workload", "run_mode"]
 
 Mode = Literal["colocated", "chunked", "pd"]
 
@@ -55,7 +56,7 @@ class ModeResult:
         """p50/p90/p99 in milliseconds."""
 
         def pct(xs: Sequence[float]) -> dict[str, float]:
-            return {f"p{p}": round(percentile(xs, p) * 1000, 1) for p in (50, 90, 99)}
+            return {f"p{p}": round(percentile(xs, p, empty=float("nan")) * 1000, 1) for p in (50, 90, 99)}
 
         return {
             "mode": self.mode,
@@ -67,17 +68,6 @@ class ModeResult:
             "ttft_ms": pct(self.ttft_s),
             "long_ttft_ms": pct(self.long_ttft_s),
         }
-
-
-def percentile(xs: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default); NaN for an empty list."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def _config(profile: str, link: str, role: str, **kw: Any) -> EngineConfig:

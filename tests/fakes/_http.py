@@ -4,9 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def completion_body(oid: str, model: Any, chat: bool, text: str, finish: str, prompt_tokens: int, tokens: int) -> Any:
+    """A whole OpenAI completion (``chat`` or legacy) answering with ``text``."""
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        if chat
+        else {"index": 0, "text": text, "finish_reason": finish}
+    )
+    return {
+        "id": oid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens},
+    }
+
+
+def chunk_event(oid: str, model: Any, chat: bool, text: str, finish: str | None) -> bytes:
+    """One streamed OpenAI chunk as an SSE event."""
+    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+    obj = {
+        "id": oid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "model": model,
+        "choices": [{**choice, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx
-from _http import Request, Response, serve
+from _http import Request, Response, chunk_event, completion_body, serve
 
 SPEC: dict[str, Any] = {}
 LOG: list[dict[str, Any]] = []
@@ -182,24 +182,8 @@ async def _answer(req: Request, res: Response, body: dict[str, Any], entry: dict
         if delay and await _wait_or_abort(req, delay * count):
             entry["aborted"] = True
             return
-        text = "tok " * count
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-            if chat
-            else {"index": 0, "text": text, "finish_reason": "length"}
-        )
         entry["finished"] = True
-        await res.json(
-            200,
-            {
-                "id": oid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model"),
-                "choices": [choice],
-                "usage": {"prompt_tokens": 7, "completion_tokens": count, "total_tokens": 7 + count},
-            },
-        )
+        await res.json(200, completion_body(oid, body.get("model"), chat, "tok " * count, "length", 7, count))
         return
     await res.start_stream()
     try:
@@ -210,24 +194,8 @@ async def _answer(req: Request, res: Response, body: dict[str, Any], entry: dict
                 await req.aborted.wait()
                 entry["aborted"] = True
                 return
-            last = i == count - 1
-            if chat:
-                obj = {
-                    "id": oid,
-                    "object": "chat.completion.chunk",
-                    "model": body.get("model"),
-                    "choices": [
-                        {"index": 0, "delta": {"content": "tok "}, "finish_reason": "length" if last else None}
-                    ],
-                }
-            else:
-                obj = {
-                    "id": oid,
-                    "object": "text_completion",
-                    "model": body.get("model"),
-                    "choices": [{"index": 0, "text": "tok ", "finish_reason": "length" if last else None}],
-                }
-            await res.chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            finish = "length" if i == count - 1 else None
+            await res.chunk(chunk_event(oid, body.get("model"), chat, "tok ", finish))
             if delay and await _wait_or_abort(req, delay):
                 entry["aborted"] = True
                 return

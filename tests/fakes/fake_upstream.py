@@ -14,12 +14,11 @@ import asyncio
 import json
 import os
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _http import Request, Response, serve
+from _http import Request, Response, chunk_event, completion_body, serve
 
 SPEC: dict[str, Any] = {}
 LOG: list[dict[str, Any]] = []
@@ -72,41 +71,11 @@ async def handler(req: Request, res: Response) -> None:
     chat = req.path.endswith("chat/completions")
     count = int(SPEC.get("chunks", 3))
     if not body.get("stream"):
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": "up " * count}, "finish_reason": "stop"}
-            if chat
-            else {"index": 0, "text": "up " * count, "finish_reason": "stop"}
-        )
-        await res.json(
-            200,
-            {
-                "id": "up-1",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model"),
-                "choices": [choice],
-                "usage": {"prompt_tokens": 3, "completion_tokens": count, "total_tokens": 3 + count},
-            },
-        )
+        await res.json(200, completion_body("up-1", body.get("model"), chat, "up " * count, "stop", 3, count))
         return
     await res.start_stream()
     for i in range(count):
-        last = i == count - 1
-        if chat:
-            obj = {
-                "id": "up-1",
-                "object": "chat.completion.chunk",
-                "model": body.get("model"),
-                "choices": [{"index": 0, "delta": {"content": "up "}, "finish_reason": "stop" if last else None}],
-            }
-        else:
-            obj = {
-                "id": "up-1",
-                "object": "text_completion",
-                "model": body.get("model"),
-                "choices": [{"index": 0, "text": "up ", "finish_reason": "stop" if last else None}],
-            }
-        await res.chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        await res.chunk(chunk_event("up-1", body.get("model"), chat, "up ", "stop" if i == count - 1 else None))
     await res.chunk(b"data: [DONE]\n\n")
     await res.end_stream()
 

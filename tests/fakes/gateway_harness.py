@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +17,8 @@ import uvicorn
 from pdctl.config import GatewayConfig, LoggingConfig, RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
-from pdctl.sim.testing import free_port
+from pdctl.promtext import metric_value, samples
+from pdctl.testing import free_port, kill_groups
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-test-client-key-0123456789"
@@ -62,20 +61,16 @@ class FakeProc:
         httpx.post(self.url + "/_control", json=spec, timeout=10)
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+        value = metric_value(samples(httpx.get(self.url + "/metrics", timeout=10).text, (name,)), name)
+        if value is None:
+            raise KeyError(name)
+        return value
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_groups([self.proc.pid])
         self.proc.wait(timeout=10)
 
 

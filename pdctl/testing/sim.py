@@ -1,4 +1,4 @@
-"""Helpers to run simulator workers as real subprocesses (for pdctl's tests and benchmarks).
+"""Simulator workers as real subprocesses (for pdctl's tests and benchmarks).
 
 Each worker gets free ports, its own process group (killed whole on ``stop``), and a log file.
 """
@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,25 +15,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["SimProcess", "free_port", "start_sim"]
+from pdctl.testing.ports import free_port
+from pdctl.testing.procs import stop_group
 
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0, then release), never the same one twice.
-
-    The kernel may hand a just-released port out again at once; a test that asks for an HTTP port and a
-    side-channel port in a row would then get the same number for both.
-    """
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+__all__ = ["SimProcess", "start_sim"]
 
 
 @dataclass
@@ -70,16 +53,8 @@ class SimProcess:
             return None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-            if sig == signal.SIGTERM and self.wait_exit(grace_s) is not None:
-                # The group may still hold children (the orphan-child fault): kill them too.
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                return
-        self.wait_exit(grace_s)
+        """SIGTERM the process group, SIGKILL it after ``grace_s`` (and its orphans in any case)."""
+        stop_group(self.proc, grace_s)
 
 
 def start_sim(
