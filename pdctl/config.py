@@ -127,6 +127,7 @@ class WorkerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     restart: RestartPolicy | None = None
+    replicas: int = 1
     table: str = "prefill"
 
     @property
@@ -224,8 +225,9 @@ class SourceMap:
     """Best-effort line numbers of dotted keys in the two source files."""
 
     def __init__(self, texts: Mapping[str, str], kinds: Mapping[str, str]) -> None:
-        self._texts = dict(texts)
-        self._kinds = dict(kinds)
+        # Keyed by resolved path: the loader names files as given, Deployment.config_path is absolute.
+        self._texts = {_norm(f): t for f, t in texts.items()}
+        self._kinds = {_norm(f): k for f, k in kinds.items()}
         self._cache: dict[tuple[str, str], int | None] = {}
 
     def line(self, file: str, key: str) -> int | None:
@@ -233,10 +235,10 @@ class SourceMap:
         cached = self._cache.get((file, key), -1)
         if cached != -1:
             return cached
-        text = self._texts.get(file)
+        text = self._texts.get(_norm(file))
         found: int | None = None
         if text is not None:
-            kind = self._kinds.get(file, "toml")
+            kind = self._kinds.get(_norm(file), "toml")
             found = _toml_line(text, key) if kind == "toml" else _json_line(text, key)
         self._cache[(file, key)] = found
         return found
@@ -244,6 +246,10 @@ class SourceMap:
     def error(self, file: str, key: str, message: str, hint: str | None = None) -> ConfigError:
         """A :class:`ConfigError` located at ``key`` in ``file``."""
         return ConfigError(Path(file).name, key, message, line=self.line(file, key), hint=hint)
+
+
+def _norm(file: str) -> str:
+    return str(Path(file).resolve())
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,7 +517,7 @@ WORKER_KEYS = (
     "role", "model", "gpu_ids", "cpu_ids", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
     "enable_chunked_prefill", "gpu_memory_utilization", "engine", "host", "env", "extra_args",
     "side_channel_port", "max_model_len", "dtype", "served_model_name", "block_size", "enforce_eager",
-    "kv_connector", "restart", "name",
+    "kv_connector", "restart", "name", "replicas",
 )  # fmt: skip
 
 
@@ -758,6 +764,7 @@ def _load_workers(
             extra_args=w.get("extra_args", _str_list, "a list of strings", ()),
             restart=cast(RestartPolicy | None,
                          w.opt("restart", _choice("never", "on-failure"), "never or on-failure")),
+            replicas=w.get("replicas", _int(1, 1000), "an integer 1-1000", 1),
         )  # fmt: skip
         if worker.model is None:
             raise w.err("model", "missing", hint='set `model = "Qwen/Qwen3-8B"` (the same on prefill and decode)')

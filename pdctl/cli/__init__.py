@@ -10,6 +10,7 @@ from pdctl.cli import (  # noqa: F401  (imported for their command registrations
     config_cmds,
     gateway_cmd,
     model_cmd,
+    render_cmd,
     run_cmds,
     verify_cmd,
 )

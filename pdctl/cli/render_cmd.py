@@ -1,0 +1,83 @@
+"""``pdctl render k8s``: the two files as Kubernetes manifests (``kubectl apply -k DIR`` or ``-f -``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdctl import config
+from pdctl.cli._app import app, console, err_console, handle_errors
+from pdctl.cli.config_cmds import ConfigOpt, SettingsOpt, render_findings
+
+render_app = typer.Typer(no_args_is_help=True, help="Export the deployment to other tools (Kubernetes).")
+app.add_typer(render_app, name="render")
+
+
+@render_app.command("k8s")
+@handle_errors
+def k8s(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    out: Annotated[str, typer.Option("-o", "--out", help="Folder to write, or - for one YAML stream.")] = "k8s",
+    namespace: Annotated[str | None, typer.Option(help="Namespace (default: [cluster] name).")] = None,
+    image: Annotated[str | None, typer.Option(help="vLLM image (default: vllm/vllm-openai at pdctl's vLLM).")] = None,
+    pdctl_image: Annotated[str | None, typer.Option(help="Image with pdctl (gateway, verify, sim).")] = None,
+    secret: Annotated[str, typer.Option(help="Secret holding the keys, one entry per variable.")] = "pdctl-keys",
+    ucx_tls: Annotated[str | None, typer.Option(help="UCX_TLS of every worker, e.g. rc,cuda_copy.")] = None,
+    ucx_net_devices: Annotated[str | None, typer.Option(help="UCX_NET_DEVICES, e.g. mlx5_0:1.")] = None,
+    rdma_resource: Annotated[
+        list[str] | None, typer.Option(help="Per-pod RDMA resource NAME=COUNT (adds IPC_LOCK), e.g. rdma/ib=1.")
+    ] = None,
+    shm_size: Annotated[str, typer.Option(help="/dev/shm size of TP>1 pods.")] = "16Gi",
+) -> None:
+    """Write namespace, ConfigMap, per-group StatefulSet + headless Service, gateway and verify Job manifests.
+
+    The vLLM command lines and environment are `pdctl plan`'s. Keys are read from a Secret you create
+    (the command is printed); none is ever written.
+    """
+    from pdctl.k8s import K8sOptions, dump_yaml, next_steps, render, write
+
+    options = K8sOptions(
+        namespace=namespace,
+        image=image,
+        secret=secret,
+        ucx_tls=ucx_tls,
+        ucx_net_devices=ucx_net_devices,
+        rdma_resources=tuple(rdma_resource or ()),
+        shm_size=shm_size,
+        **({"pdctl_image": pdctl_image} if pdctl_image else {}),
+    )
+    dep = config.load(config_path, settings_path)
+    rendered = render(dep, options)
+    if out == "-" and rendered.files:
+        for f in rendered.findings:  # stdout carries the YAML
+            where = f.file + (f":{f.line}" if f.line else "") + (f" {f.key}" if f.key else "")
+            err_console.print(f"{f.code} {f.severity}: {where}: {f.message}", markup=False)
+        typer.echo(dump_yaml(rendered.manifests), nl=False)
+        return
+    if rendered.findings:
+        render_findings(list(rendered.findings))
+    if not rendered.files:
+        raise typer.Exit(2)
+    for path in write(rendered, Path(out)):
+        console.print(f"wrote {path}", markup=False)
+    console.print("next:")
+    for step in next_steps(dep, rendered, out, options):
+        console.print(f"  {step}", markup=False)
+
+
+@render_app.command("vllm-router")
+@handle_errors
+def vllm_router(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    k8s: Annotated[bool, typer.Option("--k8s", help="Workers by the Service names `render k8s` gives them.")] = False,
+) -> None:
+    """Print a vllm-router command line (PD mode, static workers) for the same prefill and decode instances."""
+    import shlex
+
+    from pdctl.peers import vllm_router_argv
+
+    typer.echo(shlex.join(vllm_router_argv(config.load(config_path, settings_path), cluster=k8s)))
