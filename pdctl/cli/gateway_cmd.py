@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +24,7 @@ def gateway(
     host: Annotated[str | None, typer.Option(help="Listen address (default: gateway.listen).")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port (default: gateway.listen).")] = None,
 ) -> None:
-    """Run the OpenAI-compatible gateway (key from the variable named by gateway.api_key_env).
+    """Run the OpenAI-compatible gateway (keys: gateway.keys_file, else the variable named by gateway.api_key_env).
 
     With PDCTL_GATEWAY_HOLD=FILE set (as `pdctl up` does) it sets everything up, then waits for FILE to exist
     before it listens.
@@ -37,8 +38,10 @@ def gateway(
         gw_settings = from_deployment(load(config, settings))
     else:
         gw_settings = from_settings(*load_settings(settings))
+    if host is not None:
+        gw_settings = replace(gw_settings, gateway=replace(gw_settings.gateway, listen_host=host))
     g = gw_settings.gateway
-    key = read_key(g.api_key_env, "gateway.api_key_env")
+    key = None if g.keys_file else read_key(g.api_key_env, "gateway.api_key_env")
     upstream_key = None
     if g.upstream_api_key_env:
         upstream_key = read_key(g.upstream_api_key_env, "gateway.upstream_api_key_env")
