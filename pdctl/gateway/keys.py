@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdctl.config import RateLimitConfig, SourceMap
+from pdctl.config import RateLimitConfig
 from pdctl.errors import ConfigError, PdctlError
 from pdctl.gateway.ratelimit import RateLimiter
 
@@ -83,7 +83,28 @@ def new_key() -> str:
 
 
 def _err(path: Path, text: str, key: str, message: str, hint: str | None = None) -> ConfigError:
-    return SourceMap({str(path): text}, {str(path): "json"}).error(str(path), key, message, hint)
+    return ConfigError(path.name, key, message, line=_line(text, key), hint=hint)
+
+
+def _line(text: str, key: str) -> int | None:
+    """Line of ``keys[i]`` or ``keys[i].field``: the i-th element's span in the array, then the field in it."""
+    m = re.match(r"keys\[(\d+)\](?:\.(\w+))?$", key)
+    start = text.find("[", text.find('"keys"'))
+    if m is None or start < 0:
+        return None
+    decoder = json.JSONDecoder()
+    pos = start + 1
+    for i in range(int(m.group(1)) + 1):
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            _, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        if i < int(m.group(1)):
+            pos = end
+    at = text.find(f'"{m.group(2)}"', pos, end) if m.group(2) else pos
+    return text.count("\n", 0, at if at >= 0 else pos) + 1
 
 
 def _limit(path: Path, text: str, key: str, value: Any) -> int | None:
