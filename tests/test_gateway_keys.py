@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.server import tls_files
 from pdctl.gateway.settings import GatewaySettings, LocalModel
 from pdctl.gateway.tokens import TokenCounter, estimate_tokens
-from pdctl.testing import SimProcess, free_port, start_sim
+from pdctl.testing import SimProcess, free_port
 from tests.fakes.gateway_harness import (
     UPSTREAM_KEY,
     FakeProc,
@@ -41,6 +40,7 @@ from tests.fakes.gateway_harness import (
     make_settings,
     wait_for,
 )
+from tests.test_gateway_sim import _pair
 
 CHAT = "/v1/chat/completions"
 NO_LIMITS = RateLimitConfig()
@@ -53,23 +53,6 @@ def _with_keys(settings: GatewaySettings, keys_file: Path, **gateway: Any) -> Ga
 def _chat(model: str, text: str = "hello", max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "stream": stream}  # fmt: skip
-
-
-@pytest.fixture
-def sims(tmp_path: Path) -> Iterator[list[SimProcess]]:
-    started: list[SimProcess] = []
-    yield started
-    for s in started:
-        s.stop()
-
-
-def _sim_pair(sims: list[SimProcess], tmp_path: Path) -> tuple[SimProcess, SimProcess]:
-    args = ["--max-model-len", "1024", "--sim-profile", "fast"]
-    p = start_sim(args, str(tmp_path), name="prefill", model="sim-model", role="kv_producer")
-    sims.append(p)
-    d = start_sim(args, str(tmp_path), name="decode", model="sim-model", role="kv_consumer")
-    sims.append(d)
-    return p, d
 
 
 # ------------------------------------------------------------------------------------- the keys file
@@ -128,8 +111,8 @@ def test_keys_cli_add_list_revoke(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------- two users, one deployment
 
 
-def test_two_users_with_own_quotas_share_one_deployment(sims: list[SimProcess], tmp_path: Path) -> None:
-    p, d = _sim_pair(sims, tmp_path)
+def test_two_users_with_own_quotas_share_one_deployment(sim_procs: list[SimProcess], tmp_path: Path) -> None:
+    p, d = _pair(sim_procs, tmp_path)
     keys = tmp_path / "keys.json"
     alice = add_key(keys, "alice", RateLimitConfig(requests_per_minute=2), None, True)
     bob = add_key(keys, "bob", RateLimitConfig(requests_per_minute=50), None, True)
@@ -155,11 +138,11 @@ def test_two_users_with_own_quotas_share_one_deployment(sims: list[SimProcess], 
 
 
 def test_quota_exhausted_mid_stream_keeps_the_stream_and_refuses_the_next(
-    sims: list[SimProcess], tmp_path: Path
+    sim_procs: list[SimProcess], tmp_path: Path
 ) -> None:
     """The stream was charged at admission (prompt + max_tokens), so it runs to its end; the next request of
     the same key is refused while the other key goes on."""
-    p, d = _sim_pair(sims, tmp_path)
+    p, d = _pair(sim_procs, tmp_path)
     keys = tmp_path / "keys.json"
     alice = add_key(keys, "alice", RateLimitConfig(tokens_per_minute=300), None, True)
     bob = add_key(keys, "bob", NO_LIMITS, None, True)
