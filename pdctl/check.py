@@ -276,7 +276,7 @@ def _is_local(model: str) -> bool:
 def _key(c: _Ctx) -> Iterable[Finding]:
     g = c.dep.gateway
     for key, name in (("gateway.api_key_env", g.api_key_env), ("gateway.upstream_api_key_env", g.upstream_api_key_env)):
-        if name is None or (key == "gateway.api_key_env" and g.keys_file):
+        if name is None:
             continue
         if _KEY_LIKE.search(name) or not _ENV_NAME.match(name):
             yield c.at("PD007", "error", "settings", key,
@@ -284,7 +284,7 @@ def _key(c: _Ctx) -> Iterable[Finding]:
                        "look for a variable with that name and answer 401 (recipe §5.2)",
                        "and `export TAOTOKEN_API_KEY=<key>` in the shell that runs pdctl",
                        fixes=({f"{SETTINGS}{key}": "TAOTOKEN_API_KEY"},))  # fmt: skip
-        elif not c.env.get(name):
+        elif not c.env.get(name) and not (key == "gateway.api_key_env" and g.keys_file):
             yield c.at("PD008", "error" if c.for_up else "warning", "settings", key,
                        f"environment variable {name} is not set: the gateway cannot start without its key",
                        f"export {name}=<key> before `pdctl up` (only the gateway receives it)")  # fmt: skip
@@ -293,7 +293,8 @@ def _key(c: _Ctx) -> Iterable[Finding]:
 def _shared_key(c: _Ctx) -> Iterable[Finding]:
     """PD030: clients hold the paid upstream key (the recipe's single key, used both ways)."""
     g = c.dep.gateway
-    if not g.upstream_base_url or g.keys_file or g.upstream_api_key_env not in (None, g.api_key_env):
+    shared = g.upstream_api_key_env == g.api_key_env or (g.upstream_api_key_env is None and not g.keys_file)
+    if not g.upstream_base_url or not shared:
         return
     yield c.at("PD030", "warning", "settings", "gateway.api_key_env",
                f"every client authenticates with ${g.api_key_env}, which is also the key the gateway sends to "
@@ -301,6 +302,17 @@ def _shared_key(c: _Ctx) -> Iterable[Finding]:
                f'separate them with two lines in "gateway": "api_key_env": "PDCTL_API_KEY" (a new key for '
                f'clients) and "upstream_api_key_env": "{g.api_key_env}" (the paid key, kept by the gateway); '
                "or per-user keys with `pdctl keys add NAME` and \"keys_file\" (docs/gateway.md, Keys)")  # fmt: skip
+
+
+def _keys_file(c: _Ctx) -> Iterable[Finding]:
+    """The keys file loads as the gateway will load it (PD000 with its file, line and field otherwise)."""
+    if c.dep.gateway.keys_file:
+        from pdctl.gateway.keys import load_keys
+
+        try:
+            load_keys(Path(c.dep.gateway.keys_file), c.env, need_env=c.for_up)
+        except ConfigError as exc:
+            yield finding_from_error(exc)
 
 
 def _tokenizers(c: _Ctx) -> Iterable[Finding]:
@@ -583,8 +595,8 @@ def _sim(c: _Ctx) -> Iterable[Finding]:
                    "simulated transfer times still use the full size", fixes=({"sim.kv_scale": 0.001},))  # fmt: skip
 
 
-RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _shared_key, _tokenizers,
-                           _memory, _lengths, _identity, _devices, _ports, _mappings, _sim)  # fmt: skip
+RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _shared_key, _keys_file,
+                           _tokenizers, _memory, _lengths, _identity, _devices, _ports, _mappings, _sim)  # fmt: skip
 
 
 def _context_of(dep: Deployment, w: WorkerConfig, env: Mapping[str, str]) -> ContextLength:

@@ -86,6 +86,20 @@ def test_keys_file_stores_only_digests_and_reports_bad_entries(tmp_path: Path) -
     assert ci.digest.hex() == hash_key("sk-from-env-0123456789")
 
 
+def test_operator_key_stays_beside_the_file_across_reloads(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    alice = add_key(path, "alice", NO_LIMITS, None, True)
+    ring = KeyRing.from_file(path, "sk-operator-key-0123456789")
+    assert [ring.identify(f"Bearer {k}".encode()).name for k in (alice, "sk-operator-key-0123456789")] == [  # type: ignore[union-attr]
+        "alice", "default"]  # fmt: skip
+    revoke_key(path, "alice")
+    assert ring.reload() and ring.identify(f"Bearer {alice}".encode()) is None
+    assert ring.identify(b"Bearer sk-operator-key-0123456789") is not None
+    path.write_text(json.dumps({"keys": [{"name": "default", "sha256": "b" * 64}]}))
+    with pytest.raises(ConfigError, match="reserved"):
+        load_keys(path)
+
+
 def test_keys_cli_add_list_revoke(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "COLUMNS": "200"}

@@ -41,7 +41,8 @@ def gateway(
     if host is not None:
         gw_settings = replace(gw_settings, gateway=replace(gw_settings.gateway, listen_host=host))
     g = gw_settings.gateway
-    key = None if g.keys_file else read_key(g.api_key_env, "gateway.api_key_env")
+    # With a keys file, $api_key_env is optional: the operator's key (verify, bench), named "default".
+    key = os.environ.get(g.api_key_env) or None if g.keys_file else read_key(g.api_key_env, "gateway.api_key_env")
     upstream_key = None
     if g.upstream_api_key_env:
         upstream_key = read_key(g.upstream_api_key_env, "gateway.upstream_api_key_env")

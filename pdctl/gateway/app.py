@@ -70,7 +70,7 @@ class Gateway:
     It reads the body, checks it with :mod:`pdctl.gateway.request`, applies limits and admission, hands the request
     to :mod:`pdctl.gateway.pd` (with :attr:`legs`, the narrow context built once) or to the upstream, and records
     the outcome. ``clients``: how the pool reaches the workers (:mod:`pdctl.gateway.workers`). ``keys``: the
-    client keys (default: ``gateway.keys_file`` when set, else ``api_key`` alone, named ``default``).
+    client keys (default: ``gateway.keys_file`` when set, plus ``api_key`` named ``default`` when given).
     """
 
     def __init__(
@@ -86,7 +86,7 @@ class Gateway:
         self.pool = Pool(settings, self.metrics, clients)
         g = settings.gateway
         if keys is None:
-            keys = KeyRing.from_file(Path(g.keys_file)) if g.keys_file else KeyRing.single(api_key or "")
+            keys = KeyRing.from_file(Path(g.keys_file), api_key) if g.keys_file else KeyRing.single(api_key or "")
         self.keys = keys
         self.tokens = TokenCounter()
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
@@ -457,7 +457,7 @@ def create_app(
 ) -> Gateway:
     """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI).
 
-    ``api_key`` is unused (may be None) when ``gateway.keys_file`` is set or ``keys`` is given.
+    With ``gateway.keys_file`` set, ``api_key`` is optional (accepted as the key named ``default``).
     ``clients``: how to reach the workers (default: HTTP; :class:`pdctl.gateway.memory.MemoryWorkers` in tests).
     """
     return Gateway(settings, api_key, upstream_key, clients, keys)

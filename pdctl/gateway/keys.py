@@ -10,8 +10,9 @@ SHA-256 digest; an entry may instead name an environment variable that holds the
     ]}
 
 ``models`` (default: every model) lists the model names the key may use; ``upstream`` (default true) whether
-it may reach the upstream channel. Limits are per key, on top of ``gateway.rate_limit``. Without a keys file
-the gateway runs with one key (``gateway.api_key_env``) named ``default``.
+it may reach the upstream channel. Limits are per key, on top of ``gateway.rate_limit``. The key in
+``$gateway.api_key_env`` is named ``default`` (the one key without a keys file; with one, the operator's key
+for ``pdctl verify``/``bench`` when the variable is set, so ``default`` is reserved).
 
 :class:`KeyRing` is what the gateway asks: :meth:`KeyRing.identify` hashes the bearer token and compares it
 with every digest (``hmac.compare_digest``, no early exit); :meth:`KeyRing.reload` re-reads the file
@@ -148,6 +149,9 @@ def load_keys(path: Path, environ: Mapping[str, str] | None = None, need_env: bo
         if not isinstance(name, str) or not _NAME.match(name):
             raise _err(path, text, f"{at}.name", f"expected a name of letters, digits, '_.-' (got {json.dumps(name)})",
                        "the name labels metrics and logs, so it must not be the key itself")  # fmt: skip
+        if name == DEFAULT_NAME:
+            raise _err(path, text, f"{at}.name", f"{DEFAULT_NAME!r} is reserved for the key in gateway.api_key_env",
+                       "pick another name")  # fmt: skip
         if name in seen:
             raise _err(path, text, f"{at}.name", f"duplicate name {name!r}", "each key needs its own name")
         seen.add(name)
@@ -185,16 +189,21 @@ def _digest(path: Path, text: str, at: str, item: Mapping[str, Any], env: Mappin
 
 
 class KeyRing:
-    """The keys the gateway accepts and each key's limiter; ``path`` None: a fixed set (one key, or tests)."""
+    """The keys the gateway accepts and each key's limiter; ``path`` None: a fixed set (one key, or tests).
+
+    ``fixed``: entries kept across reloads (the ``default`` key from the environment).
+    """
 
     def __init__(
         self,
         entries: tuple[KeyEntry, ...],
         path: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        fixed: tuple[KeyEntry, ...] = (),
     ) -> None:
         self.path = path
         self.clock = clock
+        self.fixed = fixed
         self.entries: tuple[KeyEntry, ...] = ()
         self.limiters: dict[str, RateLimiter] = {}
         self._mtime = self._stat()
@@ -203,12 +212,12 @@ class KeyRing:
     @classmethod
     def single(cls, key: str) -> KeyRing:
         """One key named :data:`DEFAULT_NAME`, no limits of its own (the recipe's single-key setup)."""
-        return cls((KeyEntry(DEFAULT_NAME, hashlib.sha256(key.encode()).digest()),))
+        return cls((), fixed=(_default(key),))
 
     @classmethod
-    def from_file(cls, path: Path) -> KeyRing:
-        """The keys of ``path``, reloadable."""
-        return cls(load_keys(path), path)
+    def from_file(cls, path: Path, default_key: str | None = None) -> KeyRing:
+        """The keys of ``path``, reloadable, plus ``default_key`` (named :data:`DEFAULT_NAME`) when given."""
+        return cls(load_keys(path), path, fixed=(_default(default_key),) if default_key else ())
 
     @property
     def per_user(self) -> bool:
@@ -216,6 +225,7 @@ class KeyRing:
         return self.path is not None
 
     def _set(self, entries: tuple[KeyEntry, ...]) -> None:
+        entries = self.fixed + entries
         old = {e.name: e for e in self.entries}
         limiters: dict[str, RateLimiter] = {}
         for e in entries:
@@ -268,6 +278,10 @@ class KeyRing:
         if self.path is None or self._stat() == self._mtime:
             return False
         return self.reload()
+
+
+def _default(key: str) -> KeyEntry:
+    return KeyEntry(DEFAULT_NAME, hashlib.sha256(key.encode()).digest())
 
 
 # ------------------------------------------------------------------------------ editing the file
