@@ -195,7 +195,7 @@ class GatewayConfig:
     def url(self) -> str:
         """The URL a local client uses to reach the gateway."""
         host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "", "::") else self.listen_host
-        return f"http://{host}:{self.listen_port}"
+        return f"{'https' if self.tls_certfile else 'http'}://{host}:{self.listen_port}"
 
 
 @dataclass(frozen=True, slots=True)

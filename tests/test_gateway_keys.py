@@ -31,6 +31,7 @@ from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.server import tls_files
 from pdctl.gateway.settings import GatewaySettings, LocalModel
 from pdctl.gateway.tokens import TokenCounter, estimate_tokens
+from pdctl.rundir import gateway_counters
 from pdctl.testing import SimProcess, free_port
 from tests.fakes.gateway_harness import (
     UPSTREAM_KEY,
@@ -301,6 +302,8 @@ def test_metrics_need_a_key_beyond_loopback(tmp_path: Path) -> None:
         allowed = httpx.get(wide.url + "/metrics", headers={"authorization": f"Bearer {alice}"}, timeout=10)
         assert allowed.status_code == 200 and "pdctl_requests" in allowed.text
         assert httpx.get(local.url + "/metrics", timeout=10).status_code == 200
+        # `pdctl status` sends $api_key_env's key for the gateway's counters
+        assert gateway_counters(wide.url) is None and gateway_counters(wide.url, alice) is not None
     finally:
         wide.stop()
         local.stop()

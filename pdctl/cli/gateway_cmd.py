@@ -50,7 +50,7 @@ def gateway(
     listen_host = host or g.listen_host
     listen_port = port if port is not None else g.listen_port
     server = make_server(create_app(gw_settings, key, upstream_key), listen_host, listen_port)
-    where = f"http://{listen_host}:{listen_port}"
+    where = f"{'https' if g.tls_certfile else 'http'}://{listen_host}:{listen_port}"
     hold = os.environ.get(GATEWAY_HOLD_ENV)
     if hold and not Path(hold).exists():  # a restart under `up` finds the file: it must not hold
         console.print(f"pdctl gateway: set up; held until {hold} exists before listening on {where}", markup=False)
