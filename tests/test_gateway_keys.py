@@ -226,6 +226,32 @@ def test_revoked_key_gets_401_after_the_file_reload(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_one_keys_concurrency_cap_leaves_the_other_key_alone(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    alice = add_key(keys, "alice", RateLimitConfig(max_concurrency=1), None, True)
+    bob = add_key(keys, "bob", NO_LIMITS, None, True)
+    app, workers = _memory_gateway(_with_keys(make_settings(["http://prefill.invalid"], ["http://decode.invalid"]),
+                                              keys))  # fmt: skip
+    slow = workers["decode"].default
+    assert isinstance(slow, MemoryReply)
+    workers["decode"].default = replace(slow, delay_s=0.5)
+
+    async def main() -> None:
+        await app.startup()
+        try:
+            first = asyncio.ensure_future(asgi_request(app, CHAT, _chat("tiny"), key=alice))
+            await asyncio.sleep(0.1)
+            second, other = await asyncio.gather(asgi_request(app, CHAT, _chat("tiny"), key=alice),
+                                                 asgi_request(app, CHAT, _chat("tiny"), key=bob))  # fmt: skip
+            assert second.status == 429 and "concurrent requests for key 'alice'" in second.json()["error"]["message"]
+            assert other.status == 200 and (await first).status == 200
+            assert (await asgi_request(app, CHAT, _chat("tiny"), key=alice)).status == 200  # released
+        finally:
+            await app.shutdown()
+
+    asyncio.run(main())
+
+
 def test_key_limited_to_models_and_kept_off_the_upstream(tmp_path: Path) -> None:
     up = FakeProc("fake_upstream.py", {"models": ["gpt-x"], "key": UPSTREAM_KEY})
     try:
