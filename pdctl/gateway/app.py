@@ -124,12 +124,16 @@ class Gateway:
         if not self._started:
             self._started = True
             await self.pool.start()
-            sources = {m.name: m.source or m.name for m in self.settings.models}
-            for name in self.local_models():
-                sources.setdefault(name, name)
-            await asyncio.to_thread(self.tokens.load, sources)
+            self.spawn(self._load_tokenizers())
             if self.keys.per_user:
                 self.spawn(self._watch_keys())
+
+    async def _load_tokenizers(self) -> None:
+        """Load each local model's tokenizer on a thread; until then (and without one) counts are estimates."""
+        sources = {m.name: m.source or m.name for m in self.settings.models}
+        for name in self.local_models():
+            sources.setdefault(name, name)
+        await asyncio.to_thread(self.tokens.load, sources)
 
     async def _watch_keys(self) -> None:
         """Reload the keys file when it changes (checked every second; SIGHUP reloads at once)."""
