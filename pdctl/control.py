@@ -16,6 +16,7 @@ to the callbacks; nothing here prints or exits. psutil and httpx are imported wh
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -231,5 +232,6 @@ def deployment_status(run_dir: Path) -> DeploymentStatus:
         return DeploymentStatus(run_dir, "unreadable" if exists else "not running", problem=exc)
     running = is_running(state)
     overall = state.status if running or state.status in ("stopped", "failed") else "supervisor gone"
-    counters = gateway_counters(state.gateway_url) if state.gateway_url and running else None
+    key = os.environ.get(state.api_key_env) if state.api_key_env else None
+    counters = gateway_counters(state.gateway_url, key) if state.gateway_url and running else None
     return DeploymentStatus(run_dir, overall, state, running, collect_status(state), counters)

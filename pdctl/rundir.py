@@ -330,14 +330,18 @@ def collect_status(state: RunState, *, sample_s: float = 0.3) -> list[ProcessSta
     return rows
 
 
-def gateway_counters(gateway_url: str) -> dict[str, float] | None:
-    """``pdctl_requests_total`` from the gateway's /metrics, keyed ``path/status`` (None if unreachable)."""
+def gateway_counters(gateway_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """``pdctl_requests_total`` from the gateway's /metrics, keyed ``path/status`` (None if unreachable).
+
+    ``api_key``: sent when given (a gateway listening beyond loopback wants one for /metrics).
+    """
     import httpx
 
     from pdctl.promtext import samples
 
     try:
-        r = httpx.get(f"{gateway_url}/metrics", timeout=2.0)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        r = httpx.get(f"{gateway_url}/metrics", timeout=2.0, headers=headers)
     except httpx.HTTPError:
         return None
     if r.status_code != 200:

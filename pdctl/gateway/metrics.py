@@ -20,6 +20,14 @@ class GatewayMetrics:
         self.requests = Counter(
             "pdctl_requests", "Requests answered, by path and HTTP status.", ["path", "status"], registry=r
         )
+        # Per key: labelled by the key's name from the keys file, never by the key.
+        self.key_requests = Counter(
+            "pdctl_key_requests", "Completion requests by key name and HTTP status ('-': no valid key).",
+            ["key", "status"], registry=r,
+        )  # fmt: skip
+        self.key_tokens = Counter(
+            "pdctl_key_tokens", "Tokens charged to each key's limits (prompt + max_tokens).", ["key"], registry=r
+        )
         self.fallbacks = Counter(
             "pdctl_pd_fallback", "Requests served by decode without usable KV from prefill.", ["reason"],
             registry=r,
