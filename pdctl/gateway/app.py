@@ -25,6 +25,7 @@ from typing import Any
 
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.auth import KeyChecker
+from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
@@ -77,6 +78,7 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.pool = Pool(settings, self.metrics, clients)
+        self.discovery = Discovery(self.pool)
         self.keys = KeyChecker(api_key)
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
         self.limiter = RateLimiter(settings.gateway.rate_limit)
@@ -104,9 +106,10 @@ class Gateway:
     # ------------------------------------------------------------------------------------- lifecycle
 
     async def startup(self) -> None:
-        """Probe the workers once and start the health loop."""
+        """Resolve the endpoints' DNS names, probe the workers once and start the health and discovery loops."""
         if not self._started:
             self._started = True
+            await self.discovery.start()
             await self.pool.start()
 
     async def shutdown(self) -> None:
@@ -114,6 +117,7 @@ class Gateway:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.discovery.close()
         await self.pool.close()
         if self.upstream is not None:
             await self.upstream.close()
@@ -161,8 +165,9 @@ class Gateway:
             ready = self.pool.ready() and not self.draining
             self.metrics.ready.set(1 if ready else 0)
             body = json.dumps({"ready": ready, "draining": self.draining, "instances": [
-                {"name": i.name, "role": i.role, "healthy": i.healthy, "breaker_open": i.breaker_open,
-                 "in_flight": i.in_flight} for i in self.pool.instances]}).encode()  # fmt: skip
+                {"name": i.name, "role": i.role, "url": i.url, "state": i.state, "healthy": i.healthy,
+                 "breaker_open": i.breaker_open, "in_flight": i.in_flight}
+                for i in self.pool.instances]}).encode()  # fmt: skip
             await _json(send, 200 if ready else 503, body)
         elif path == "/metrics" and method == "GET":
             self.metrics.tasks.set(len(asyncio.all_tasks()))
