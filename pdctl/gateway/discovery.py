@@ -183,7 +183,7 @@ class Discovery:
         unprobed = [i for i in self.pool.instances if i.healthy is None and i not in warming]
         await asyncio.gather(*(self.pool.probe(i) for i in warming + unprobed))
         for inst in warming:
-            if not inst.healthy:
+            if not inst.healthy or inst.state != "warming":  # unhealthy, or warmed meanwhile as a partner
                 continue
             if self.pool.settings.routing.strategy == "colocated":
                 self._serve(inst)
