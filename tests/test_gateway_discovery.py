@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -101,6 +102,22 @@ def test_static_endpoints_are_not_looked_up(dns_server: DnsServer) -> None:
 
     _run(workers, "http://decode.invalid", test)
     assert dns_server.queries == 0
+
+
+def test_a_name_without_any_dns_answer_stays_one_static_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a "DNS server" that never answers
+    silent.bind(("127.0.0.1", 0))
+    monkeypatch.setenv(DNS_SERVER_ENV, f"127.0.0.1:{silent.getsockname()[1]}")
+    workers = MemoryWorkers()
+
+    async def test(app: Gateway) -> None:
+        assert await _ready(app) == {"prefill": "serving", "decode": "serving"}
+        assert not app.discovery.active
+
+    try:
+        _run(workers, "http://gpu-box-2:8200", test)
+    finally:
+        silent.close()
 
 
 def test_a_new_address_gets_traffic_only_after_its_warm_up(dns_server: DnsServer) -> None:
