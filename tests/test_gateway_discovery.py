@@ -120,6 +120,20 @@ def test_a_name_without_any_dns_answer_stays_one_static_endpoint(monkeypatch: py
         silent.close()
 
 
+def test_a_service_without_pods_yet_is_found_later(dns_server: DnsServer) -> None:
+    workers = MemoryWorkers()
+
+    async def test(app: Gateway) -> None:
+        assert await _ready(app) == {"prefill": "serving"} and not app.pool.ready()
+        dns_server.set("later.pods.test", ["127.0.0.7"])
+        workers["prefill"].script(_prefill())
+        workers["decode@127.0.0.7"].script(_decoded())
+        await app.discovery.refresh()
+        assert await _ready(app) == {"prefill": "serving", "decode@127.0.0.7": "serving"} and app.pool.ready()
+
+    _run(workers, "http://later.pods.test:8200", test)
+
+
 def test_a_new_address_gets_traffic_only_after_its_warm_up(dns_server: DnsServer) -> None:
     workers = MemoryWorkers()
     # Startup: decode@127.0.0.3 warms up through the static prefill (two legs), then serves.

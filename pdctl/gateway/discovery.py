@@ -11,9 +11,11 @@ handshake is lazy: the first P→D request through a new pod performs it (:mod:`
 ``pdctl up``). With ``colocated`` routing a healthy probe is enough.
 
 Not discovered, kept as one static instance: IP literals, ``localhost`` and ``*.invalid`` (RFC 6761 names that
-never resolve), and a name whose first lookup gets no answer (no DNS server for it: it may be an ``/etc/hosts``
-entry, left to the system resolver per connection as before). An answer without addresses (NXDOMAIN, no A
-record) is an empty set and drains the name's instances; a lookup that times out changes nothing.
+never resolve), and a name whose first lookup finds no A record while the system resolver knows it (an
+``/etc/hosts`` entry, left to the system resolver per connection as before), or gets no answer at all. A name
+neither knows starts with no instance (a Service whose pods are not ready yet). Later, an answer without
+addresses (NXDOMAIN, no A record) is an empty set and drains the name's instances; a lookup that times out
+changes nothing.
 
 ``PDCTL_DNS_SERVER=HOST:PORT`` sends the lookups to that server instead of ``/etc/resolv.conf``'s: for tests
 (``tests/fakes/dns_server.py``) and special setups.
@@ -117,8 +119,8 @@ class Discovery:
             self._resolver = resolver_from_env()
         answers = await asyncio.gather(*(self._lookup(urlsplit(i.url).hostname or "") for i in named))
         for inst, addresses in zip(named, answers, strict=True):
-            if addresses is None:
-                log.info("discovery: %s gets no DNS answer; kept as one static endpoint", inst.url)
+            if not addresses and (addresses is None or await _system_resolves(urlsplit(inst.url).hostname or "")):
+                log.info("discovery: %s has no DNS records; kept as one static endpoint", inst.url)
                 continue
             await self.pool.remove(inst)
             name = _Name(inst.spec, urlsplit(inst.url).hostname or "", {})
@@ -243,6 +245,14 @@ class Discovery:
         except (TransportError, ValueError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None if status == 200 else f"decode {decode.name} answered HTTP {status}"
+
+
+async def _system_resolves(host: str) -> bool:
+    """Whether the system resolver (``/etc/hosts`` included, which DNS lookups skip) knows ``host``."""
+    try:
+        return bool(await asyncio.get_running_loop().getaddrinfo(host, None))
+    except OSError:
+        return False
 
 
 async def _post(inst: Instance, payload: dict[str, object], headers: dict[str, str]) -> tuple[int, object]:
