@@ -159,7 +159,7 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
         if w.replicas > 1:
             add("K8S006", "info", f"{t}.replicas",
                 f"{w.replicas} {w.name} pods behind one headless Service: the gateway reaches them by that "
-                "name, resolved per connection (no per-pod discovery yet)")  # fmt: skip
+                "name, re-resolved; a new pod gets traffic after its warm-up, a leaving one is drained")  # fmt: skip
     if not _uses_gpu(dep) and opts.image is None and any(w.engine == "vllm" for w in dep.workers):
         add("K8S005", "warning", "connector.kv_buffer_device",
             f"the pods request no GPU (kv_buffer_device = {dep.connector.kv_buffer_device!r}), but the default "

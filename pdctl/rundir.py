@@ -47,12 +47,24 @@ __all__ = [
     "is_running",
     "kill_recorded",
     "owned_process",
+    "part_dir",
     "prepare_run_dir",
     "read_state",
     "write_state",
 ]
 
 STATE_FILE = "state.json"
+
+
+def part_dir(run_dir: Path, only: Sequence[str] = ()) -> Path:
+    """The run directory of one ``--only`` selection (``<run_dir>/only-decode+gateway``); ``run_dir`` without one.
+
+    Each host part has its own state.json and logs, so ``down``/``status``/``logs --only`` address just it, and
+    two parts can run from one folder (two "hosts" on one machine, or a shared file system).
+    """
+    if not only:
+        return run_dir
+    return run_dir / ("only-" + "+".join(sorted(set(only))))
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from typing import Any
 
 from pdctl.errors import ConfigError
 from pdctl.gateway.admission import Admission
+from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -84,6 +85,7 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.pool = Pool(settings, self.metrics, clients)
+        self.discovery = Discovery(self.pool)
         g = settings.gateway
         if keys is None:
             keys = KeyRing.from_file(Path(g.keys_file), api_key) if g.keys_file else KeyRing.single(api_key or "")
@@ -120,9 +122,10 @@ class Gateway:
     # ------------------------------------------------------------------------------------- lifecycle
 
     async def startup(self) -> None:
-        """Probe the workers once and start the health loop."""
+        """Resolve the endpoints' DNS names, probe the workers once and start the health and discovery loops."""
         if not self._started:
             self._started = True
+            await self.discovery.start()
             await self.pool.start()
             self.spawn(self._load_tokenizers())
             if self.keys.per_user:
@@ -150,6 +153,7 @@ class Gateway:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.discovery.close()
         await self.pool.close()
         if self.upstream is not None:
             await self.upstream.close()
@@ -197,8 +201,9 @@ class Gateway:
             ready = self.pool.ready() and not self.draining
             self.metrics.ready.set(1 if ready else 0)
             body = json.dumps({"ready": ready, "draining": self.draining, "instances": [
-                {"name": i.name, "role": i.role, "healthy": i.healthy, "breaker_open": i.breaker_open,
-                 "in_flight": i.in_flight} for i in self.pool.instances]}).encode()  # fmt: skip
+                {"name": i.name, "role": i.role, "url": i.url, "state": i.state, "healthy": i.healthy,
+                 "breaker_open": i.breaker_open, "in_flight": i.in_flight}
+                for i in self.pool.instances]}).encode()  # fmt: skip
             await _json(send, 200 if ready else 503, body)
         elif path == "/metrics" and method == "GET":
             if self.metrics_need_key and self.keys.identify(_header(scope, b"authorization")) is None:

@@ -68,6 +68,10 @@ class GatewayMetrics:
         self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r)
         self.healthy = Gauge("pdctl_instance_healthy", "1 when the instance is in the pool.", ["instance", "role"],
                              registry=r)  # fmt: skip
+        self.instances = Gauge(
+            "pdctl_instances", "Worker instances in the pool, by role and state (warming, serving, draining).",
+            ["role", "state"], registry=r,
+        )  # fmt: skip
         self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r)
         self.accepted = Counter(
             "pdctl_accepted", "Completion requests received; each ends in one pdctl_requests_total.", registry=r
