@@ -213,7 +213,8 @@ def test_pods_scale_behind_dns_and_nothing_is_lost(tmp_path: Path) -> None:
                 assert check_n2({"prefill@127.0.0.4": leaving}, timeout_s=10).ok
                 cluster.stop_worker("127.0.0.4")
                 time.sleep(1.5)
-            metrics = httpx.get(f"{gw}/metrics", timeout=5.0).text
+            # The rendered gateway listens beyond loopback, so /metrics wants a client key there.
+            metrics = httpx.get(f"{gw}/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=5.0).text
             n1 = check_n1(gateway_outcomes(metrics), traffic.tally)
             n2 = check_n2(urls, timeout_s=10)
             decode_logs = {ip: cluster.pods[ip].output().splitlines() for ip in ("127.0.0.3", "127.0.0.5")}
