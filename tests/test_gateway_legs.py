@@ -239,7 +239,7 @@ def test_decode_failure_while_its_prefill_is_down_is_counted_against_the_prefill
         while prefill.failures < 2 and time.monotonic() < end:  # the blame probe runs in the background
             await asyncio.sleep(0.02)
 
-    app = _run(workers, 1, test)
+    app = _run(workers, 1, test, max_retries=1)
     assert replies[0].status == 502  # the retry's leg 1 found the prefill gone
     prefill, decode = app.pool.instances
     # One failure from the probe that found the KV source down, one from the retry's refused leg 1; none
