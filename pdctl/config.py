@@ -24,8 +24,8 @@ import tomlkit.exceptions
 from pdctl.errors import ConfigError
 
 __all__ = [
-    "ClusterConfig",
     "DEFAULT_MAX_BODY_BYTES",
+    "ClusterConfig",
     "ConnectorConfig",
     "Deployment",
     "EngineConfig",
@@ -829,8 +829,9 @@ def _load_settings(
         max_body_bytes=g.get("max_body_bytes", _int(1024), "an integer >= 1024", DEFAULT_MAX_BODY_BYTES),
         drain_timeout_s=g.get("drain_timeout_s", _num(-1), "a number of seconds >= 0", 30.0),
         rate_limit=rate,
-        fallback=cast(Fallback, g.get("fallback", _choice("none", "decode", "upstream"),
-                                      "none, decode or upstream", "none")),
+        fallback=cast(
+            Fallback, g.get("fallback", _choice("none", "decode", "upstream"), "none, decode or upstream", "none")
+        ),
     )
     g.finish()
 

@@ -39,6 +39,7 @@ def anthropic_type(status: int) -> str:
     """Anthropic's error ``type`` for an HTTP status (https://docs.anthropic.com/en/api/errors)."""
     return _ANTHROPIC_TYPES.get(status, "api_error")
 
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
