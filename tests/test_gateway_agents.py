@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "fakes"))
 
-from gateway_harness import KEY, GatewayThread, make_settings, wait_for
+from gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings, wait_for
 
 from pdctl.promtext import metric_value, samples
 from pdctl.protocol import build_prefill_body
@@ -250,3 +250,25 @@ def test_tokenize_passes_through_to_a_worker(pair: tuple[SimProcess, SimProcess]
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     finally:
         g.stop()
+
+
+def test_prefill_outage_with_upstream_fallback(pair: tuple[SimProcess, SimProcess]) -> None:
+    p, d = pair
+    up = FakeProc("fake_upstream.py", {"key": UPSTREAM_KEY, "models": ["up-model"]})
+    g = GatewayThread(
+        make_settings([p.url], [d.url], models=(), upstream=up.url, fallback="upstream", max_retries=0),
+        upstream_key=UPSTREAM_KEY,
+    )
+    try:
+        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+        p.stop()
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json={"model": "sim-model", "max_tokens": 3,
+                                                     "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-pd-path"] == "upstream", r.text
+        (seen,) = up.completions()
+        assert seen["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"  # never the client's key
+        assert g.metric("pdctl_prefill_fallback_total", to="upstream") == 1
+    finally:
+        g.stop()
+        up.kill()
