@@ -299,3 +299,33 @@ def test_decode_fallback_when_prefill_fails_or_is_missing() -> None:
     workers["prefill"].script(TransportError("connect", "refused"))
     _run(workers, 1, test, max_retries=0)
     assert replies[-1].status == 502 and len(workers["decode"].completions()) == 1
+
+
+def test_mid_stream_failures_end_in_each_apis_error_event() -> None:
+    """A decode stream that breaks (Anthropic) or ends without its final event (Responses, as vLLM cuts it)."""
+    workers = MemoryWorkers()
+    start = b'event: message_start\ndata: {"type": "message_start", "message": {}}\n\n'
+    workers["prefill"].script(_prefill("p0"), _prefill("p1"))
+    workers["decode"].script(
+        MemoryReply.sse([start, TransportError("broken", "cut")]),
+        MemoryReply.sse([b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n']),
+    )
+    replies: list[AsgiReply] = []
+    messages = {"model": "tiny", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, "/v1/messages", messages))
+        replies.append(await asgi_request(app, "/v1/responses", {"model": "tiny", "input": "x", "stream": True}))
+
+    _run(workers, 1, test)
+    anthropic_reply, responses_reply = replies
+    assert anthropic_reply.status == 200 and anthropic_reply.body.startswith(start)
+    event = anthropic_reply.body[len(start) :]
+    assert event.startswith(b"event: error\ndata: ")
+    err = json.loads(event.split(b"data: ", 1)[1])
+    assert err["type"] == "error" and err["error"]["type"] == "api_error" and err["error"]["message"]
+    tail = responses_reply.body.rsplit(b"\n\n", 2)[-2]
+    assert tail.startswith(b"event: error\ndata: ")
+    assert json.loads(tail.split(b"data: ", 1)[1])["type"] == "error"
+    leg1 = [json.loads(c.body) for c in workers["prefill"].completions()]
+    assert leg1[0]["max_tokens"] == 1 and leg1[1]["max_output_tokens"] == 1 and leg1[1]["store"] is False
