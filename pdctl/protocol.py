@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "MESSAGES_PATH",
     "NIXL_CONNECTORS",
     "PARAMS_CONNECTORS",
     "REQUIRED_DECODE_FIELDS",
+    "RESPONSES_PATH",
     "UNSUPPORTED_CONNECTORS",
     "ConnectorKind",
     "KVParamsCheck",
@@ -78,6 +80,7 @@ def connector_kind(connector: str | None) -> ConnectorKind:
 
 
 RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
 
 
 def cap_output(body: dict[str, Any], endpoint: str) -> None:
@@ -94,6 +97,13 @@ def cap_output(body: dict[str, Any], endpoint: str) -> None:
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
+    choice = body.get("tool_choice")
+    if endpoint == MESSAGES_PATH and isinstance(choice, Mapping) and choice.get("type") in ("tool", "any"):
+        # A forced tool makes the one-token answer a cut-off JSON object, which vLLM 0.32's non-streamed
+        # Anthropic reply json.loads (messages_full_converter): a 400 for every such prefill. "none" keeps the
+        # tools in the rendered prompt (unless vLLM runs with --exclude-tools-when-tool-choice-none), so the
+        # prefilled KV is the prompt decode renders.
+        body["tool_choice"] = {"type": "none"}
 
 
 def build_prefill_body(

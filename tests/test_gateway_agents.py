@@ -67,6 +67,15 @@ def test_prefill_leg_caps_per_route() -> None:
     assert resp["stream"] is False and "max_tokens" not in resp
     msg = build_prefill_body({"messages": [], "max_tokens": 4096, "stream": True}, "params", "/v1/messages")
     assert msg["max_tokens"] == 1 and msg["stream"] is False and msg["kv_transfer_params"]["do_remote_decode"]
+    # A forced tool's one-token JSON would fail vLLM's non-streamed Anthropic reply: prefill runs it with "none".
+    forced = {
+        "messages": [],
+        "max_tokens": 9,
+        "tools": [{"name": "Bash"}],
+        "tool_choice": {"type": "tool", "name": "Bash"},
+    }
+    assert build_prefill_body(forced, "params", "/v1/messages")["tool_choice"] == {"type": "none"}
+    assert build_prefill_body(forced, "params", "/v1/chat/completions")["tool_choice"] == forced["tool_choice"]
     chat = build_prefill_body({"messages": [], "n": 4, "best_of": 4, "max_tokens": 9})
     assert chat["n"] == 1 and "best_of" not in chat
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdctl.gateway.errors import ApiError, Wire
-from pdctl.protocol import RESPONSES_PATH
+from pdctl.protocol import MESSAGES_PATH, RESPONSES_PATH
 
 __all__ = [
     "AGENT_PATHS",
@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 CHAT_PATH = "/v1/chat/completions"
-MESSAGES_PATH = "/v1/messages"
 AGENT_PATHS = (RESPONSES_PATH, MESSAGES_PATH)
 COMPLETION_PATHS = (CHAT_PATH, "/v1/completions", *AGENT_PATHS)
 PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize")
