@@ -281,3 +281,21 @@ def test_prefill_outage_with_upstream_fallback(pair: tuple[SimProcess, SimProces
     finally:
         g.stop()
         up.kill()
+
+
+def test_forced_tool_on_messages_prefill_leg_is_not_a_400(pair: tuple[SimProcess, SimProcess]) -> None:
+    """vLLM (and the simulator) answer a non-streamed forced tool call cut by max_tokens with 400: the gateway's
+    one-token prefill leg must not be one (tool_choice none on leg 1), while decode still forces the tool."""
+    p, d = pair
+    body = {"model": "sim-model", "max_tokens": 1, "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "Bash"}, "messages": [{"role": "user", "content": "run it"}]}  # fmt: skip
+    direct = httpx.post(p.url + "/v1/messages", json=body, timeout=30)
+    assert direct.status_code == 400 and direct.json()["type"] == "error"
+    g = _gateway(p, d)
+    try:
+        with g.client() as c:
+            r = c.post("/v1/messages", json={**body, "max_tokens": 6, "stream": True})
+        assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
+        assert '"tool_use"' in r.text and "event: message_stop" in r.text
+    finally:
+        g.stop()

@@ -8,7 +8,8 @@ answer (:func:`responses_reply`, :func:`messages_reply`, both with ``kv_transfer
 
 Tool calls are faked when the request forces one (Anthropic ``tool_choice`` ``{"type": "tool", "name": ...}``
 or ``{"type": "any"}``; Responses ``{"type": "function", "name": ...}`` or ``"required"``): the generated text
-becomes the call's arguments ``{"text": "..."}``, streamed as argument fragments one token at a time.
+becomes the call's arguments ``{"text": "..."}``, streamed as argument fragments one token at a time. As vLLM,
+a non-streamed Anthropic reply whose forced call was cut by ``max_tokens`` is a 400 (vLLM parses the cut JSON).
 """
 
 from __future__ import annotations

@@ -253,6 +253,10 @@ class SimApp:
                     return
                 text = self.engine.tokenizer.decode(req.output_ids)
                 n_out = len(req.output_ids)
+                if route == MESSAGES and forced is not None and req.finish_reason == "length":
+                    # vLLM's non-streamed Anthropic reply json.loads the call's arguments, which a max-token stop
+                    # cut off (messages_full_converter): a 400, e.g. for a forced tool on a one-token prefill leg.
+                    raise HTTPError(400, "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")
                 out = (
                     messages_reply(resp_id, self.model, text, req.finish_reason, forced, req.prompt_len, n_out,
                                    req.result_params)
