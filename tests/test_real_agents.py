@@ -88,5 +88,15 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         assert '"type": "tool_use"' in r.text or '"type":"tool_use"' in r.text, r.text[:2000]
         assert "input_json_delta" in r.text and r.text.rstrip().endswith("}")
         assert "event: message_stop" in r.text
+
+        # The same on /v1/responses: a forced function call streamed as argument deltas.
+        rbody = {"model": "tiny", "max_output_tokens": 24, "stream": True, "input": "run the tests",
+                 "tools": [{"type": "function", "name": "bash", "parameters": TOOLS[0]["input_schema"]}],
+                 "tool_choice": {"type": "function", "name": "bash"}}  # fmt: skip
+        with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+            r = client.post("/v1/responses", json=rbody, headers={"authorization": f"Bearer {nixl.api_key}"})
+        assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
+        assert "response.function_call_arguments.delta" in r.text, r.text[:2000]
+        assert "event: response.completed" in r.text
     finally:
         nixl.down()
