@@ -278,6 +278,12 @@ def test_prefill_outage_with_upstream_fallback(pair: tuple[SimProcess, SimProces
         (seen,) = up.completions()
         assert seen["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"  # never the client's key
         assert g.metric("pdctl_prefill_fallback_total", to="upstream") == 1
+        # Embeddings for a model that is not local go to the upstream, with the upstream's key.
+        with g.client() as c:
+            r = c.post("/v1/embeddings", json={"model": "up-model", "input": "x"})
+        (emb,) = [e for e in up.log() if e["path"] == "/v1/embeddings"]
+        assert emb["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}" and emb["body"]["input"] == "x"
+        assert r.status_code == 404 and r.json()["error"]["code"] == "upstream_rejected"  # the fake has no route
     finally:
         g.stop()
         up.kill()
