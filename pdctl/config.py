@@ -24,10 +24,12 @@ import tomlkit.exceptions
 from pdctl.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
     "ClusterConfig",
     "ConnectorConfig",
     "Deployment",
     "EngineConfig",
+    "Fallback",
     "GatewayConfig",
     "KVTransferConfig",
     "LoggingConfig",
@@ -47,10 +49,15 @@ Engine = Literal["vllm", "sim"]
 Role = Literal["prefill", "decode"]
 RestartPolicy = Literal["never", "on-failure"]
 Strategy = Literal["pd_disagg", "colocated"]
+Fallback = Literal["none", "decode", "upstream"]
+"""``gateway.fallback``: no prefill can serve a PD request -> answer the error, let decode compute the prompt
+itself, or send it to the upstream."""
 
 DEFAULT_CONFIG = "config.toml"
 DEFAULT_SETTINGS = "settings.json"
 NIXL_SIDE_CHANNEL_BASE = 5600
+#: Long-context agents send whole repositories: 256 MiB, between the peers' 192 MiB and 512 MiB (docs/gateway.md).
+DEFAULT_MAX_BODY_BYTES = 256 << 20
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -181,7 +188,7 @@ class GatewayConfig:
     upstream_api_key_env: str | None = None
     request_timeout_s: float = 120.0
     max_retries: int = 2
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0
     rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
     keys_file: str | None = None
@@ -190,6 +197,8 @@ class GatewayConfig:
     tls_keyfile: str | None = None
     metrics_public: bool = False
     """Serve ``/metrics`` without a key even when the gateway listens beyond loopback."""
+    # issue 17 (agent routes): what serves a PD request when no prefill can.
+    fallback: Fallback = "none"
 
     @property
     def url(self) -> str:
@@ -831,13 +840,16 @@ def _load_settings(
         upstream_api_key_env=g.opt("upstream_api_key_env", _str, "an environment variable name"),
         request_timeout_s=g.get("request_timeout_s", _num(0), "a number of seconds > 0", 120.0),
         max_retries=g.get("max_retries", _int(0, 10), "an integer 0-10", 2),
-        max_body_bytes=g.get("max_body_bytes", _int(1024), "an integer >= 1024", 1 << 20),
+        max_body_bytes=g.get("max_body_bytes", _int(1024), "an integer >= 1024", DEFAULT_MAX_BODY_BYTES),
         drain_timeout_s=g.get("drain_timeout_s", _num(-1), "a number of seconds >= 0", 30.0),
         rate_limit=rate,
         keys_file=_beside(sfile, g.opt("keys_file", _str, "a path to a keys file (`pdctl keys add` makes one)")),
         tls_certfile=_beside(sfile, g.opt("tls_certfile", _str, "a path to a PEM certificate")),
         tls_keyfile=_beside(sfile, g.opt("tls_keyfile", _str, "a path to a PEM private key")),
         metrics_public=g.get("metrics_public", _bool, "true or false", False),
+        fallback=cast(
+            Fallback, g.get("fallback", _choice("none", "decode", "upstream"), "none, decode or upstream", "none")
+        ),
     )
     if (gateway.tls_certfile is None) != (gateway.tls_keyfile is None):
         missing = "tls_keyfile" if gateway.tls_keyfile is None else "tls_certfile"

@@ -3,7 +3,9 @@
 Shared by everything that speaks it: the gateway, ``up``'s warm-up probe, ``verify``, and the
 simulator's server side. See ``docs/gateway.md`` and vLLM's ``toy_proxy_server.py``.
 
-Leg 1 (prefill): the client's body with ``max_tokens = 1``, ``stream = false``, ``stream_options`` and
+Leg 1 (prefill): the client's body capped at one output token by the route's own field (:func:`cap_output`:
+``max_tokens`` for chat, completions and Anthropic messages, ``max_output_tokens`` plus ``store``/``background``
+false for Responses, where ``max_tokens`` is not a field), ``n = 1``, ``stream = false``, ``stream_options`` and
 ``min_tokens`` removed, and ``kv_transfer_params = {"do_remote_decode": true, ...}``.
 Leg 2 (decode): the client's original body plus the ``kv_transfer_params`` the prefill returned, verbatim.
 Shared-storage connectors return no params: leg 2 is the same prompt and decode finds the KV on disk.
@@ -16,14 +18,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "MESSAGES_PATH",
     "NIXL_CONNECTORS",
     "PARAMS_CONNECTORS",
     "REQUIRED_DECODE_FIELDS",
+    "RESPONSES_PATH",
     "UNSUPPORTED_CONNECTORS",
     "ConnectorKind",
     "KVParamsCheck",
     "build_decode_body",
     "build_prefill_body",
+    "cap_output",
     "check_kv_params",
     "connector_kind",
 ]
@@ -74,13 +79,45 @@ def connector_kind(connector: str | None) -> ConnectorKind:
     return "unknown"
 
 
-def build_prefill_body(body: Mapping[str, Any], kind: ConnectorKind = "params") -> dict[str, Any]:
-    """Leg 1: the body sent to a prefill instance (a new dict; ``body`` is not changed)."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "kv_transfer_params")}
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
+RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
+
+
+def cap_output(body: dict[str, Any], endpoint: str) -> None:
+    """Cap ``body`` (in place) at one output token, not streamed, with the field ``endpoint``'s vLLM request class
+    reads (vllm-agent-apis.md §2); used by leg 1 and by the gateway's release leg."""
+    for name in ("stream_options", "min_tokens", "min_completion_tokens"):
+        body.pop(name, None)
+    body["stream"] = False
+    if endpoint == RESPONSES_PATH:
+        body["max_output_tokens"] = 1
+        body["store"] = False
+        body["background"] = False
+        return
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    choice = body.get("tool_choice")
+    if endpoint == MESSAGES_PATH and isinstance(choice, Mapping) and choice.get("type") in ("tool", "any"):
+        # A forced tool makes the one-token answer a cut-off JSON object, which vLLM 0.32's non-streamed
+        # Anthropic reply json.loads (messages_full_converter): a 400 for every such prefill. "none" keeps the
+        # tools in the rendered prompt (unless vLLM runs with --exclude-tools-when-tool-choice-none), so the
+        # prefilled KV is the prompt decode renders.
+        body["tool_choice"] = {"type": "none"}
+
+
+def build_prefill_body(
+    body: Mapping[str, Any], kind: ConnectorKind = "params", endpoint: str = "/v1/chat/completions"
+) -> dict[str, Any]:
+    """Leg 1: the body sent to a prefill instance for ``endpoint`` (a new dict; ``body`` is not changed).
+
+    ``n`` becomes 1: the prompt's KV is the same for every choice, and decode makes the client's ``n``.
+    """
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    cap_output(out, endpoint)
+    if "n" in out:
+        out["n"] = 1
+    out.pop("best_of", None)
     if kind != "shared_storage":
         out["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
     return out

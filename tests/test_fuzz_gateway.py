@@ -2,10 +2,12 @@
 
 Generated requests mix valid and broken parts: methods and paths, ``Authorization`` forms, JSON bodies
 whose fields have the right or a wrong type or range, raw bytes (invalid UTF-8, deep nesting, NaN,
-duplicate keys, huge numbers), content types. For every answer: no 5xx, every 4xx in the OpenAI shape
-``{"error": {"message", "type", "param", "code"}}`` with string-or-null ``param``/``code``, every 200 a
-complete answer (N1), no key in any body (N5). At the end the gateway's counters balance (N1) and the
-workers are idle (N2).
+duplicate keys, huge numbers), content types; on chat, completions and the agent routes ``/v1/responses`` and
+``/v1/messages``. For every answer: no 5xx, every 4xx in the route's shape (OpenAI's ``{"error": {"message",
+"type", "param", "code"}}`` with string-or-null ``param``/``code``; on ``/v1/messages`` Anthropic's ``{"type":
+"error", "error": {"type", "message"}}``), every 200 a complete answer (N1; an agent stream ends with its own
+final event or one error event), no key in any body (N5). At the end the gateway's counters balance (N1) and
+the workers are idle (N2).
 
 ``PDCTL_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_gateway.py`` runs a longer search (docs/reliability.md).
 """
@@ -36,6 +38,9 @@ from pdctl.testing import SimProcess, start_sim
 from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "150"))
+CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
+#: The event that completes each agent stream (vllm-agent-apis.md §5).
+AGENT_END = {RESPONSES: b"event: response.completed", MESSAGES: b"event: message_stop"}
 MAX_MODEL_LEN = 2048
 
 
@@ -130,6 +135,30 @@ def completion_bodies(draw: st.DrawFn, chat: bool) -> dict[str, Any]:
     return body
 
 
+@st.composite
+def agent_bodies(draw: st.DrawFn, messages_api: bool) -> dict[str, Any]:
+    """A ``/v1/messages`` or ``/v1/responses`` body, fields sometimes missing or of a wrong type."""
+    body: dict[str, Any] = {"model": draw(maybe_wrong(st.sampled_from(["sim-model", "sim-model", "nope"])))}
+    if messages_api:
+        if draw(st.integers(0, 9)):
+            body["messages"] = draw(maybe_wrong(st.lists(st.fixed_dictionaries({
+                "role": st.sampled_from(["user", "assistant"]),
+                "content": st.one_of(words, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words}),
+                                                     min_size=1, max_size=2))}), min_size=1, max_size=3)))  # fmt: skip
+        fields = [("max_tokens", max_tokens), ("system", words)]
+    else:
+        if draw(st.integers(0, 9)):
+            body["input"] = draw(maybe_wrong(st.one_of(words, messages)))
+        fields = [("max_output_tokens", max_tokens), ("instructions", words)]
+    fields += [("stream", st.booleans()), ("temperature", st.floats(0, 2))]
+    if messages_api and draw(st.integers(0, 9)):
+        body["max_tokens"] = draw(st.integers(1, 16))  # usually present: it is required
+    for name, strategy in fields:
+        if draw(st.booleans()):
+            body[name] = draw(maybe_wrong(strategy))
+    return body
+
+
 raw_bodies = st.sampled_from(
     [
         b"",
@@ -158,7 +187,8 @@ auth_headers = st.one_of(
 
 @st.composite
 def requests(draw: st.DrawFn) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["completions", "chat", "completions", "chat", "raw", "other"]))
+    kind = draw(st.sampled_from(["completions", "chat", "completions", "chat", "raw", "other", "responses",
+                                 "messages"]))  # fmt: skip
     headers: dict[str, str] = {}
     auth = draw(auth_headers)
     if auth is not None:
@@ -171,10 +201,14 @@ def requests(draw: st.DrawFn) -> dict[str, Any]:
                                      "/invocations", "/pause", "/abort_requests", "/tokenize", "/v1/embeddings",
                                      "/v1/chat/completions", "/../etc/passwd", "/v1/models/sim-model"]))  # fmt: skip
         return {"method": method, "path": path, "headers": headers, "content": None, "stream": False}
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    path = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}.get(kind, "/v1/completions")
     if kind == "raw":
+        path = draw(st.sampled_from([path, RESPONSES, MESSAGES]))
         return {"method": "POST", "path": path, "headers": headers, "content": draw(raw_bodies), "stream": False}
-    body = draw(completion_bodies(kind == "chat"))
+    if kind in ("responses", "messages"):
+        body = draw(agent_bodies(kind == "messages"))
+    else:
+        body = draw(completion_bodies(kind == "chat"))
     content = json.dumps(body).encode()
     return {
         "method": "POST",
@@ -197,10 +231,13 @@ def test_gateway_never_5xx_and_errors_are_openai_shaped(stack: Stack, req: dict[
     label = f"{req['method']} {req['path']}"
     assert r.status_code < 500, (label, r.status_code, r.text[:500])
     assert KEY.encode() not in r.content and UPSTREAM_KEY.encode() not in r.content
-    completion = req["path"] in ("/v1/completions", "/v1/chat/completions")
-    if completion:
+    completion = req["path"] in ("/v1/completions", CHAT)
+    if completion or req["path"] in AGENT_END:
         stack.completions += 1
         stack.bodies[f"response {stack.completions}"] = r.content
+    if req["path"] in AGENT_END and req["method"] == "POST":
+        _check_agent_answer(req["path"], r)
+        return
     if r.status_code >= 400:
         out = client_outcome(r.status_code, r.content, stream=False)
         assert out.violation is None, (label, r.status_code, out.violation, r.text[:300])
@@ -212,6 +249,26 @@ def test_gateway_never_5xx_and_errors_are_openai_shaped(stack: Stack, req: dict[
         assert out.violation is None, (label, out.violation, r.text[:300])
     if completion and req["method"] == "POST":
         stack.tally.record(client_outcome(r.status_code, r.content, stream=req["stream"] and r.status_code == 200))
+
+
+def _check_agent_answer(path: str, r: httpx.Response) -> None:
+    """An agent route's answer: its API's error shape, or a complete message/response (N1)."""
+    stream = r.headers.get("content-type", "").startswith("text/event-stream")
+    if r.status_code >= 400:
+        err = json.loads(r.content)
+        if path == MESSAGES:
+            assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, r.text[:300]
+            assert isinstance(err["error"]["type"], str) and isinstance(err["error"]["message"], str)
+        else:
+            out = client_outcome(r.status_code, r.content, stream=False)
+            assert out.violation is None, (path, out.violation, r.text[:300])
+    elif stream:
+        ended = AGENT_END[path] in r.content
+        failed = r.content.count(b"event: error")
+        assert ended != bool(failed) and failed <= 1, (path, r.text[-500:])
+    else:
+        obj = json.loads(r.content)
+        assert obj.get("type") == "message" if path == MESSAGES else obj.get("object") == "response", r.text[:300]
 
 
 def test_after_fuzzing_counters_balance_and_workers_idle(stack: Stack) -> None:

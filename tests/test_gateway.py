@@ -181,7 +181,7 @@ def test_x1_compare_digest_in_source() -> None:
 
 def test_x4_only_gateway_routes(gw: GatewayThread) -> None:
     with gw.client() as c:
-        for path in ("/invocations", "/pause", "/abort_requests", "/tokenize", "/version", "/v1/embeddings"):
+        for path in ("/invocations", "/pause", "/abort_requests", "/version", "/detokenize", "/v1/messages/batches"):
             r = c.post(path, json={})
             assert r.status_code == 404, path
             assert r.json()["error"]["code"] == "not_found"

@@ -14,6 +14,7 @@ from typing import Any
 
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
+from pdctl.gateway.pd import MAX_PD_RETRIES
 from pdctl.protocol import REQUIRED_DECODE_FIELDS
 from pdctl.transport import TransportError
 from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings
@@ -239,9 +240,92 @@ def test_decode_failure_while_its_prefill_is_down_is_counted_against_the_prefill
         while prefill.failures < 2 and time.monotonic() < end:  # the blame probe runs in the background
             await asyncio.sleep(0.02)
 
-    app = _run(workers, 1, test)
+    app = _run(workers, 1, test, max_retries=1)
     assert replies[0].status == 502  # the retry's leg 1 found the prefill gone
     prefill, decode = app.pool.instances
     # One failure from the probe that found the KV source down, one from the retry's refused leg 1; none
     # against decode, which would otherwise be ejected for every request in flight when a prefill crashes.
     assert (prefill.failures, decode.failures) == (2, 0)
+
+
+def test_n_choices_prefill_with_one_and_decode_with_n() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill("p0"))
+    workers["decode"].script(DECODED)
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, {**BODY, "n": 3}))
+
+    _run(workers, 1, test)
+    assert replies[0].status == 200
+    (leg1,) = workers["prefill"].completions()
+    (leg2,) = workers["decode"].completions()
+    assert leg1.json()["n"] == 1 and leg2.json()["n"] == 3
+
+
+def test_max_retries_bounds_the_pd_retries() -> None:
+    workers = MemoryWorkers()
+    failure = MemoryReply(500, (b'{"error": {"message": "scripted failure"}}',))
+    workers["prefill"].script(*[failure] * 20)
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, BODY))
+
+    for max_retries, calls in ((0, 1), (2, 3), (10, 1 + MAX_PD_RETRIES)):
+        workers["prefill"].calls.clear()
+        app = _run(workers, 1, test, max_retries=max_retries, breaker_threshold=100)
+        assert replies[-1].status == 502 and len(workers["prefill"].completions()) == calls
+        assert _metric(app, "pdctl_retries_total", leg="prefill") == calls - 1
+
+
+def test_decode_fallback_when_prefill_fails_or_is_missing() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(TransportError("connect", "refused"))
+    workers["decode"].script(MemoryReply.sse([_event("a"), _event("b"), DONE]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, STREAM))
+
+    app = _run(workers, 1, test, max_retries=0, fallback="decode")
+    (reply,) = replies
+    assert reply.status == 200 and reply.headers["x-pd-path"] == "fallback" and reply.body.endswith(DONE)
+    (leg,) = workers["decode"].completions()
+    assert "kv_transfer_params" not in leg.json() and leg.json()["max_tokens"] == 8
+    assert _metric(app, "pdctl_prefill_fallback_total", to="decode", reason="prefill_failed") == 1
+    # Without a fallback the same outage is the client's error.
+    workers["prefill"].script(TransportError("connect", "refused"))
+    _run(workers, 1, test, max_retries=0)
+    assert replies[-1].status == 502 and len(workers["decode"].completions()) == 1
+
+
+def test_mid_stream_failures_end_in_each_apis_error_event() -> None:
+    """A decode stream that breaks (Anthropic) or ends without its final event (Responses, as vLLM cuts it)."""
+    workers = MemoryWorkers()
+    start = b'event: message_start\ndata: {"type": "message_start", "message": {}}\n\n'
+    workers["prefill"].script(_prefill("p0"), _prefill("p1"))
+    workers["decode"].script(
+        MemoryReply.sse([start, TransportError("broken", "cut")]),
+        MemoryReply.sse([b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0}\n\n']),
+    )
+    replies: list[AsgiReply] = []
+    messages = {"model": "tiny", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, "/v1/messages", messages))
+        replies.append(await asgi_request(app, "/v1/responses", {"model": "tiny", "input": "x", "stream": True}))
+
+    _run(workers, 1, test)
+    anthropic_reply, responses_reply = replies
+    assert anthropic_reply.status == 200 and anthropic_reply.body.startswith(start)
+    event = anthropic_reply.body[len(start) :]
+    assert event.startswith(b"event: error\ndata: ")
+    err = json.loads(event.split(b"data: ", 1)[1])
+    assert err["type"] == "error" and err["error"]["type"] == "api_error" and err["error"]["message"]
+    tail = responses_reply.body.rsplit(b"\n\n", 2)[-2]
+    assert tail.startswith(b"event: error\ndata: ")
+    assert json.loads(tail.split(b"data: ", 1)[1])["type"] == "error"
+    leg1 = [json.loads(c.body) for c in workers["prefill"].completions()]
+    assert leg1[0]["max_tokens"] == 1 and leg1[1]["max_output_tokens"] == 1 and leg1[1]["store"] is False

@@ -192,7 +192,7 @@ def test_g6_decode_stall_hits_idle_timeout(fakes: list[FakeProc], gateways: list
 
 
 def test_g7_prefill_errors_bounded_retries(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
-    """G7 (N1): P answers 500 x3 then 200: one retry per request, then an error; the next request succeeds."""
+    """G7 (N1): P answers 500 x3 then 200: gateway.max_retries (2) retries, then an error; the next succeeds."""
     p = _fake(fakes, fail_first=3)
     d = _fake(fakes)
     g = _gw(gateways, [p.url], [d.url])
@@ -200,7 +200,8 @@ def test_g7_prefill_errors_bounded_retries(fakes: list[FakeProc], gateways: list
         r1 = c.post("/v1/chat/completions", json=CHAT)
         assert r1.status_code == 502
         assert r1.json()["error"]["code"] == "prefill_failed"
-        assert len(p.completions()) == 2 and len(d.completions()) == 0
+        assert len(p.completions()) == 3 and len(d.completions()) == 0
+        assert g.metric("pdctl_retries_total", leg="prefill") == 2
         r2 = c.post("/v1/chat/completions", json=CHAT)
         assert r2.status_code == 200
         assert len(p.completions()) == 4 and len(d.completions()) == 1
@@ -222,7 +223,7 @@ def test_g8_breaker_opens_and_half_open_probe_closes(fakes: list[FakeProc], gate
     """G8 (N1): after 5 consecutive P failures requests fail fast (503 + Retry-After) without touching P."""
     p = _fake(fakes, fail_first=10**6)
     d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url], breaker_cooldown_s=1.0)
+    g = _gw(gateways, [p.url], [d.url], breaker_cooldown_s=1.0, max_retries=1)
     with g.client() as c:
         codes = [c.post("/v1/chat/completions", json=CHAT).status_code for _ in range(3)]
         # the fifth failure (request 3's first attempt) opens the breaker: its retry finds no prefill

@@ -1,17 +1,17 @@
 """The gateway as a raw ASGI app (no Starlette middleware: it would hide client disconnects).
 
-Request flow for the two completion endpoints::
+Request flow for the generating routes (chat, completions, ``/v1/responses``, Anthropic ``/v1/messages``;
+errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
 
-    draining? -> auth (the key's entry: name, limits, models) -> body (413 before reading it all)
-      -> JSON/UTF-8/nesting (400)
-      -> validation (400) -> prompt tokens (:mod:`pdctl.gateway.tokens`) -> model: local | upstream | 404
-      (routed once) -> the key may use it (403) -> fits the context (400)
-      -> rate limits: the key's, then the gateway's, both checked before either is charged (429)
+    draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
+      -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
+      -> rate limit (429)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A watcher task waits for ``http.disconnect`` and cancels the handler, so a client that leaves cancels the
 worker calls (vLLM aborts the request when the connection closes). Parsing and validation are the pure
-functions of :mod:`pdctl.gateway.request`.
+functions of :mod:`pdctl.gateway.request`. ``/v1/embeddings`` and ``/tokenize`` pass through to a worker when
+the model is local (the worker's answer as it is), else to the upstream.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ from typing import Any
 from pdctl.errors import ConfigError
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.discovery import Discovery
-from pdctl.gateway.errors import ApiError
+from pdctl.gateway.errors import ApiError, Wire
 from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
+    MESSAGES_PATH,
+    PASSTHROUGH_PATHS,
     CompletionRequest,
     Route,
     check_fits,
@@ -43,6 +45,7 @@ from pdctl.gateway.request import (
     read_model,
     route_model,
     validate,
+    wire_of,
 )
 from pdctl.gateway.routing import Pool
 from pdctl.gateway.settings import GatewaySettings
@@ -117,7 +120,7 @@ class Gateway:
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
-                              self.secrets, self.spawn)  # fmt: skip
+                              self.secrets, self.spawn, self.upstream)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -190,9 +193,10 @@ class Gateway:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if path in COMPLETION_PATHS:
+        if path in COMPLETION_PATHS or path in PASSTHROUGH_PATHS:
             if method != "POST":
-                await _plain_error(send, ApiError(405, f"use POST for {path}", code="method_not_allowed"))
+                err = ApiError(405, f"use POST for {path}", code="method_not_allowed")
+                await _plain_error(send, err, wire_of(path))
                 return
             await self._completion(scope, receive, send, path)
         elif path == "/health" and method in ("GET", "HEAD"):
@@ -259,7 +263,7 @@ class Gateway:
         rid_header = _header(scope, b"x-request-id")
         rid = _clean_id(rid_header) or f"pdctl-{uuid.uuid4().hex}"
         ex = Exchange(send=send, request_id=rid, started=started,
-                      deadline=started + self.settings.gateway.request_timeout_s)  # fmt: skip
+                      deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint))  # fmt: skip
         self.in_flight += 1
         self.metrics.accepted.inc()
         self.metrics.gateway_in_flight.inc()
@@ -269,13 +273,16 @@ class Gateway:
         try:
             if self.draining:
                 raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
-            entry = self.keys.identify(_header(scope, b"authorization"))
+            entry = self.keys.identify(_client_key(scope, endpoint))
             if entry is None:
                 raise _auth_error()
             key_name = entry.name
             raw = await self._read_body(scope, receive, ex)
             body = parse_body(raw, self.settings.max_nesting)
             watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, asyncio.current_task()))
+            if endpoint in PASSTHROUGH_PATHS:
+                await self._passthrough(ex, endpoint, body, entry)
+                return
             req, route, prompt_tokens = await self._check(body, endpoint, ex, entry)
             tokens = prompt_tokens + (req.max_tokens or 0)
             limiter = self.keys.limiters.get(entry.name)
@@ -294,6 +301,8 @@ class Gateway:
                 await self.upstream.serve(ex, endpoint, body)
             elif self.settings.routing.strategy == "colocated":
                 await serve_colocated(self.legs, ex, endpoint, body, prompt_tokens)
+            elif req.colocated_only:
+                await serve_colocated(self.legs, ex, endpoint, body, prompt_tokens, ("decode",))
             else:
                 await serve_pd(self.legs, ex, endpoint, body, prompt_tokens)
         except ApiError as err:
@@ -367,6 +376,27 @@ class Gateway:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    async def _passthrough(self, ex: Exchange, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
+        """``/v1/embeddings``, ``/tokenize``: a local model's request to a worker, any other to the upstream
+        (when the key may use it)."""
+        model = body.get("model")
+        ex.model = model if isinstance(model, str) and model else "-"
+        local = self.local_models()
+        if model is None and endpoint == "/tokenize":
+            model = next(iter(local), None)  # vLLM's /tokenize defaults to its one model
+        if not isinstance(model, str):
+            model = read_model(body)
+        if not entry.may_use(model):
+            raise ApiError(403, f"key {entry.name!r} may not use model {model!r}", param="model",
+                           type="permission_error", code="model_not_allowed")  # fmt: skip
+        upstream_ok = self.upstream is not None and endpoint != "/tokenize" and entry.upstream
+        route = route_model(model, local, upstream_ok)
+        if route == "upstream":
+            assert self.upstream is not None
+            await self.upstream.serve(ex, endpoint, body)
+            return
+        await serve_colocated(self.legs, ex, endpoint, body, 1, ("decode", "prefill"))
+
     async def _check(
         self, body: dict[str, Any], endpoint: str, ex: Exchange, entry: KeyEntry
     ) -> tuple[CompletionRequest, Route, int]:
@@ -424,6 +454,16 @@ async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[A
             return
 
 
+def _client_key(scope: Scope, endpoint: str) -> bytes | None:
+    """The client's ``Authorization``; on ``/v1/messages`` Anthropic's ``x-api-key`` too (the anthropic SDK's
+    default, and Claude Code's with ``ANTHROPIC_API_KEY``), as the same bearer key."""
+    auth = _header(scope, b"authorization")
+    if auth is None and endpoint == MESSAGES_PATH:
+        key = _header(scope, b"x-api-key")
+        return b"Bearer " + key if key is not None else None
+    return auth
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for k, v in scope["headers"]:
         if k == name:
@@ -450,8 +490,8 @@ async def _json(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _plain_error(send: Send, err: ApiError) -> None:
-    body = err.body()
+async def _plain_error(send: Send, err: ApiError, wire: Wire = "openai") -> None:
+    body = err.body(wire)
     headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *err.headers()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

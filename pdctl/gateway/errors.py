@@ -1,4 +1,10 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with string codes.
+"""Errors in each API's own shape, chosen by the route's :data:`Wire`.
+
+- OpenAI routes (chat, completions, responses, embeddings, tokenize): ``{"error": {"message", "type", "param",
+  "code"}}`` with string codes; mid-stream one ``data:`` event (chat, completions) or an ``event: error`` with
+  ``{"type": "error", "code", "message", "param"}`` (Responses).
+- Anthropic ``/v1/messages``: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's types
+  (``invalid_request_error``, ``request_too_large``, ``overloaded_error``, ...); mid-stream ``event: error``.
 
 vLLM's own errors use an int ``code`` and the HTTP phrase as ``type``; the gateway translates them so every
 client sees one shape (see docs/gateway.md, "Errors").
@@ -9,9 +15,30 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ApiError", "error_body", "error_event", "sanitize", "translate_worker_error"]
+__all__ = ["ApiError", "Wire", "anthropic_type", "error_body", "error_event", "sanitize", "translate_worker_error"]
+
+Wire = Literal["openai", "responses", "anthropic"]
+"""The response dialect of a route: OpenAI chat/completions SSE, OpenAI Responses events, Anthropic Messages."""
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status (https://docs.anthropic.com/en/api/errors)."""
+    return _ANTHROPIC_TYPES.get(status, "api_error")
+
 
 _TYPES = {
     400: "invalid_request_error",
@@ -48,8 +75,11 @@ class ApiError(Exception):
         self.should_retry = should_retry
         self.reason = reason or code
 
-    def body(self) -> bytes:
-        """The JSON body."""
+    def body(self, wire: Wire = "openai") -> bytes:
+        """The JSON body in ``wire``'s shape."""
+        if wire == "anthropic":
+            return json.dumps({"type": "error", "error": {"type": anthropic_type(self.status),
+                                                           "message": self.message}}).encode()  # fmt: skip
         return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -67,8 +97,13 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}}).encode()
 
 
-def error_event(err: ApiError) -> bytes:
+def error_event(err: ApiError, wire: Wire = "openai") -> bytes:
     """The one SSE event that ends a stream whose headers were already sent (no ``[DONE]`` after it)."""
+    if wire == "anthropic":
+        return b"event: error\ndata: " + err.body("anthropic") + b"\n\n"
+    if wire == "responses":
+        data = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
+        return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
     return b"data: " + err.body() + b"\n\n"
 
 

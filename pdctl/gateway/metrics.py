@@ -32,6 +32,10 @@ class GatewayMetrics:
             "pdctl_pd_fallback", "Requests served by decode without usable KV from prefill.", ["reason"],
             registry=r,
         )  # fmt: skip
+        self.prefill_fallbacks = Counter(
+            "pdctl_prefill_fallback", "PD requests no prefill could serve, by where they went (gateway.fallback).",
+            ["to", "reason"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter("pdctl_rejected", "Requests rejected before any worker call.", ["reason"], registry=r)
         self.upstream_calls = Counter(
             "pdctl_upstream_calls", "Calls to the upstream channel, by outcome.", ["outcome"], registry=r

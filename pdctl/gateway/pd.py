@@ -4,8 +4,14 @@ Leg 1 goes to the least-loaded prefill, one attempt at a time, each attempt shie
 cancellation: a prefill that finished holds KV blocks until decode reads them, so when the client left
 during leg 1 the gateway still finishes it and then sends a *release leg* (the decode body with
 ``max_tokens = 1``, not streamed) so decode pulls and frees the blocks at once instead of after
-``kv_lease_duration``. A failed or timed-out leg 1 is retried once with a fresh request id; decode is
-never retried (its ``kv_transfer_params`` are single-use).
+``kv_lease_duration``. A failed or timed-out leg 1 is retried with a fresh request id, at most
+``gateway.max_retries`` times (capped at :data:`MAX_PD_RETRIES`) and never after a byte reached the client;
+decode's ``kv_transfer_params`` are never replayed (they are single-use): a retry is a whole new pipeline.
+
+When no prefill can serve the request (none available, or leg 1 failed on every attempt) ``gateway.fallback``
+decides: ``none`` answers the error, ``decode`` has decode compute the prompt itself (``x-pd-path: fallback``),
+``upstream`` sends it to the upstream (``x-pd-path: upstream``); ``pdctl_prefill_fallback_total{to,reason}``
+counts each.
 
 The legs see the gateway only through a :class:`PdContext`, and the workers only through
 :class:`pdctl.gateway.workers.WorkerClient` (``tests/test_gateway_legs.py`` drives them on in-memory workers).
@@ -27,13 +33,16 @@ from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange, relay
-from pdctl.protocol import ConnectorKind, build_decode_body, build_prefill_body, check_kv_params
+from pdctl.gateway.upstream import Upstream
+from pdctl.protocol import ConnectorKind, build_decode_body, build_prefill_body, cap_output, check_kv_params
 from pdctl.transport import TransportError
 
-__all__ = ["LegResult", "PdContext", "Spawn", "serve_colocated", "serve_pd"]
+__all__ = ["MAX_PD_RETRIES", "LegResult", "PdContext", "Spawn", "serve_colocated", "serve_pd"]
 
 log = logging.getLogger("pdctl.gateway")
 _MAX_ERROR_BODY = 64 * 1024
+#: Each PD retry holds a prefill's KV blocks until its lease ends: more than a few only adds load to a sick pool.
+MAX_PD_RETRIES = 3
 
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
@@ -53,6 +62,8 @@ class PdContext:
     secrets: tuple[str, ...]
     """Keys to scrub from a worker's error message before it reaches the client."""
     spawn: Spawn
+    upstream: Upstream | None = None
+    """The upstream channel, for ``gateway.fallback = "upstream"``."""
 
 
 @dataclass(slots=True)
@@ -138,20 +149,27 @@ class _DecodeFailed(ApiError):
 async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
     """Leg 1 on a prefill, leg 2 on a decode, decode's answer relayed to the client.
 
-    One retry per request, as a whole new pipeline with a fresh request id: after a failed or timed-out
-    leg 1, or after a decode that failed before sending anything (vLLM's lazy NIXL handshake failure is a
-    decode 500). ``kv_transfer_params`` are never replayed.
+    Retries (as a whole new pipeline with a fresh request id ``<id>-retryN``) after a failed or timed-out leg 1,
+    or after a decode that failed before sending anything (vLLM's lazy NIXL handshake failure is a decode 500).
+    When leg 1 cannot succeed, ``gateway.fallback`` decides (module docstring).
     """
-    for attempt in range(2):
+    attempts = 1 + min(ctx.settings.gateway.max_retries, MAX_PD_RETRIES)
+    for attempt in range(attempts):
         rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
-        last = attempt == 1
+        last = attempt == attempts - 1
+        if ctx.pool.least_loaded(("prefill",)) is None:
+            await _fallback(ctx, ex, endpoint, body, prompt_tokens, _no_instance(ctx, ("prefill",), "prefill"))
+            return
         leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid)
         if leg.error is not None:
-            if not leg.retryable or last or ex.remaining() <= 0.05:
+            if not leg.retryable:
                 raise leg.error
+            if last or ex.remaining() <= 0.05:
+                await _fallback(ctx, ex, endpoint, body, prompt_tokens, leg.error)
+                return
             ctx.metrics.retries.labels("prefill").inc()
-            log.warning("request %s: leg 1 failed (%s); retrying as %s-retry1", ex.request_id, leg.error.message,
-                        ex.request_id)  # fmt: skip
+            log.warning("request %s: leg 1 failed (%s); retrying as %s-retry%d", ex.request_id, leg.error.message,
+                        ex.request_id, attempt + 1)  # fmt: skip
             continue
         dbody = _decode_body(ctx, ex, body, leg)
         try:
@@ -164,7 +182,32 @@ async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, 
                 raise ApiError(err.status, err.message, code=err.code) from None
             ctx.metrics.retries.labels("decode").inc()
             log.warning("request %s: decode failed before any output (%s); retrying the whole pipeline as "
-                        "%s-retry1", ex.request_id, err.message, ex.request_id)  # fmt: skip
+                        "%s-retry%d", ex.request_id, err.message, ex.request_id, attempt + 1)  # fmt: skip
+
+
+async def _fallback(
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, err: ApiError
+) -> None:
+    """No prefill could serve the request: ``gateway.fallback`` decides where it goes, or ``err`` is answered."""
+    mode = ctx.settings.gateway.fallback
+    reason = "no_prefill" if err.code == "server_overloaded" else "prefill_failed"
+    if mode == "upstream" and ctx.upstream is not None:
+        ctx.metrics.prefill_fallbacks.labels("upstream", reason).inc()
+        ex.fallback_reason = reason
+        log.warning("request %s: %s; sent to the upstream (gateway.fallback)", ex.request_id, err.message)
+        await ctx.upstream.serve(ex, endpoint, body)
+        return
+    if mode != "decode" or ctx.pool.least_loaded(("decode",)) is None:
+        raise err
+    ctx.metrics.prefill_fallbacks.labels("decode", reason).inc()
+    ex.path = "fallback"
+    ex.fallback_reason = reason
+    log.warning("request %s: %s; decode computes the prompt itself (gateway.fallback)", ex.request_id, err.message)
+    try:
+        await _decode(ctx, ex, endpoint, build_decode_body(body, None), ex.request_id, prompt_tokens, ("decode",),
+                      "decode")  # fmt: skip
+    except _DecodeFailed as failed:
+        raise ApiError(failed.status, failed.message, code=failed.code) from None
 
 
 async def _leg1(
@@ -173,7 +216,7 @@ async def _leg1(
     inst = ctx.pool.choose(("prefill",))
     if inst is None:
         raise _no_instance(ctx, ("prefill",), "prefill")
-    pbody = _dumps(build_prefill_body(body, ctx.kind))
+    pbody = _dumps(build_prefill_body(body, ctx.kind, endpoint))
     ahead = inst.in_flight_tokens
     timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
     task = asyncio.ensure_future(_prefill_once(ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout))
@@ -227,11 +270,16 @@ def _decode_body(ctx: PdContext, ex: Exchange, body: dict[str, Any], leg: LegRes
 
 
 async def serve_colocated(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int
+    ctx: PdContext,
+    ex: Exchange,
+    endpoint: str,
+    body: dict[str, Any],
+    prompt_tokens: int,
+    roles: tuple[Role, ...] = ("prefill", "decode"),
 ) -> None:
-    """The whole request on one instance (any role), least-loaded."""
+    """The whole request on one instance of ``roles``, least-loaded (``x-pd-path: colocated``)."""
     ex.path = "colocated"
-    await _decode(ctx, ex, endpoint, body, ex.request_id, prompt_tokens, ("prefill", "decode"), "worker")
+    await _decode(ctx, ex, endpoint, body, ex.request_id, prompt_tokens, roles, "worker")
 
 
 async def _decode(
@@ -344,12 +392,7 @@ async def _release_after(
         ctx.metrics.kv_release.labels("nothing_held").inc()
         return
     dbody = build_decode_body(body, check.params)
-    dbody.pop("stream_options", None)
-    dbody.pop("min_tokens", None)
-    dbody["stream"] = False
-    dbody["max_tokens"] = 1
-    if "max_completion_tokens" in dbody:
-        dbody["max_completion_tokens"] = 1
+    cap_output(dbody, endpoint)
     inst = ctx.pool.choose(("decode",))
     if inst is None:
         ctx.metrics.kv_release.labels("no_decode").inc()

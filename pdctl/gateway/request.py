@@ -1,5 +1,8 @@
 """A completion request from bytes to a checked :class:`CompletionRequest`: pure functions, no I/O.
 
+Four generating routes are checked here (:data:`COMPLETION_PATHS`): chat, completions, OpenAI Responses and
+Anthropic Messages (:data:`AGENT_PATHS`); :data:`PASSTHROUGH_PATHS` (embeddings, tokenize) only need a model.
+
 The steps, in the order the gateway runs them (each raises :class:`~pdctl.gateway.errors.ApiError` 400/404)::
 
     parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no duplicate keys), an object, nesting
@@ -16,12 +19,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdctl.gateway.errors import ApiError
+from pdctl.gateway.errors import ApiError, Wire
+from pdctl.protocol import MESSAGES_PATH, RESPONSES_PATH
 
 __all__ = [
+    "AGENT_PATHS",
     "CHAT_PATH",
     "COMPLETION_PATHS",
     "MAX_N",
+    "MESSAGES_PATH",
+    "PASSTHROUGH_PATHS",
+    "RESPONSES_PATH",
     "CompletionRequest",
     "Route",
     "check_fits",
@@ -29,10 +37,16 @@ __all__ = [
     "read_model",
     "route_model",
     "validate",
+    "wire_of",
 ]
 
 CHAT_PATH = "/v1/chat/completions"
-COMPLETION_PATHS = (CHAT_PATH, "/v1/completions")
+AGENT_PATHS = (RESPONSES_PATH, MESSAGES_PATH)
+COMPLETION_PATHS = (CHAT_PATH, "/v1/completions", *AGENT_PATHS)
+PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize")
+#: Responses tool types that vLLM runs itself in a loop of sub-requests sharing one kv_transfer_params: only
+#: the first could pull KV, so such requests run colocated on decode (vllm-agent-apis.md §3).
+_CLIENT_TOOLS = frozenset({"function", "custom"})
 MAX_N = 64
 # A conservative estimate: only clearly too-long requests are refused here; vLLM's exact check stays behind it.
 CHARS_PER_TOKEN = 6
@@ -53,6 +67,15 @@ class CompletionRequest:
     chat: bool
     multi_prompt: bool
     """A ``/v1/completions`` prompt that is a list of several prompts (a batch)."""
+    colocated_only: bool = False
+    """The PD legs cannot serve it (a Responses request with server-side tools): decode runs it whole."""
+
+
+def wire_of(endpoint: str) -> Wire:
+    """The response dialect of ``endpoint`` (errors and stream ends follow it)."""
+    if endpoint == MESSAGES_PATH:
+        return "anthropic"
+    return "responses" if endpoint == RESPONSES_PATH else "openai"
 
 
 class _BadJSON(ValueError):
@@ -132,6 +155,8 @@ def validate(body: Mapping[str, Any], endpoint: str, model: str) -> CompletionRe
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "`stream` must be true or false", param="stream", code="invalid_type")
+    if endpoint in AGENT_PATHS:
+        return _validate_agent(body, endpoint, model, stream)
     chat = endpoint == CHAT_PATH
     multi = False
     if chat:
@@ -158,6 +183,46 @@ def validate(body: Mapping[str, Any], endpoint: str, model: str) -> CompletionRe
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
         raise ApiError(400, f"`n` must be an integer 1-{MAX_N}", param="n", code="invalid_value")
     return CompletionRequest(model, stream, max(1, chars // CHARS_PER_TOKEN), max_tokens, chat, multi)
+
+
+def _positive(body: Mapping[str, Any], name: str, required: bool = False) -> int | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"`{name}` is required: a positive integer", param=name, code="invalid_value")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ApiError(400, f"`{name}` must be a positive integer, got {json.dumps(value)}", param=name,
+                       code="invalid_value")  # fmt: skip
+    return value
+
+
+def _validate_agent(body: Mapping[str, Any], endpoint: str, model: str, stream: bool) -> CompletionRequest:
+    """``/v1/responses`` (``input``, ``max_output_tokens``) and ``/v1/messages`` (``messages``, ``max_tokens``)."""
+    colocated = False
+    if endpoint == MESSAGES_PATH:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "`messages` must be a non-empty list of message objects", param="messages",
+                           code="invalid_value")  # fmt: skip
+        system = body.get("system")
+        if system is not None and not isinstance(system, str | list):
+            raise ApiError(400, "`system` must be a string or a list of text blocks", param="system",
+                           code="invalid_value")  # fmt: skip
+        chars = _text_len(messages) + _text_len(system)
+        max_tokens = _positive(body, "max_tokens", required=True)
+    else:
+        data = body.get("input")
+        if not isinstance(data, str | list) or data in ("", []):
+            raise ApiError(400, "`input` must be a string or a non-empty list of items", param="input",
+                           code="invalid_value")  # fmt: skip
+        chars = _text_len(data) + _text_len(body.get("instructions"))
+        max_tokens = _positive(body, "max_output_tokens")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, "`tools` must be a list", param="tools", code="invalid_value")
+        colocated = any(isinstance(t, dict) and t.get("type") not in _CLIENT_TOOLS for t in tools or ())
+    return CompletionRequest(model, stream, max(1, chars // CHARS_PER_TOKEN), max_tokens, True, False, colocated)
 
 
 def route_model(model: str, local: Mapping[str, int | None], has_upstream: bool) -> Route:

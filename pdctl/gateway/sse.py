@@ -1,7 +1,10 @@
 """The response side of one request: headers, bodies, and the chunk-by-chunk SSE relay.
 
 The relay forwards each chunk as it arrives. Per chunk it only counts ``data:`` occurrences (a C-level
-``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end. It reads
+``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end. The agent
+routes end differently (:data:`END_EVENTS`: ``response.completed`` for Responses, ``message_stop`` for Anthropic
+Messages, neither followed by ``[DONE]``); their end is looked for in each chunk, since a Responses stream's last
+event carries the whole response and may be longer than the tail. It reads
 any :class:`Body` (a worker's :class:`pdctl.transport.Response`, or the upstream's adapter), whose failures are
 :class:`pdctl.transport.TransportError`.
 """
@@ -14,15 +17,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdctl.gateway.errors import ApiError, error_event
+from pdctl.gateway.errors import ApiError, Wire, error_event
 from pdctl.transport import TransportError
 
-__all__ = ["Body", "Exchange", "RelayResult", "relay"]
+__all__ = ["END_EVENTS", "Body", "Exchange", "RelayResult", "relay"]
 
 ASGISend = Any
 _TAIL = 4096
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+#: The event that completes a stream, per wire (vllm-agent-apis.md §5).
+END_EVENTS: dict[Wire, bytes] = {
+    "openai": b"[DONE]",
+    "responses": b"event: response.completed",
+    "anthropic": b"event: message_stop",
+}
 
 
 @dataclass(slots=True)
@@ -49,6 +58,8 @@ class Exchange:
     error_code: str | None = None
     fallback_reason: str | None = None
     kv: dict[str, Any] = field(default_factory=dict)
+    wire: Wire = "openai"
+    """The route's dialect: error bodies, mid-stream error events and the end of a stream follow it."""
 
     def remaining(self) -> float:
         """Seconds left before the request's first-byte deadline."""
@@ -116,9 +127,9 @@ class Exchange:
         """Answer an error: a JSON error before headers, one SSE error event after them."""
         self.error_code = err.code or err.type
         if not self.headers_sent:
-            await self.respond(err.status, err.body(), err.headers())
+            await self.respond(err.status, err.body(self.wire), err.headers())
         elif not self.finished:
-            await self.body(error_event(err))
+            await self.body(error_event(err, self.wire))
 
 
 class Body(Protocol):
@@ -170,6 +181,8 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     read = resp.chunk
     pending = b""  # an event split across chunks, held until its blank line arrives
     events = 0
+    end = None if ex.wire == "openai" else END_EVENTS[ex.wire]
+    ended = False
     now = 0.0
     # The loop below runs once per streamed chunk: everything in it is on every token's path, so it stays
     # inline (no per-chunk helper coroutine) and touches only locals.
@@ -184,6 +197,8 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
             if out.first_chunk_at is None:
                 out.first_chunk_at = now
             events += chunk.count(b"data:")
+            if end is not None and not ended:
+                ended = end in tail[-32:] + chunk
             tail = (tail + chunk)[-_TAIL:] if len(chunk) < _TAIL else chunk[-_TAIL:]
             if pending:
                 chunk = pending + chunk
@@ -208,7 +223,7 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     out.events = events
     if out.first_chunk_at is not None:
         out.last_chunk_at = now
-    out.done = b"[DONE]" in tail and not pending.strip()
+    out.done = (ended if end is not None else b"[DONE]" in tail) and not pending.strip()
     if out.error is None and not out.done:
         out.error = ApiError(502, "the worker's stream ended before its final event", code="upstream_error")
     counts = _COMPLETION_TOKENS.findall(tail)
@@ -219,7 +234,7 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     if out.error is not None:
         # A partial event is never forwarded: the client sees whole events, then one error event.
         ex.error_code = out.error.code
-        await ex.body(error_event(out.error))
+        await ex.body(error_event(out.error, ex.wire))
     else:
         await ex.body(pending)
     return out

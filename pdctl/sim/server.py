@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from pdctl.sim.agentapi import MESSAGES, RESPONSES, AgentStream, chat_request, messages_reply, responses_reply
 from pdctl.sim.engine import SimEngine, SimRequest, StreamEvent
 from pdctl.sim.text import VOCAB_SIZE, apply_chat_template
 
@@ -74,13 +75,19 @@ class SimApp:
                 await _json(send, 200, self._tokenize(await _read_json(receive)))
             elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
                 await self._generate(scope, receive, send, chat=path.endswith("chat/completions"))
+            elif path in (RESPONSES, MESSAGES) and method == "POST":
+                await self._agent(scope, receive, send, path)
             elif path in ("/health", "/v1/models", "/version", "/metrics", "/tokenize", "/v1/completions",
-                          "/v1/chat/completions"):  # fmt: skip
+                          "/v1/chat/completions", RESPONSES, MESSAGES):  # fmt: skip
                 await _json(send, 405, error_body(405, "Method Not Allowed"))
             else:
                 await _json(send, 404, {"detail": "Not Found"})
         except HTTPError as e:
-            await _json(send, e.status, error_body(e.status, e.message, e.param))
+            if path == MESSAGES:  # vLLM's translate_error_response: Anthropic's envelope, vLLM's error type
+                kind = _PHRASES.get(e.status, "Error").replace(" ", "") + "Error"
+                await _json(send, e.status, {"type": "error", "error": {"type": kind, "message": e.message}})
+            else:
+                await _json(send, e.status, error_body(e.status, e.message, e.param))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -204,6 +211,110 @@ class SimApp:
             watcher.cancel()
             self.engine.abort(req)
 
+    async def _agent(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        """``/v1/responses`` and ``/v1/messages`` (:mod:`pdctl.sim.agentapi`): the engine runs them as chat."""
+        body = await _read_json(receive)
+        self._check_model(body)
+        try:
+            messages, max_raw, forced = chat_request(body, route)
+            ids = self.engine.tokenizer.encode(apply_chat_template(messages))
+        except ValueError as e:
+            raise HTTPError(400, str(e), "messages" if route == MESSAGES else "input") from None
+        field = "max_tokens" if route == MESSAGES else "max_output_tokens"
+        max_tokens, default_len = self._max_tokens({} if max_raw is None else {"max_tokens": max_raw}, len(ids))
+        if max_raw is not None and max_tokens != max_raw:
+            raise HTTPError(400, f"{field} must be a positive integer.", field)
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, Mapping):
+            raise HTTPError(400, "kv_transfer_params must be an object.", "kv_transfer_params")
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1") or secrets.token_hex(16)
+        if route == RESPONSES:  # the body's request_id names the response; the header is not used (vLLM)
+            given = body.get("request_id")
+            resp_id = given if isinstance(given, str) and given else f"resp_{secrets.token_hex(16)}"
+        else:
+            resp_id = "chatcmpl-" + rid
+        temperature = body.get("temperature", 1.0)
+        req = SimRequest(
+            request_id=self.engine.new_request_id(resp_id),
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            temperature=float(temperature) if isinstance(temperature, (int, float)) else 1.0,
+            seed=None,
+            eos_allowed=default_len,
+            kv_params=params,
+        )
+        self.engine.add(req)
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        extra = [(b"x-request-id", rid.encode("latin-1"))]
+        try:
+            if not body.get("stream"):
+                if not await self._finished(req, watcher):
+                    return
+                text = self.engine.tokenizer.decode(req.output_ids)
+                n_out = len(req.output_ids)
+                if route == MESSAGES and forced is not None and req.finish_reason == "length":
+                    # vLLM's non-streamed Anthropic reply json.loads the call's arguments, which a max-token stop
+                    # cut off (messages_full_converter): a 400, e.g. for a forced tool on a one-token prefill leg.
+                    raise HTTPError(400, "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")
+                out = (
+                    messages_reply(resp_id, self.model, text, req.finish_reason, forced, req.prompt_len, n_out,
+                                   req.result_params)
+                    if route == MESSAGES
+                    else responses_reply(resp_id, self.model, body, text, req.finish_reason, forced, req.prompt_len,
+                                         n_out, req.result_params)
+                )  # fmt: skip
+                await _json(send, 200, out, extra)
+                return
+            first = await self._open_stream(send, req, extra, watcher)
+            if first is None:
+                return
+
+            async def write(data: bytes) -> None:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+            out_stream = AgentStream(route, write, resp_id, self.model, body, forced, req.prompt_len)
+            await out_stream.start()
+            cur: StreamEvent | None = first
+            while cur is not None and cur.kind == "token":
+                await out_stream.token(self.engine.tokenizer.token_text(cur.token))
+                cur = await self._next(req, watcher)
+            if cur is None:
+                return
+            if cur.kind == "error":
+                await out_stream.fail(cur.message)
+            else:
+                await out_stream.finish(req.finish_reason, len(req.output_ids))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            self.engine.abort(req)
+
+    async def _open_stream(
+        self, send: Send, req: SimRequest, extra: list[tuple[bytes, bytes]], watcher: asyncio.Future[None]
+    ) -> StreamEvent | None:
+        """The first event, then the stream's headers; None when the client went away.
+
+        Errors found before the first token (e.g. a failed KV pull) are answered as plain HTTP errors."""
+        first = await self._next(req, watcher)
+        if first is None:
+            return None
+        if first.kind == "error":
+            raise HTTPError(first.status, first.message)
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE + extra})
+        return first
+
+    async def _finished(self, req: SimRequest, watcher: asyncio.Future[None]) -> bool:
+        """Wait for the request's end (a non-streamed answer); False when the client went away."""
+        while True:
+            ev = await self._next(req, watcher)
+            if ev is None:
+                return False
+            if ev.kind == "error":
+                raise HTTPError(ev.status, ev.message)
+            if ev.kind == "finish":
+                return True
+
     async def _next(self, req: SimRequest, watcher: asyncio.Future[None]) -> StreamEvent | None:
         """The next engine event, or None when the client went away."""
         if not req.events.empty():
@@ -226,14 +337,8 @@ class SimApp:
         extra: list[tuple[bytes, bytes]],
         watcher: asyncio.Future[None],
     ) -> None:
-        while True:
-            ev = await self._next(req, watcher)
-            if ev is None:
-                return
-            if ev.kind == "error":
-                raise HTTPError(ev.status, ev.message)
-            if ev.kind == "finish":
-                break
+        if not await self._finished(req, watcher):
+            return
         text = self.engine.tokenizer.decode(req.output_ids)
         want_ids = bool(body.get("return_token_ids"))
         usage = _usage(req)
@@ -300,13 +405,9 @@ class SimApp:
         extra: list[tuple[bytes, bytes]],
         watcher: asyncio.Future[None],
     ) -> None:
-        # Errors found before the first token (e.g. a failed KV pull) are answered as plain HTTP errors.
-        first = await self._next(req, watcher)
+        first = await self._open_stream(send, req, extra, watcher)
         if first is None:
             return
-        if first.kind == "error":
-            raise HTTPError(first.status, first.message)
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE + extra})
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         want_ids = bool(body.get("return_token_ids"))

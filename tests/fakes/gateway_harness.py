@@ -88,6 +88,7 @@ def make_settings(
     rate_limit: RateLimitConfig | None = None,
     slo: SLOConfig | None = None,
     max_body_bytes: int = 1 << 20,
+    fallback: str = "none",
     **extra: Any,
 ) -> GatewaySettings:
     gateway = GatewayConfig(
@@ -99,6 +100,7 @@ def make_settings(
         max_body_bytes=max_body_bytes,
         rate_limit=rate_limit or RateLimitConfig(),
         drain_timeout_s=5.0,
+        fallback=fallback,  # type: ignore[arg-type]
     )
     routing = RoutingConfig(tuple(prefill), tuple(decode), strategy, connector)  # type: ignore[arg-type]
     p = tuple(

