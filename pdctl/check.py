@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import Deployment, WorkerConfig
+from pdctl.config import Deployment, WorkerConfig, keys_of
 from pdctl.errors import ConfigError
 from pdctl.identity import WorkerIdentity, identity_problems
 from pdctl.modelinfo import ContextLength, context_length
@@ -601,8 +601,8 @@ def _key_of_flag(w: WorkerConfig, flag: str | None) -> str:
         return "connector"
     if any(a == flag or a.startswith(flag + "=") for a in w.extra_args):
         return f"{w.table}.extra_args"
-    for key, use in _WORKER_KEY_USE.items():
-        if use.kind == "argv" and flag in use.detail.replace("/", " ").split():
+    for key, spec in keys_of(WorkerConfig).items():
+        if spec.in_file and spec.flag and flag in (spec.flag, "--no-" + spec.flag.removeprefix("--")):
             return f"{w.table}.{key}"
     return w.table
 
@@ -641,29 +641,13 @@ class KeyUse:
     detail: str
 
 
+def _plain(doc: str) -> str:
+    """A docs cell (docs/config.md) as plain text."""
+    return doc.removeprefix("*extension*: ").replace("`", "")
+
+
 _WORKER_KEY_USE: dict[str, KeyUse] = {
-    "role": KeyUse("check", "must match the table name ([prefill] / [decode]); the table decides the role"),
-    "model": KeyUse("argv", "--model"),
-    "gpu_ids": KeyUse("env", "CUDA_VISIBLE_DEVICES"),
-    "cpu_ids": KeyUse("env", "VLLM_CPU_OMP_THREADS_BIND"),
-    "max_num_batched_tokens": KeyUse("argv", "--max-num-batched-tokens"),
-    "max_num_seqs": KeyUse("argv", "--max-num-seqs"),
-    "tensor_parallel_size": KeyUse("argv", "--tensor-parallel-size (omitted when 1, vLLM's default)"),
-    "enable_chunked_prefill": KeyUse("argv", "--enable-chunked-prefill / --no-enable-chunked-prefill"),
-    "gpu_memory_utilization": KeyUse("argv", "--gpu-memory-utilization"),
-    "engine": KeyUse("argv", "vllm or pdctl.sim"),
-    "host": KeyUse("argv", "--host"),
-    "env": KeyUse("env", "passed through"),
-    "extra_args": KeyUse("argv", "appended verbatim"),
-    "side_channel_port": KeyUse("env", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
-    "max_model_len": KeyUse("argv", "--max-model-len"),
-    "dtype": KeyUse("argv", "--dtype"),
-    "served_model_name": KeyUse("argv", "--served-model-name"),
-    "block_size": KeyUse("argv", "--block-size"),
-    "enforce_eager": KeyUse("argv", "--enforce-eager"),
-    "kv_connector": KeyUse("argv", "--kv-transfer-config kv_connector (checked against [connector])"),
-    "restart": KeyUse("supervisor", "restart policy of this worker"),
-    "name": KeyUse("supervisor", "process name in status and logs"),
+    name: KeyUse(spec.use, _plain(spec.doc)) for name, spec in keys_of(WorkerConfig).items() if spec.in_file
 }
 _KEY_USE: dict[str, KeyUse] = {
     "cluster.name": KeyUse("supervisor", "deployment name shown by `pdctl plan` (and in plan --json)"),

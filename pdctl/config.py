@@ -13,7 +13,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit
@@ -51,6 +51,131 @@ Strategy = Literal["pd_disagg", "colocated"]
 DEFAULT_CONFIG = "config.toml"
 DEFAULT_SETTINGS = "settings.json"
 NIXL_SIDE_CHANNEL_BASE = 5600
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+KeyKind = Literal["argv", "env", "gateway", "supervisor", "check"]
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One configuration key, declared once as the metadata of its dataclass field (see :func:`key`).
+
+    The loader reads it (``check`` returns the value or None when invalid; ``expected`` goes in the error),
+    the plan puts it on the command line (``flag``; left out when the value is None or ``omit``; a false
+    ``negatable`` bool becomes ``--no-…``) or names its environment variable (``env``), ``check`` describes
+    where it ends up (``use``), and docs/config.md shows ``type``, ``default`` and ``doc``
+    (tests/test_config_docs.py holds the two in step). ``in_file`` False: a field with a flag but no key
+    (the port comes from routing's endpoint).
+    """
+
+    check: Callable[[Any], Any]
+    expected: str
+    use: KeyKind
+    type: str = ""
+    default: str = ""
+    doc: str = ""
+    flag: str | None = None
+    env: str | None = None
+    omit: Any = None
+    negatable: bool = False
+    emit: bool = True
+    in_file: bool = True
+
+
+def key(
+    value: Any,
+    check: Callable[[Any], Any],
+    expected: str,
+    *,
+    use: KeyKind,
+    factory: Callable[[], Any] | None = None,
+    default: str | None = None,
+    **spec: Any,
+) -> Any:
+    """A dataclass field declaring a config key: its Python default (``value``, or ``factory``) and :class:`Key`.
+
+    ``default`` is the docs' default column; unset, it is ``value`` as TOML in backticks.
+    """
+    shown = default if default is not None else f"`{_toml_value(value)}`"
+    meta = {"key": Key(check, expected, use, default=shown, **spec)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=value, metadata=meta)
+
+
+def keys_of(cls: type) -> dict[str, Key]:
+    """The declared keys of a config dataclass, in field order."""
+    return {f.name: f.metadata["key"] for f in fields(cls) if "key" in f.metadata}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int | None]:
+    def check(v: Any) -> int | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            return None
+        return int(v)
+
+    return check
+
+
+def _num(lo_exclusive: float | None = None, hi: float | None = None) -> Callable[[Any], float | None]:
+    def check(v: Any) -> float | None:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return None
+        if (lo_exclusive is not None and v <= lo_exclusive) or (hi is not None and v > hi):
+            return None
+        return float(v)
+
+    return check
+
+
+def _bool(v: Any) -> bool | None:
+    return v if isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return str(v) if isinstance(v, str) and v != "" else None
+
+
+def _choice(*options: str) -> Callable[[Any], str | None]:
+    return lambda v: v if isinstance(v, str) and v in options else None
+
+
+def _int_list(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        return None
+    return tuple(int(x) for x in v)
+
+
+def _str_list(v: Any) -> tuple[str, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        return None
+    return tuple(v)
+
+
+def _str_map(v: Any) -> dict[str, str] | None:
+    if not isinstance(v, Mapping):
+        return None
+    out: dict[str, str] = {}
+    for k, x in v.items():
+        if isinstance(x, bool):
+            out[str(k)] = "1" if x else "0"
+        elif isinstance(x, str | int | float):
+            out[str(k)] = str(x)
+        else:
+            return None
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -98,37 +223,120 @@ class ConnectorConfig:
     extra_config: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
-    """One vLLM instance (``[prefill]`` / ``[decode]``, or an entry of ``[[prefill]]`` / ``[[decode]]``)."""
+    """One vLLM instance (``[prefill]`` / ``[decode]``, or an entry of ``[[prefill]]`` / ``[[decode]]``).
 
-    name: str
-    role: Role
-    index: int
-    model: str
-    url: str
-    host: str = "127.0.0.1"
-    port: int = 8100
-    engine: Engine = "vllm"
-    served_model_name: str | None = None
-    gpu_ids: tuple[int, ...] = ()
-    cpu_ids: tuple[int, ...] = ()
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    tensor_parallel_size: int = 1
-    enable_chunked_prefill: bool | None = None
-    gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    enforce_eager: bool | None = None
-    side_channel_port: int = NIXL_SIDE_CHANNEL_BASE
-    kv_connector: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    extra_args: tuple[str, ...] = ()
-    restart: RestartPolicy | None = None
-    replicas: int = 1
+    Each file key is declared once, here, by :func:`key`; fields without a :class:`Key` are derived. Field order
+    is the order of the flags on the command line.
+    """
+
+    # fmt: off
+    name: str = key(
+        None, _str, "a non-empty string", use="supervisor", type="string",
+        default="`prefill`, `decode` (`decode-0`, … with several)", doc="*extension*: the process name",
+    )
+    role: Role = key(
+        None, _choice("prefill", "decode"), "prefill or decode", use="check", type="`prefill` \\| `decode`",
+        default="the table's name", doc="must match the table",
+    )
+    index: int = 0
+    model: str = key(
+        None, _str, "a model name or path", use="argv", flag="--model", emit=False, type="string",
+        default="required",
+        doc="`--model` (`vllm serve MODEL`); relative paths are resolved against config.toml's folder",
+    )
+    url: str = ""
+    served_model_name: str | None = key(
+        None, _str, "a model name", use="argv", flag="--served-model-name", type="string", default="`model`",
+        doc="*extension*: `--served-model-name`; the name clients use",
+    )
+    host: str = key(
+        "127.0.0.1", _str, "a bind address", use="argv", flag="--host", type="string",
+        doc="*extension*: `--host` (bind address)",
+    )
+    port: int = key(8100, _int(1, 65535), "", use="argv", flag="--port", in_file=False)
+    kv_connector: str | None = key(
+        None, _str, "a connector name", use="argv", flag="--kv-transfer-config", type="string",
+        default="`[connector]`",
+        doc="*extension*: `--kv-transfer-config` `kv_connector`: per-worker connector override (must match, PD001)",
+    )
+    max_num_batched_tokens: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--max-num-batched-tokens", type="integer",
+        default="vLLM's", doc="`--max-num-batched-tokens`",
+    )
+    max_num_seqs: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--max-num-seqs", type="integer", default="vLLM's",
+        doc="`--max-num-seqs`",
+    )
+    tensor_parallel_size: int = key(
+        1, _int(1), "an integer >= 1", use="argv", flag="--tensor-parallel-size", omit=1, type="integer",
+        doc="`--tensor-parallel-size` (omitted when 1); must equal the number of `gpu_ids` (PD012)",
+    )
+    gpu_memory_utilization: float | None = key(
+        None, _num(None), "a number", use="argv", flag="--gpu-memory-utilization", type="number",
+        default="vLLM's",
+        doc="`--gpu-memory-utilization` (on vLLM CPU: a fraction of the NUMA node's memory)",
+    )
+    max_model_len: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--max-model-len", type="integer", default="vLLM's",
+        doc="*extension*: `--max-model-len`",
+    )
+    dtype: str | None = key(
+        None, _choice("auto", "bfloat16", "float16", "float32", "half", "float"),
+        "one of auto, bfloat16, float16, float32", use="argv", flag="--dtype", type="string", default="vLLM's",
+        doc="*extension*: `--dtype`",
+    )
+    block_size: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--block-size", type="integer", default="vLLM's",
+        doc="*extension*: `--block-size`",
+    )
+    enable_chunked_prefill: bool | None = key(
+        None, _bool, "true or false", use="argv", flag="--enable-chunked-prefill", negatable=True, type="bool",
+        default="vLLM's", doc="`--enable-chunked-prefill` / `--no-enable-chunked-prefill`",
+    )
+    enforce_eager: bool | None = key(
+        None, _bool, "true or false", use="argv", flag="--enforce-eager", omit=False, type="bool",
+        default="`false`", doc="*extension*: `--enforce-eager`",
+    )
+    engine: Engine = key(
+        "vllm", _choice("vllm", "sim"), "vllm or sim", use="argv", type="`vllm` \\| `sim`",
+        doc="*extension*: `sim` launches `python -m pdctl.sim` with the same flags",
+    )
+    gpu_ids: tuple[int, ...] = key(
+        (), _int_list, "a list of GPU indices", use="env", env="CUDA_VISIBLE_DEVICES", type="list of integers",
+        default="`[]`", doc="`CUDA_VISIBLE_DEVICES`",
+    )
+    cpu_ids: tuple[int, ...] = key(
+        (), _int_list, "a list of CPU core indices", use="env", env="VLLM_CPU_OMP_THREADS_BIND",
+        type="list of integers", default="`[]`",
+        doc="*extension*: `VLLM_CPU_OMP_THREADS_BIND` (CPU backend core binding), and the CPU affinity of the "
+        "worker's whole process tree, kept there while it runs (docs/cpu.md)",
+    )
+    side_channel_port: int = key(
+        NIXL_SIDE_CHANNEL_BASE, _int(1, 65535), "an integer 1-65535", use="env", env="VLLM_NIXL_SIDE_CHANNEL_PORT",
+        type="integer", default="5600 + 100 × instance", doc="*extension*: `VLLM_NIXL_SIDE_CHANNEL_PORT`",
+    )
+    env: Mapping[str, str] = key(
+        None, _str_map, "a table of strings", factory=dict, use="env", type="table of strings", default="`{}`",
+        doc="*extension*: extra environment of this worker",
+    )
+    extra_args: tuple[str, ...] = key(
+        (), _str_list, "a list of strings", use="argv", type="list of strings", default="`[]`",
+        doc="*extension*: appended to the command line verbatim",
+    )
+    restart: RestartPolicy | None = key(
+        None, _choice("never", "on-failure"), "never or on-failure", use="supervisor",
+        type="`never` \\| `on-failure`", default="`[supervisor] restart`",
+        doc="*extension*: restart policy of this worker",
+    )
+    replicas: int = key(
+        1, _int(1, 1000), "an integer 1-1000", use="supervisor", type="integer 1-1000",
+        doc="*extension*: pods of this group in `pdctl render k8s` (the StatefulSet's `replicas`); `pdctl up` "
+        "starts one process per entry whatever it says ([multi-node.md](multi-node.md))",
+    )
     table: str = "prefill"
+    # fmt: on
 
     @property
     def model_name(self) -> str:
@@ -421,66 +629,6 @@ def _show(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int | None]:
-    def check(v: Any) -> int | None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            return None
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            return None
-        return int(v)
-
-    return check
-
-
-def _num(lo_exclusive: float | None = None, hi: float | None = None) -> Callable[[Any], float | None]:
-    def check(v: Any) -> float | None:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return None
-        if (lo_exclusive is not None and v <= lo_exclusive) or (hi is not None and v > hi):
-            return None
-        return float(v)
-
-    return check
-
-
-def _bool(v: Any) -> bool | None:
-    return v if isinstance(v, bool) else None
-
-
-def _str(v: Any) -> str | None:
-    return str(v) if isinstance(v, str) and v != "" else None
-
-
-def _choice(*options: str) -> Callable[[Any], str | None]:
-    return lambda v: v if isinstance(v, str) and v in options else None
-
-
-def _int_list(v: Any) -> tuple[int, ...] | None:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        return None
-    return tuple(int(x) for x in v)
-
-
-def _str_list(v: Any) -> tuple[str, ...] | None:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        return None
-    return tuple(v)
-
-
-def _str_map(v: Any) -> dict[str, str] | None:
-    if not isinstance(v, Mapping):
-        return None
-    out: dict[str, str] = {}
-    for k, x in v.items():
-        if isinstance(x, bool):
-            out[str(k)] = "1" if x else "0"
-        elif isinstance(x, str | int | float):
-            out[str(k)] = str(x)
-        else:
-            return None
-    return out
-
-
 def _endpoints(v: Any) -> tuple[str, ...] | None:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
@@ -513,12 +661,8 @@ def parse_listen(value: str) -> tuple[str, int]:
 # ------------------------------------------------------------------------------------------ loading
 
 CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim", "engine")
-WORKER_KEYS = (
-    "role", "model", "gpu_ids", "cpu_ids", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
-    "enable_chunked_prefill", "gpu_memory_utilization", "engine", "host", "env", "extra_args",
-    "side_channel_port", "max_model_len", "dtype", "served_model_name", "block_size", "enforce_eager",
-    "kv_connector", "restart", "name", "replicas",
-)  # fmt: skip
+_WORKER_SCHEMA = [(name, spec) for name, spec in keys_of(WorkerConfig).items() if spec.in_file]
+WORKER_KEYS = tuple(name for name, _ in _WORKER_SCHEMA)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -729,45 +873,16 @@ def _load_workers(
         if not isinstance(data, Mapping):
             raise top.err(prefix, f"expected a table, got {_show(data)}")
         w = _Section(top.src, top.file, prefix, data)
-        declared = w.opt("role", _choice("prefill", "decode"), "prefill or decode")
+        values = {name: w.get(name, spec.check, spec.expected, None) for name, spec in _WORKER_SCHEMA if w.has(name)}
+        declared = values.pop("role", None)
         if declared is not None and declared != role:
             raise w.err("role", f"expected {role!r} in the [{role}] table, got {declared!r}")
-        _, port = parse_endpoint(url)
-        default_name = role if len(entries) == 1 else f"{role}-{i}"
-        worker = WorkerConfig(
-            name=w.get("name", _str, "a non-empty string", default_name),
-            role=role,
-            index=i,
-            table=prefix,
-            url=url.rstrip("/"),
-            port=port,
-            model=w.get("model", _str, "a model name or path", cast(str, None)),
-            host=w.get("host", _str, "a bind address", "127.0.0.1"),
-            engine=cast(Engine, w.get("engine", _choice("vllm", "sim"), "vllm or sim", "vllm")),
-            served_model_name=w.opt("served_model_name", _str, "a model name"),
-            gpu_ids=w.get("gpu_ids", _int_list, "a list of GPU indices", ()),
-            cpu_ids=w.get("cpu_ids", _int_list, "a list of CPU core indices", ()),
-            max_num_batched_tokens=w.opt("max_num_batched_tokens", _int(1), "an integer >= 1"),
-            max_num_seqs=w.opt("max_num_seqs", _int(1), "an integer >= 1"),
-            tensor_parallel_size=w.get("tensor_parallel_size", _int(1), "an integer >= 1", 1),
-            enable_chunked_prefill=w.opt("enable_chunked_prefill", _bool, "true or false"),
-            gpu_memory_utilization=w.opt("gpu_memory_utilization", _num(None), "a number"),
-            max_model_len=w.opt("max_model_len", _int(1), "an integer >= 1"),
-            dtype=w.opt("dtype", _choice("auto", "bfloat16", "float16", "float32", "half", "float"),
-                        "one of auto, bfloat16, float16, float32"),
-            block_size=w.opt("block_size", _int(1), "an integer >= 1"),
-            enforce_eager=w.opt("enforce_eager", _bool, "true or false"),
-            side_channel_port=w.get("side_channel_port", _int(1, 65535), "an integer 1-65535",
-                                    NIXL_SIDE_CHANNEL_BASE + 100 * (side_index + i)),
-            kv_connector=w.opt("kv_connector", _str, "a connector name"),
-            env=w.get("env", _str_map, "a table of strings", {}),
-            extra_args=w.get("extra_args", _str_list, "a list of strings", ()),
-            restart=cast(RestartPolicy | None,
-                         w.opt("restart", _choice("never", "on-failure"), "never or on-failure")),
-            replicas=w.get("replicas", _int(1, 1000), "an integer 1-1000", 1),
-        )  # fmt: skip
-        if worker.model is None:
+        if "model" not in values:
             raise w.err("model", "missing", hint='set `model = "Qwen/Qwen3-8B"` (the same on prefill and decode)')
+        values.setdefault("name", role if len(entries) == 1 else f"{role}-{i}")
+        values.setdefault("side_channel_port", NIXL_SIDE_CHANNEL_BASE + 100 * (side_index + i))
+        _, port = parse_endpoint(url)
+        worker = WorkerConfig(role=role, index=i, table=prefix, url=url.rstrip("/"), port=port, **values)
         w.finish(list(WORKER_KEYS))
         out.append(worker)
     return tuple(out)

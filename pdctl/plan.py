@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pdctl.config import Deployment, WorkerConfig
+from pdctl.config import Deployment, WorkerConfig, keys_of
 from pdctl.protocol import NIXL_CONNECTORS, connector_kind
 
 __all__ = [
@@ -286,26 +286,8 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         argv = [*vllm.launch, model]
     else:
         argv = [*vllm.launch, "--model", model]
-    if w.served_model_name:
-        flags += ["--served-model-name", w.served_model_name]
-    flags += ["--host", w.host, "--port", str(w.port)]
-    flags += ["--kv-transfer-config", json.dumps(kv_transfer_config(dep, w), separators=(",", ":"))]
-    optional: list[tuple[str, Any]] = [
-        ("--max-num-batched-tokens", w.max_num_batched_tokens),
-        ("--max-num-seqs", w.max_num_seqs),
-        ("--tensor-parallel-size", w.tensor_parallel_size if w.tensor_parallel_size != 1 else None),
-        ("--gpu-memory-utilization", w.gpu_memory_utilization),
-        ("--max-model-len", w.max_model_len),
-        ("--dtype", w.dtype),
-        ("--block-size", w.block_size),
-    ]
-    for flag, value in optional:
-        if value is not None:
-            flags += [flag, str(value)]
-    if w.enable_chunked_prefill is not None:
-        flags.append("--enable-chunked-prefill" if w.enable_chunked_prefill else "--no-enable-chunked-prefill")
-    if w.enforce_eager:
-        flags.append("--enforce-eager")
+    kv_config = json.dumps(kv_transfer_config(dep, w), separators=(",", ":"))
+    flags += _key_flags(w, {"kv_connector": kv_config})
     if w.engine == "sim":
         flags += [
             "--sim-profile", dep.sim.profile,
@@ -351,6 +333,22 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         restart=w.restart or dep.supervisor.restart,
         files=files,
     )
+
+
+def _key_flags(w: WorkerConfig, values: Mapping[str, Any]) -> list[str]:
+    """The flags of ``w``'s declared keys (:class:`~pdctl.config.Key`), in field order; ``values`` replaces some."""
+    flags: list[str] = []
+    for name, spec in keys_of(WorkerConfig).items():
+        value = values.get(name, getattr(w, name))
+        if spec.flag is None or not spec.emit or value is None or value == spec.omit:
+            continue
+        if value is True:
+            flags.append(spec.flag)
+        elif value is False:
+            flags += ["--no-" + spec.flag.removeprefix("--")] if spec.negatable else []
+        else:
+            flags += [spec.flag, str(value)]
+    return flags
 
 
 def _num(x: float) -> str:

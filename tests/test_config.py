@@ -236,3 +236,25 @@ def test_plan_shows_the_cluster_name(recipe_files, cli) -> None:  # type: ignore
     assert json.loads(res.stdout)["cluster"] == "team-a-pd"
     res = cli("plan", "-c", str(cpath), "-s", str(spath))
     assert res.stdout.splitlines()[0] == "deployment team-a-pd"
+
+
+def test_every_declared_worker_key_reaches_its_flag_or_env(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    """Each key declared with a flag or env (config.key) is read by the loader and lands where it says."""
+    from pdctl.plan import VllmInstall, build_plan
+
+    extra = (
+        'served_model_name = "q"\nhost = "0.0.0.0"\nkv_connector = "NixlConnector"\ngpu_memory_utilization = 0.5\n'
+        'max_model_len = 4096\ndtype = "bfloat16"\nblock_size = 32\nenforce_eager = true\ncpu_ids = [2, 3]\n'
+        "side_channel_port = 6100\n"
+    )
+    cpath, spath = recipe_files({"enable_chunked_prefill = false\n": "enable_chunked_prefill = false\n" + extra,
+                                 "tensor_parallel_size = 1\nenable": "tensor_parallel_size = 2\nenable"})  # fmt: skip
+    pre = build_plan(load(cpath, spath), VllmInstall("vllm", "0.32.0")).get("prefill")
+    for name, spec in config.keys_of(config.WorkerConfig).items():
+        if spec.flag and spec.emit:
+            assert spec.flag in pre.argv or "--no-" + spec.flag[2:] in pre.argv, name
+        if spec.env:
+            assert spec.env in pre.env, name
+    assert pre.argv[pre.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--no-enable-chunked-prefill" in pre.argv and "--enforce-eager" in pre.argv
+    assert pre.env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and pre.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "6100"

@@ -1,0 +1,39 @@
+"""docs/config.md's key tables against the declarations in pdctl/config.py (:func:`pdctl.config.key`)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pdctl import config
+from tests.conftest import REPO
+
+DOC = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+
+
+def _table(heading: str) -> dict[str, str]:
+    """The rows of the table under ``heading`` (a ``### `` line starting with it), by key."""
+    start = DOC.index("\n### " + heading)
+    body = DOC[start:].split("\n### ", 2)[1]
+    rows = [line for line in body.splitlines() if line.startswith("| `")]
+    return {re.match(r"\| `([\w.]+)`", row).group(1): row for row in rows}  # type: ignore[union-attr]
+
+
+def _row(name: str, spec: config.Key, columns: int) -> str:
+    cells = [f"`{name}`", spec.type, spec.default, spec.doc] if columns == 4 else [f"`{name}`", spec.default, spec.doc]
+    return "| " + " | ".join(cells) + " |"
+
+
+SECTIONS = [
+    ("`[prefill]` and `[decode]`", config.WorkerConfig, 4),
+]
+
+
+@pytest.mark.parametrize(("heading", "cls", "columns"), SECTIONS, ids=[s[1].__name__ for s in SECTIONS])
+def test_docs_table_is_the_declaration(heading: str, cls: type, columns: int) -> None:
+    documented = _table(heading)
+    declared = {name: _row(name, spec, columns) for name, spec in config.keys_of(cls).items() if spec.in_file}
+    assert sorted(documented) == sorted(declared), "docs/config.md lists other keys than the declarations"
+    for name, row in declared.items():
+        assert documented[name] == row, f"docs/config.md's row of {name!r} differs from its declaration"
