@@ -34,10 +34,12 @@ __all__ = [
     "RateLimitConfig",
     "RoutingConfig",
     "SLOConfig",
+    "Settings",
     "SimConfig",
     "SourceMap",
     "SupervisorConfig",
     "WorkerConfig",
+    "instance_name",
     "load",
     "load_settings",
     "parse_endpoint",
@@ -429,6 +431,21 @@ class LoggingConfig:
     log_kv_transfer: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """``settings.json``: what the gateway runs from (:func:`load_settings`; a :class:`Deployment` has the same)."""
+
+    gateway: GatewayConfig
+    routing: RoutingConfig
+    slo: SLOConfig
+    logging: LoggingConfig
+
+
+def instance_name(role: Role, index: int, count: int) -> str:
+    """A worker's default name: its role alone, or ``decode-0``, ``decode-1``, … when the role has several."""
+    return role if count == 1 else f"{role}-{index}"
+
+
 class SourceMap:
     """Best-effort line numbers of dotted keys in the two source files."""
 
@@ -481,6 +498,11 @@ class Deployment:
     engine: EngineConfig = field(default_factory=EngineConfig)
     config_keys: tuple[str, ...] = ()
     settings_keys: tuple[str, ...] = ()
+
+    @property
+    def settings(self) -> Settings:
+        """The settings.json part."""
+        return Settings(self.gateway, self.routing, self.slo, self.logging)
 
     @property
     def workers(self) -> tuple[WorkerConfig, ...]:
@@ -738,7 +760,7 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     top.finish(list(CONFIG_TABLES))
 
     settings = _load_settings(src, sfile, sdata)
-    gateway, routing, slo, logging_cfg = settings
+    gateway, routing = settings.gateway, settings.routing
 
     c = top.sub("cluster")
     cluster = ClusterConfig(
@@ -828,8 +850,8 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
         decode=decode,
         gateway=gateway,
         routing=routing,
-        slo=slo,
-        logging=logging_cfg,
+        slo=settings.slo,
+        logging=settings.logging,
         supervisor=supervisor,
         sim=sim,
         engine=engine,
@@ -879,7 +901,7 @@ def _load_workers(
             raise w.err("role", f"expected {role!r} in the [{role}] table, got {declared!r}")
         if "model" not in values:
             raise w.err("model", "missing", hint='set `model = "Qwen/Qwen3-8B"` (the same on prefill and decode)')
-        values.setdefault("name", role if len(entries) == 1 else f"{role}-{i}")
+        values.setdefault("name", instance_name(role, i, len(entries)))
         values.setdefault("side_channel_port", NIXL_SIDE_CHANNEL_BASE + 100 * (side_index + i))
         _, port = parse_endpoint(url)
         worker = WorkerConfig(role=role, index=i, table=prefix, url=url.rstrip("/"), port=port, **values)
@@ -888,9 +910,7 @@ def _load_workers(
     return tuple(out)
 
 
-def load_settings(
-    settings_path: str | Path = DEFAULT_SETTINGS,
-) -> tuple[GatewayConfig, RoutingConfig, SLOConfig, LoggingConfig]:
+def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> Settings:
     """Read ``settings.json`` alone (the gateway runs from it when no config.toml is given)."""
     spath = Path(settings_path)
     data = read_json(spath)
@@ -898,9 +918,7 @@ def load_settings(
     return _load_settings(src, str(spath), data)
 
 
-def _load_settings(
-    src: SourceMap, sfile: str, data: Mapping[str, Any]
-) -> tuple[GatewayConfig, RoutingConfig, SLOConfig, LoggingConfig]:
+def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Settings:
     top = _Section(src, sfile, "", data)
     top.finish(["gateway", "routing", "slo", "logging"])
 
@@ -969,4 +987,4 @@ def _load_settings(
         log_kv_transfer=lg.get("log_kv_transfer", _bool, "true or false", True),
     )  # fmt: skip
     lg.finish()
-    return gateway, routing, slo, logging_cfg
+    return Settings(gateway, routing, slo, logging_cfg)

@@ -9,6 +9,7 @@ import pytest
 from pdctl import config
 from pdctl.config import load
 from pdctl.errors import ConfigError
+from pdctl.gateway.settings import from_settings
 from tests.conftest import RECIPE, REPO
 
 SEED = REPO.parent / "shared" / "seed"  # the project's copy of the article, beside the checkout in CI
@@ -167,6 +168,10 @@ def test_several_instances_per_role(recipe_files) -> None:  # type: ignore[no-un
     assert [w.port for w in dep.decode] == [8200, 8300]
     assert dep.decode[0].side_channel_port != dep.decode[1].side_channel_port
     assert "[[decode]]" in text
+    # settings.json alone (the gateway without config.toml) names the instances as config.toml's loader does.
+    alone = from_settings(config.load_settings(spath))
+    assert [i.name for i in alone.instances] == [w.name for w in dep.workers] == ["prefill", "decode-0", "decode-1"]
+    assert config.load_settings(spath) == dep.settings
 
 
 def test_endpoint_count_must_match_instances(recipe_files) -> None:  # type: ignore[no-untyped-def]

@@ -36,7 +36,7 @@ def gateway(
     if config is not None:
         gw_settings = from_deployment(load(config, settings))
     else:
-        gw_settings = from_settings(*load_settings(settings))
+        gw_settings = from_settings(load_settings(settings))
     g = gw_settings.gateway
     key = read_key(g.api_key_env, "gateway.api_key_env")
     upstream_key = None
