@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import Deployment, WorkerConfig, keys_of
+from pdctl.config import Deployment, EngineConfig, SimConfig, SupervisorConfig, WorkerConfig, keys_of
 from pdctl.errors import ConfigError
 from pdctl.identity import WorkerIdentity, identity_problems
 from pdctl.modelinfo import ContextLength, context_length
@@ -649,6 +649,11 @@ def _plain(doc: str) -> str:
 _WORKER_KEY_USE: dict[str, KeyUse] = {
     name: KeyUse(spec.use, _plain(spec.doc)) for name, spec in keys_of(WorkerConfig).items() if spec.in_file
 }
+_SECTION_KEY_USE: dict[str, KeyUse] = {
+    f"{table}.{name}": KeyUse(spec.use, _plain(spec.doc))
+    for table, cls in (("supervisor", SupervisorConfig), ("engine", EngineConfig), ("sim", SimConfig))
+    for name, spec in keys_of(cls).items()
+}
 _KEY_USE: dict[str, KeyUse] = {
     "cluster.name": KeyUse("supervisor", "deployment name shown by `pdctl plan` (and in plan --json)"),
     "cluster.gateway_host": KeyUse("gateway", "gateway bind address (must agree with gateway.listen)"),
@@ -664,8 +669,7 @@ _KEY_USE: dict[str, KeyUse] = {
     "connector.kv_load_failure_policy": KeyUse("argv", "--kv-transfer-config kv_load_failure_policy"),
     "connector.kv_connector_extra_config": KeyUse("argv", "--kv-transfer-config kv_connector_extra_config"),
 }
-_PREFIX_USE = {"supervisor.": KeyUse("supervisor", "pdctl up"), "sim.": KeyUse("argv", "--sim-* flags"),
-               "gateway.": KeyUse("gateway", "gateway settings"), "routing.": KeyUse("gateway", "routing"),
+_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings"), "routing.": KeyUse("gateway", "routing"),
                "slo.": KeyUse("gateway", "SLO early rejection and bench goodput"),
                "logging.": KeyUse("gateway", "gateway and worker log levels")}  # fmt: skip
 
@@ -674,6 +678,8 @@ def describe_key(key: str) -> KeyUse:
     """Where ``key`` (a dotted key of either file) ends up; every known key has an answer."""
     if key in _KEY_USE:
         return _KEY_USE[key]
+    if key in _SECTION_KEY_USE:
+        return _SECTION_KEY_USE[key]
     head, _, leaf = key.partition(".")
     if re.fullmatch(r"(prefill|decode)(\[\d+\])?", head) and leaf.split(".")[0] in _WORKER_KEY_USE:
         return _WORKER_KEY_USE[leaf.split(".")[0]]

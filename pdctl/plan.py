@@ -289,13 +289,8 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
     kv_config = json.dumps(kv_transfer_config(dep, w), separators=(",", ":"))
     flags += _key_flags(w, {"kv_connector": kv_config})
     if w.engine == "sim":
-        flags += [
-            "--sim-profile", dep.sim.profile,
-            "--sim-speed", _num(dep.sim.speed),
-            "--sim-kv-scale", _num(dep.sim.kv_scale),
-            "--sim-seed", str(dep.sim.seed),
-            "--sim-link", dep.kv_transfer.link,
-        ]  # fmt: skip
+        flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
+        flags += ["--sim-link", dep.kv_transfer.link]
     flags += list(w.extra_args)
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1"}
@@ -335,11 +330,14 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
     )
 
 
-def _key_flags(w: WorkerConfig, values: Mapping[str, Any]) -> list[str]:
-    """The flags of ``w``'s declared keys (:class:`~pdctl.config.Key`), in field order; ``values`` replaces some."""
+def _key_flags(section: Any, values: Mapping[str, Any]) -> list[str]:
+    """The flags of a config section's declared keys (:class:`~pdctl.config.Key`), in field order.
+
+    ``values`` replaces some keys' values (a computed JSON, a formatted number).
+    """
     flags: list[str] = []
-    for name, spec in keys_of(WorkerConfig).items():
-        value = values.get(name, getattr(w, name))
+    for name, spec in keys_of(type(section)).items():
+        value = values.get(name, getattr(section, name))
         if spec.flag is None or not spec.emit or value is None or value == spec.omit:
             continue
         if value is True:

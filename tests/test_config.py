@@ -90,6 +90,25 @@ def test_config_errors_name_file_line_key(recipe_files, edits: dict[str, str], e
     assert str(info.value) == expected
 
 
+@pytest.mark.parametrize(
+    ("append", "expected", "hint"),
+    [
+        ("[supervisor]\nready_timeout = 60\n", "config.toml:46: supervisor.ready_timeout: unknown key",
+         "did you mean 'ready_timeout_s'?"),
+        ('[supervisor]\nrestart = "always"\n',
+         'config.toml:46: supervisor.restart: expected never or on-failure, got "always"', None),
+        ("[sim]\nkv_scale = 2\n", "config.toml:46: sim.kv_scale: expected a number in (0, 1], got 2", None),
+        ("[engine]\npyhton = \"/usr/bin/python3\"\n", "config.toml:46: engine.pyhton: unknown key",
+         "did you mean 'python'?"),
+    ],
+)  # fmt: skip
+def test_section_errors_name_file_line_key(recipe_files, append: str, expected: str, hint: str | None) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(config_append="\n" + append)
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert (str(info.value), info.value.hint) == (expected, hint)
+
+
 def test_unknown_key_suggests_the_nearest(recipe_files) -> None:  # type: ignore[no-untyped-def]
     cpath, spath = recipe_files(config_edits={"max_num_seqs = 8\n": "max_num_seq = 8\n"})
     with pytest.raises(ConfigError) as info:

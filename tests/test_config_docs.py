@@ -27,6 +27,9 @@ def _row(name: str, spec: config.Key, columns: int) -> str:
 
 SECTIONS = [
     ("`[prefill]` and `[decode]`", config.WorkerConfig, 4),
+    ("`[supervisor]`", config.SupervisorConfig, 3),
+    ("`[engine]`", config.EngineConfig, 3),
+    ("`[sim]`", config.SimConfig, 3),
 ]
 
 
