@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import Deployment, EngineConfig, SimConfig, SupervisorConfig, WorkerConfig, keys_of
+from pdctl.config import DECLARED_TABLES, Deployment, WorkerConfig, keys_of
 from pdctl.errors import ConfigError
 from pdctl.identity import WorkerIdentity, identity_problems
 from pdctl.modelinfo import ContextLength, context_length
@@ -651,18 +651,10 @@ _WORKER_KEY_USE: dict[str, KeyUse] = {
 }
 _SECTION_KEY_USE: dict[str, KeyUse] = {
     f"{table}.{name}": KeyUse(spec.use, _plain(spec.doc))
-    for table, cls in (("supervisor", SupervisorConfig), ("engine", EngineConfig), ("sim", SimConfig))
+    for table, cls in DECLARED_TABLES.items()
     for name, spec in keys_of(cls).items()
 }
 _KEY_USE: dict[str, KeyUse] = {
-    "cluster.name": KeyUse("supervisor", "deployment name shown by `pdctl plan` (and in plan --json)"),
-    "cluster.gateway_host": KeyUse("gateway", "gateway bind address (must agree with gateway.listen)"),
-    "cluster.gateway_port": KeyUse("gateway", "gateway port (must agree with gateway.listen)"),
-    "kv_transfer.backend": KeyUse("check", "checked against the connector"),
-    "kv_transfer.granularity": KeyUse("check", "reported by PD020: no vLLM option"),
-    "kv_transfer.timeout_ms": KeyUse("gateway", "KV handoff deadline; NIXL kv_lease_duration"),
-    "kv_transfer.shared_storage_path": KeyUse("argv", "kv_connector_extra_config.shared_storage_path"),
-    "kv_transfer.link": KeyUse("argv", "simulator link model (--sim-link)"),
     "connector.kv_connector": KeyUse("argv", "--kv-transfer-config kv_connector"),
     "connector.kv_role": KeyUse("check", "reported by PD019: the role follows the worker"),
     "connector.kv_buffer_device": KeyUse("argv", "--kv-transfer-config kv_buffer_device"),

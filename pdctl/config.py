@@ -189,20 +189,52 @@ def _str_map(v: Any) -> dict[str, str] | None:
 class ClusterConfig:
     """``[cluster]``: the deployment's name and the gateway's address."""
 
-    name: str = "pdctl"
-    gateway_host: str | None = None
-    gateway_port: int | None = None
+    # fmt: off
+    name: str = key(
+        "pdctl", _str, "a non-empty string", use="supervisor", type="string",
+        doc="the deployment's name, shown by `pdctl plan` (`\"cluster\"` in `plan --json`)",
+    )
+    gateway_host: str | None = key(
+        None, _str, "a host name or address", use="gateway", type="string", default="from `gateway.listen`",
+        doc="gateway bind address; must agree with `gateway.listen`",
+    )
+    gateway_port: int | None = key(
+        None, _int(1, 65535), "an integer 1-65535", use="gateway", type="integer", default="from `gateway.listen`",
+        doc="gateway port; must agree with `gateway.listen`",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class KVTransferConfig:
     """``[kv_transfer]``: how KV moves. ``granularity``/``timeout_ms`` are mapped (or reported) by check."""
 
-    backend: str = "nixl"
-    granularity: Literal["request", "layer", "block"] = "layer"
-    timeout_ms: int = 30000
-    shared_storage_path: str | None = None
-    link: str = "loopback"
+    # fmt: off
+    backend: str = key(
+        "nixl", _str, "a backend name (nixl, shared_storage, ...)", use="check", type="string",
+        doc="checked against the connector: `nixl` ↔ `NixlConnector`, `shared_storage` ↔ `ExampleConnector` (PD002)",
+    )
+    granularity: Literal["request", "layer", "block"] = key(
+        "layer", _choice("request", "layer", "block"), "one of request, layer, block", use="check",
+        type="`request` \\| `layer` \\| `block`",
+        doc="**no vLLM option**: NixlConnector has decode pull whole blocks after prefill; ExampleConnector works "
+        "per layer anyway. `check` says so (PD020) instead of dropping it silently",
+    )
+    timeout_ms: int = key(
+        30000, _int(1), "an integer >= 1 (milliseconds)", use="gateway", type="integer",
+        doc="the gateway's deadline for the KV handoff (decode's first token), and NIXL's `kv_lease_duration` "
+        "(seconds, rounded up; emitted only when not vLLM's default 30) (PD021)",
+    )
+    shared_storage_path: str | None = key(
+        None, _str, "a folder path", use="argv", type="string", default="`/tmp/pdctl-kv`",
+        doc="*extension*: `kv_connector_extra_config.shared_storage_path` for ExampleConnector (relative to "
+        "config.toml)",
+    )
+    link: str = key(
+        "loopback", _str, "a link name", use="argv", type="string",
+        doc="*extension*: the simulator's link model (`loopback`, `nvlink`, `rdma-400g`, `rdma-100g`, `tcp-1g`)",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,6 +533,16 @@ class Settings:
 def instance_name(role: Role, index: int, count: int) -> str:
     """A worker's default name: its role alone, or ``decode-0``, ``decode-1``, … when the role has several."""
     return role if count == 1 else f"{role}-{index}"
+
+
+#: The config.toml tables whose keys are all declared with :func:`key`, by table name.
+DECLARED_TABLES: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "kv_transfer": KVTransferConfig,
+    "supervisor": SupervisorConfig,
+    "engine": EngineConfig,
+    "sim": SimConfig,
+}
 
 
 class SourceMap:
@@ -819,19 +861,14 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     settings = _load_settings(src, sfile, sdata)
     gateway, routing = settings.gateway, settings.routing
 
-    c = top.sub("cluster")
-    cluster = ClusterConfig(
-        name=c.get("name", _str, "a non-empty string", "pdctl"),
-        gateway_host=c.opt("gateway_host", _str, "a host name or address"),
-        gateway_port=c.opt("gateway_port", _int(1, 65535), "an integer 1-65535"),
-    )
-    c.finish()
+    cluster = ClusterConfig(**_read_section(top, "cluster", ClusterConfig))
     if cluster.gateway_port is not None and "listen" in sdata.get("gateway", {}):
         if cluster.gateway_port != gateway.listen_port or (
             cluster.gateway_host is not None and cluster.gateway_host != gateway.listen_host
         ):
-            raise c.err(
-                "gateway_port",
+            raise src.error(
+                cfile,
+                "cluster.gateway_port",
                 f"{cluster.gateway_host}:{cluster.gateway_port} disagrees with gateway.listen "
                 f"{gateway.listen_host}:{gateway.listen_port} in {spath.name}",
                 hint="make [cluster] gateway_host/gateway_port and gateway.listen name the same address",
@@ -839,18 +876,7 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     elif cluster.gateway_port is not None:
         gateway = _replace_gateway(gateway, cluster.gateway_host or gateway.listen_host, cluster.gateway_port)
 
-    k = top.sub("kv_transfer")
-    kv = KVTransferConfig(
-        backend=k.get("backend", _str, "a backend name (nixl, shared_storage, ...)", "nixl"),
-        granularity=cast(
-            Literal["request", "layer", "block"],
-            k.get("granularity", _choice("request", "layer", "block"), "one of request, layer, block", "layer"),
-        ),
-        timeout_ms=k.get("timeout_ms", _int(1), "an integer >= 1 (milliseconds)", 30000),
-        shared_storage_path=k.opt("shared_storage_path", _str, "a folder path"),
-        link=k.get("link", _str, "a link name", "loopback"),
-    )
-    k.finish()
+    kv = KVTransferConfig(**_read_section(top, "kv_transfer", KVTransferConfig))
 
     n = top.sub("connector")
     extra = n.opt("kv_connector_extra_config", lambda v: dict(v) if isinstance(v, Mapping) else None, "a table")

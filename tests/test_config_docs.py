@@ -26,6 +26,8 @@ def _row(name: str, spec: config.Key, columns: int) -> str:
 
 
 SECTIONS = [
+    ("`[cluster]`", config.ClusterConfig, 4),
+    ("`[kv_transfer]`", config.KVTransferConfig, 4),
     ("`[prefill]` and `[decode]`", config.WorkerConfig, 4),
     ("`[supervisor]`", config.SupervisorConfig, 3),
     ("`[engine]`", config.EngineConfig, 3),
@@ -40,3 +42,15 @@ def test_docs_table_is_the_declaration(heading: str, cls: type, columns: int) ->
     assert sorted(documented) == sorted(declared), "docs/config.md lists other keys than the declarations"
     for name, row in declared.items():
         assert documented[name] == row, f"docs/config.md's row of {name!r} differs from its declaration"
+
+
+def test_check_describes_every_declared_key() -> None:
+    """`check`'s key table reads the declarations: every declared key has a use (none "not_applicable")."""
+    from pdctl.check import describe_key
+
+    keys = [f"{table}.{name}" for table, cls in config.DECLARED_TABLES.items() for name in config.keys_of(cls)]
+    keys += [f"decode[1].{name}" for name in config.WORKER_KEYS]
+    for key in keys:
+        use = describe_key(key)
+        assert use.kind != "not_applicable", key
+    assert describe_key("prefill.dtype").detail == "--dtype"
