@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import DECLARED_TABLES, Deployment, WorkerConfig, keys_of
+from pdctl.config import DECLARED_SECTIONS, Deployment, WorkerConfig, keys_of
 from pdctl.errors import ConfigError
 from pdctl.identity import WorkerIdentity, identity_problems
 from pdctl.modelinfo import ContextLength, context_length
@@ -651,7 +651,7 @@ _WORKER_KEY_USE: dict[str, KeyUse] = {
 }
 _SECTION_KEY_USE: dict[str, KeyUse] = {
     f"{table}.{name}": KeyUse(spec.use, _plain(spec.doc))
-    for table, cls in DECLARED_TABLES.items()
+    for table, cls in DECLARED_SECTIONS.items()
     for name, spec in keys_of(cls).items()
 }
 _KEY_USE: dict[str, KeyUse] = {
@@ -661,9 +661,7 @@ _KEY_USE: dict[str, KeyUse] = {
     "connector.kv_load_failure_policy": KeyUse("argv", "--kv-transfer-config kv_load_failure_policy"),
     "connector.kv_connector_extra_config": KeyUse("argv", "--kv-transfer-config kv_connector_extra_config"),
 }
-_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings"), "routing.": KeyUse("gateway", "routing"),
-               "slo.": KeyUse("gateway", "SLO early rejection and bench goodput"),
-               "logging.": KeyUse("gateway", "gateway and worker log levels")}  # fmt: skip
+_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings"), "routing.": KeyUse("gateway", "routing")}
 
 
 def describe_key(key: str) -> KeyUse:

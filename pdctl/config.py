@@ -505,19 +505,50 @@ class RoutingConfig:
 class SLOConfig:
     """``settings.json`` ``slo``: targets, and the gateway's early rejection."""
 
-    ttft_ms: float = 400.0
-    tpot_ms: float = 40.0
-    p90: bool = True
-    admission: bool = True
-    overflow: Literal["reject", "upstream"] = "reject"
+    # fmt: off
+    ttft_ms: float = key(
+        400.0, _num(0), "a number of milliseconds > 0", use="gateway", type="number > 0",
+        doc="time-to-first-token target",
+    )
+    tpot_ms: float = key(
+        40.0, _num(0), "a number of milliseconds > 0", use="gateway", type="number > 0",
+        doc="time-per-output-token target",
+    )
+    p90: bool = key(
+        True, _bool, "true or false", use="gateway", type="bool",
+        doc="targets apply to the 90th percentile (bench goodput)",
+    )
+    admission: bool = key(
+        True, _bool, "true or false", use="gateway", type="bool",
+        doc="*extension*: early rejection when the prediction misses the SLO",
+    )
+    overflow: Literal["reject", "upstream"] = key(
+        "reject", _choice("reject", "upstream"), "reject or upstream", use="gateway",
+        type="`reject` \\| `upstream`", doc="*extension*: send would-miss requests upstream instead of 503",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class LoggingConfig:
     """``settings.json`` ``logging``."""
 
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    log_kv_transfer: bool = True
+    # fmt: off
+    level: Literal["debug", "info", "warning", "error"] = key(
+        "info", _choice("debug", "info", "warning", "error"), "one of debug, info, warning, error", use="gateway",
+        type="`debug` \\| `info` \\| `warning` \\| `error`",
+        doc="gateway log level, and the workers' (`VLLM_LOGGING_LEVEL`, set when not `info`)",
+    )
+    log_kv_transfer: bool = key(
+        True, _bool, "true or false", use="gateway", type="bool",
+        doc="the gateway logs each KV handoff (engine id, blocks, remote host:port); below `debug`, the workers' KV "
+        "loggers (`vllm.distributed.kv_transfer`: every connector; `vllm.v1.core.sched.scheduler`: \"Finished "
+        "sending/recving KV transfer for request …\") run at DEBUG while the rest of vLLM stays at `level`, "
+        "through a logging config pdctl writes to `<run_dir>/vllm-logging.json` and names in "
+        "`VLLM_LOGGING_CONFIG_PATH` (vLLM 0.32's default config plus those two loggers), so `pdctl logs --kv` and "
+        "verify's `kv_logs` see per-request KV lines",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,13 +566,15 @@ def instance_name(role: Role, index: int, count: int) -> str:
     return role if count == 1 else f"{role}-{index}"
 
 
-#: The config.toml tables whose keys are all declared with :func:`key`, by table name.
-DECLARED_TABLES: dict[str, type] = {
+#: The config.toml tables and settings.json objects whose keys are all declared with :func:`key`, by name.
+DECLARED_SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
     "kv_transfer": KVTransferConfig,
     "supervisor": SupervisorConfig,
     "engine": EngineConfig,
     "sim": SimConfig,
+    "slo": SLOConfig,
+    "logging": LoggingConfig,
 }
 
 
@@ -1035,23 +1068,6 @@ def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Setti
     )  # fmt: skip
     rt.finish()
 
-    sl = top.sub("slo")
-    slo = SLOConfig(
-        ttft_ms=sl.get("ttft_ms", _num(0), "a number of milliseconds > 0", 400.0),
-        tpot_ms=sl.get("tpot_ms", _num(0), "a number of milliseconds > 0", 40.0),
-        p90=sl.get("p90", _bool, "true or false", True),
-        admission=sl.get("admission", _bool, "true or false", True),
-        overflow=cast(Literal["reject", "upstream"],
-                      sl.get("overflow", _choice("reject", "upstream"), "reject or upstream", "reject")),
-    )  # fmt: skip
-    sl.finish()
-
-    lg = top.sub("logging")
-    logging_cfg = LoggingConfig(
-        level=cast(Literal["debug", "info", "warning", "error"],
-                   lg.get("level", _choice("debug", "info", "warning", "error"),
-                          "one of debug, info, warning, error", "info")),
-        log_kv_transfer=lg.get("log_kv_transfer", _bool, "true or false", True),
-    )  # fmt: skip
-    lg.finish()
+    slo = SLOConfig(**_read_section(top, "slo", SLOConfig))
+    logging_cfg = LoggingConfig(**_read_section(top, "logging", LoggingConfig))
     return Settings(gateway, routing, slo, logging_cfg)

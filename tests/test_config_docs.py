@@ -32,6 +32,8 @@ SECTIONS = [
     ("`[supervisor]`", config.SupervisorConfig, 3),
     ("`[engine]`", config.EngineConfig, 3),
     ("`[sim]`", config.SimConfig, 3),
+    ("`slo`", config.SLOConfig, 4),
+    ("`logging`", config.LoggingConfig, 4),
 ]
 
 
@@ -48,7 +50,7 @@ def test_check_describes_every_declared_key() -> None:
     """`check`'s key table reads the declarations: every declared key has a use (none "not_applicable")."""
     from pdctl.check import describe_key
 
-    keys = [f"{table}.{name}" for table, cls in config.DECLARED_TABLES.items() for name in config.keys_of(cls)]
+    keys = [f"{table}.{name}" for table, cls in config.DECLARED_SECTIONS.items() for name in config.keys_of(cls)]
     keys += [f"decode[1].{name}" for name in config.WORKER_KEYS]
     for key in keys:
         use = describe_key(key)
