@@ -295,12 +295,12 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1"}
     if w.gpu_ids:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in w.gpu_ids)
+        env[_env_name("gpu_ids")] = ",".join(str(g) for g in w.gpu_ids)
     if w.cpu_ids:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in w.cpu_ids)
+        env[_env_name("cpu_ids")] = ",".join(str(c) for c in w.cpu_ids)
     ports = [w.port]
     if connector_kind(dep.connector_for(w)) == "params":
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(w.side_channel_port)
+        env[_env_name("side_channel_port")] = str(w.side_channel_port)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = _advertised_host(w)
         ports.append(w.side_channel_port)
     files: dict[str, str] = {}
@@ -347,6 +347,14 @@ def _key_flags(section: Any, values: Mapping[str, Any]) -> list[str]:
         else:
             flags += [spec.flag, str(value)]
     return flags
+
+
+def _env_name(key: str) -> str:
+    """The environment variable a worker key is declared with (``env`` of its :class:`~pdctl.config.Key`)."""
+    name = keys_of(WorkerConfig)[key].env
+    if name is None:
+        raise KeyError(key)
+    return name
 
 
 def _num(x: float) -> str:
