@@ -650,24 +650,15 @@ _WORKER_KEY_USE: dict[str, KeyUse] = {
     name: KeyUse(spec.use, _plain(spec.doc)) for name, spec in keys_of(WorkerConfig).items() if spec.in_file
 }
 _SECTION_KEY_USE: dict[str, KeyUse] = {
-    f"{table}.{name}": KeyUse(spec.use, _plain(spec.doc))
+    f"{table}.{spec.file_key(name)}": KeyUse(spec.use, _plain(spec.doc))
     for table, cls in DECLARED_SECTIONS.items()
     for name, spec in keys_of(cls).items()
 }
-_KEY_USE: dict[str, KeyUse] = {
-    "connector.kv_connector": KeyUse("argv", "--kv-transfer-config kv_connector"),
-    "connector.kv_role": KeyUse("check", "reported by PD019: the role follows the worker"),
-    "connector.kv_buffer_device": KeyUse("argv", "--kv-transfer-config kv_buffer_device"),
-    "connector.kv_load_failure_policy": KeyUse("argv", "--kv-transfer-config kv_load_failure_policy"),
-    "connector.kv_connector_extra_config": KeyUse("argv", "--kv-transfer-config kv_connector_extra_config"),
-}
-_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings"), "routing.": KeyUse("gateway", "routing")}
+_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings")}
 
 
 def describe_key(key: str) -> KeyUse:
     """Where ``key`` (a dotted key of either file) ends up; every known key has an answer."""
-    if key in _KEY_USE:
-        return _KEY_USE[key]
     if key in _SECTION_KEY_USE:
         return _SECTION_KEY_USE[key]
     head, _, leaf = key.partition(".")

@@ -69,7 +69,7 @@ class Key:
     ``negatable`` bool becomes ``--no-…``) or names its environment variable (``env``), ``check`` describes
     where it ends up (``use``), and docs/config.md shows ``type``, ``default`` and ``doc``
     (tests/test_config_docs.py holds the two in step). ``in_file`` False: a field with a flag but no key
-    (the port comes from routing's endpoint).
+    (the port comes from routing's endpoint). ``name``: the key in the file when it is not the field's name.
     """
 
     check: Callable[[Any], Any]
@@ -84,6 +84,11 @@ class Key:
     negatable: bool = False
     emit: bool = True
     in_file: bool = True
+    name: str = ""
+
+    def file_key(self, field_name: str) -> str:
+        """The key's name in the file."""
+        return self.name or field_name
 
 
 def key(
@@ -168,6 +173,10 @@ def _str_list(v: Any) -> tuple[str, ...] | None:
     return tuple(v)
 
 
+def _table(v: Any) -> dict[str, Any] | None:
+    return dict(v) if isinstance(v, Mapping) else None
+
+
 def _str_map(v: Any) -> dict[str, str] | None:
     if not isinstance(v, Mapping):
         return None
@@ -180,6 +189,18 @@ def _str_map(v: Any) -> dict[str, str] | None:
         else:
             return None
     return out
+
+
+def _endpoints(v: Any) -> tuple[str, ...] | None:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
+        return None
+    for item in items:
+        try:
+            parse_endpoint(item)
+        except ValueError:
+            return None
+    return tuple(items)
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -265,11 +286,34 @@ class EngineConfig:
 class ConnectorConfig:
     """``[connector]``: the vLLM KV connector both roles use (per-worker ``kv_connector`` may override)."""
 
-    kv_connector: str = "NixlConnector"
-    kv_role: str | None = None
-    kv_buffer_device: str | None = None
-    kv_load_failure_policy: str | None = None
-    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    # fmt: off
+    kv_connector: str = key(
+        "NixlConnector", _str, "a connector name", use="argv", type="string",
+        doc="`--kv-transfer-config` `kv_connector`. The NIXL connectors (`NixlConnector` = `NixlPullConnector`, "
+        "`NixlPushConnector`) get `VLLM_NIXL_SIDE_CHANNEL_PORT`/`_HOST` per worker (PD017 checks them for clashes) "
+        "and `kv_lease_duration` from `timeout_ms` (vLLM 0.32 reads it in the base scheduler for both; push's "
+        "decode-side `push_registration_timeout` keeps vLLM's default, `decoder_kv_blocks_ttl` = 480 s); "
+        "`MooncakeConnector` is refused (PD029)",
+    )
+    kv_role: str | None = key(
+        None, _choice("kv_producer", "kv_consumer", "kv_both"), "one of kv_producer, kv_consumer, kv_both",
+        use="check", type="string", default="—",
+        doc="**not passed as is**: pdctl sets `kv_producer` on prefill and `kv_consumer` on decode (vLLM deprecates "
+        "`kv_both` for NIXL; PD019)",
+    )
+    kv_buffer_device: str | None = key(
+        None, _choice("cuda", "cpu", "xpu", "tpu"), "one of cuda, cpu", use="argv", type="`cuda` \\| `cpu`",
+        default="vLLM's", doc="`kv_buffer_device` (only `cpu` on vLLM CPU, PD015)",
+    )
+    kv_load_failure_policy: str | None = key(
+        None, _choice("fail", "recompute"), "one of fail, recompute", use="argv", type="`fail` \\| `recompute`",
+        default="vLLM's (`fail`)", doc="*extension*: `kv_load_failure_policy`",
+    )
+    extra_config: Mapping[str, Any] = key(
+        None, _table, "a table", factory=dict, name="kv_connector_extra_config", use="argv", type="table",
+        default="`{}`", doc="*extension*: `kv_connector_extra_config`",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -495,10 +539,25 @@ class GatewayConfig:
 class RoutingConfig:
     """``settings.json`` ``routing``."""
 
-    prefill_endpoints: tuple[str, ...] = ("http://127.0.0.1:8100",)
-    decode_endpoints: tuple[str, ...] = ("http://127.0.0.1:8200",)
-    strategy: Strategy = "pd_disagg"
-    kv_connector: str | None = None
+    # fmt: off
+    prefill_endpoints: tuple[str, ...] = key(
+        ("http://127.0.0.1:8100",), _endpoints, "an http URL or a list of them", name="prefill_endpoint",
+        use="gateway", type="URL or list of URLs", default='`"http://127.0.0.1:8100"`',
+        doc="prefill instances (their `--port`)",
+    )
+    decode_endpoints: tuple[str, ...] = key(
+        ("http://127.0.0.1:8200",), _endpoints, "an http URL or a list of them", name="decode_endpoint",
+        use="gateway", type="URL or list of URLs", default='`"http://127.0.0.1:8200"`', doc="decode instances",
+    )
+    strategy: Strategy = key(
+        "pd_disagg", _choice("pd_disagg", "colocated"), "pd_disagg or colocated", use="gateway",
+        type="`pd_disagg` \\| `colocated`", doc="two legs P→D, or whole requests to one worker (A/B)",
+    )
+    kv_connector: str | None = key(
+        None, _str, "a connector name", use="gateway", type="string", default="`[connector]`",
+        doc="must equal config.toml's connector (PD001)",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,6 +632,8 @@ DECLARED_SECTIONS: dict[str, type] = {
     "supervisor": SupervisorConfig,
     "engine": EngineConfig,
     "sim": SimConfig,
+    "connector": ConnectorConfig,
+    "routing": RoutingConfig,
     "slo": SLOConfig,
     "logging": LoggingConfig,
 }
@@ -783,18 +844,6 @@ def _show(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _endpoints(v: Any) -> tuple[str, ...] | None:
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
-        return None
-    for item in items:
-        try:
-            parse_endpoint(item)
-        except ValueError:
-            return None
-    return tuple(items)
-
-
 def parse_endpoint(url: str) -> tuple[str, int]:
     """``http://127.0.0.1:8100`` -> ``("127.0.0.1", 8100)``; raises ValueError when it is not one."""
     parts = urlsplit(url)
@@ -911,18 +960,7 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
 
     kv = KVTransferConfig(**_read_section(top, "kv_transfer", KVTransferConfig))
 
-    n = top.sub("connector")
-    extra = n.opt("kv_connector_extra_config", lambda v: dict(v) if isinstance(v, Mapping) else None, "a table")
-    connector = ConnectorConfig(
-        kv_connector=n.get("kv_connector", _str, "a connector name", "NixlConnector"),
-        kv_role=n.opt("kv_role", _choice("kv_producer", "kv_consumer", "kv_both"),
-                      "one of kv_producer, kv_consumer, kv_both"),
-        kv_buffer_device=n.opt("kv_buffer_device", _choice("cuda", "cpu", "xpu", "tpu"), "one of cuda, cpu"),
-        kv_load_failure_policy=n.opt("kv_load_failure_policy", _choice("fail", "recompute"),
-                                     "one of fail, recompute"),
-        extra_config=extra or {},
-    )  # fmt: skip
-    n.finish()
+    connector = ConnectorConfig(**_read_section(top, "connector", ConnectorConfig))
 
     supervisor = SupervisorConfig(**_read_section(top, "supervisor", SupervisorConfig))
     engine = EngineConfig(**_read_section(top, "engine", EngineConfig))
@@ -955,8 +993,10 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
 def _read_section(top: _Section, name: str, cls: type) -> dict[str, Any]:
     """The keys of table ``name`` that ``cls`` declares (:func:`key`), checked; unknown keys are errors."""
     section = top.sub(name)
-    declared = keys_of(cls)
-    values = {k: section.get(k, spec.check, spec.expected, None) for k, spec in declared.items() if section.has(k)}
+    declared = {spec.file_key(attr): (attr, spec) for attr, spec in keys_of(cls).items()}
+    values = {
+        attr: section.get(k, spec.check, spec.expected, None) for k, (attr, spec) in declared.items() if section.has(k)
+    }
     section.finish(list(declared))
     return values
 
@@ -1056,17 +1096,7 @@ def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Setti
     )
     g.finish()
 
-    rt = top.sub("routing")
-    routing = RoutingConfig(
-        prefill_endpoints=rt.get("prefill_endpoint", _endpoints, "an http URL or a list of them",
-                                 ("http://127.0.0.1:8100",)),
-        decode_endpoints=rt.get("decode_endpoint", _endpoints, "an http URL or a list of them",
-                                ("http://127.0.0.1:8200",)),
-        strategy=cast(Strategy, rt.get("strategy", _choice("pd_disagg", "colocated"),
-                                       "pd_disagg or colocated", "pd_disagg")),
-        kv_connector=rt.opt("kv_connector", _str, "a connector name"),
-    )  # fmt: skip
-    rt.finish()
+    routing = RoutingConfig(**_read_section(top, "routing", RoutingConfig))
 
     slo = SLOConfig(**_read_section(top, "slo", SLOConfig))
     logging_cfg = LoggingConfig(**_read_section(top, "logging", LoggingConfig))
