@@ -864,8 +864,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 # ------------------------------------------------------------------------------------------ loading
 
 CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim", "engine")
-_WORKER_SCHEMA = [(name, spec) for name, spec in keys_of(WorkerConfig).items() if spec.in_file]
-WORKER_KEYS = tuple(name for name, _ in _WORKER_SCHEMA)
+WORKER_KEYS = tuple(name for name, spec in keys_of(WorkerConfig).items() if spec.in_file)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -990,14 +989,24 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     )
 
 
-def _read_section(top: _Section, name: str, cls: type) -> dict[str, Any]:
-    """The keys of table ``name`` that ``cls`` declares (:func:`key`), checked; unknown keys are errors."""
-    section = top.sub(name)
-    declared = {spec.file_key(attr): (attr, spec) for attr, spec in keys_of(cls).items()}
-    values = {
+def _declared(cls: type) -> dict[str, tuple[str, Key]]:
+    """``cls``'s keys that a file may set: file key -> (field name, declaration)."""
+    return {spec.file_key(attr): (attr, spec) for attr, spec in keys_of(cls).items() if spec.in_file}
+
+
+def _read_keys(section: _Section, cls: type) -> dict[str, Any]:
+    """The keys ``cls`` declares that ``section`` sets, checked, by field name."""
+    declared = _declared(cls)
+    return {
         attr: section.get(k, spec.check, spec.expected, None) for k, (attr, spec) in declared.items() if section.has(k)
     }
-    section.finish(list(declared))
+
+
+def _read_section(top: _Section, name: str, cls: type) -> dict[str, Any]:
+    """Table ``name`` read by :func:`_read_keys`; a key ``cls`` does not declare is an error."""
+    section = top.sub(name)
+    values = _read_keys(section, cls)
+    section.finish(list(_declared(cls)))
     return values
 
 
@@ -1035,7 +1044,7 @@ def _load_workers(
         if not isinstance(data, Mapping):
             raise top.err(prefix, f"expected a table, got {_show(data)}")
         w = _Section(top.src, top.file, prefix, data)
-        values = {name: w.get(name, spec.check, spec.expected, None) for name, spec in _WORKER_SCHEMA if w.has(name)}
+        values = _read_keys(w, WorkerConfig)
         declared = values.pop("role", None)
         if declared is not None and declared != role:
             raise w.err("role", f"expected {role!r} in the [{role}] table, got {declared!r}")
