@@ -68,8 +68,16 @@ class Key:
     the plan puts it on the command line (``flag``; left out when the value is None or ``omit``; a false
     ``negatable`` bool becomes ``--no-…``) or names its environment variable (``env``), ``check`` describes
     where it ends up (``use``), and docs/config.md shows ``type``, ``default`` and ``doc``
-    (tests/test_config_docs.py holds the two in step). ``in_file`` False: a field with a flag but no key
-    (the port comes from routing's endpoint). ``name``: the key in the file when it is not the field's name.
+    (tests/test_config_docs.py holds the two in step). ``emit`` False: the plan places the flag itself
+    (``--model``, positional for ``vllm serve``). ``in_file`` False: a field with a flag but no key (the port
+    comes from routing's endpoint). ``name``: the key in the file when it is not the field's name.
+
+    Declared as::
+
+        max_num_seqs: int | None = key(
+            None, _int(1), "an integer >= 1", use="argv", flag="--max-num-seqs", type="integer",
+            default="vLLM's", doc="`--max-num-seqs`",
+        )
     """
 
     check: Callable[[Any], Any]
