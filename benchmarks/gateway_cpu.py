@@ -110,7 +110,7 @@ async def _child(requests: int) -> dict[str, float]:
     )  # fmt: skip
     app = create_app(settings, KEY)
     for inst in app.pool.instances:
-        inst.client = _Worker(inst.role, reply)  # type: ignore[assignment]
+        inst.client = _Worker(inst.role, reply)
     await app.startup()
     out: dict[str, float] = {}
     for stream in (True, False):

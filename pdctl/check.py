@@ -7,7 +7,8 @@ applies each one and starts the result on the simulator. Rules never raise; they
 
 Besides pdctl's own rules: the model's context length (:mod:`pdctl.modelinfo`) for what vLLM refuses at
 start (PD024, PD026), the warm-up's identity rule (PD027), and, on request, the installed vLLM's own parser
-over the planned command lines (PD028, :mod:`pdctl.vllm_args`).
+over the planned command lines (PD028, :mod:`pdctl.vllm_args`). The gateway's keys: clients holding the paid
+upstream key (PD030), token counts estimated for lack of a tokenizer (PD031).
 
 Vocabulary: a lint result is a **finding** (:class:`Finding`, by severity), never a "check" (``verify``'s
 word for a test of a running deployment) nor an "invariant" (the reliability tests'); docs/architecture.md.
@@ -283,10 +284,52 @@ def _key(c: _Ctx) -> Iterable[Finding]:
                        "look for a variable with that name and answer 401 (recipe §5.2)",
                        "and `export TAOTOKEN_API_KEY=<key>` in the shell that runs pdctl",
                        fixes=({f"{SETTINGS}{key}": "TAOTOKEN_API_KEY"},))  # fmt: skip
-        elif not c.env.get(name):
+        elif not c.env.get(name) and not (key == "gateway.api_key_env" and g.keys_file):
             yield c.at("PD008", "error" if c.for_up else "warning", "settings", key,
                        f"environment variable {name} is not set: the gateway cannot start without its key",
                        f"export {name}=<key> before `pdctl up` (only the gateway receives it)")  # fmt: skip
+
+
+def _shared_key(c: _Ctx) -> Iterable[Finding]:
+    """PD030: clients hold the paid upstream key (the recipe's single key, used both ways)."""
+    g = c.dep.gateway
+    shared = g.upstream_api_key_env == g.api_key_env or (g.upstream_api_key_env is None and not g.keys_file)
+    if not g.upstream_base_url or not shared:
+        return
+    yield c.at("PD030", "warning", "settings", "gateway.api_key_env",
+               f"every client authenticates with ${g.api_key_env}, which is also the key the gateway sends to "
+               f"{g.upstream_base_url}: each client holds the paid credential",
+               f'separate them with two lines in "gateway": "api_key_env": "PDCTL_API_KEY" (a new key for '
+               f'clients) and "upstream_api_key_env": "{g.api_key_env}" (the paid key, kept by the gateway); '
+               "or per-user keys with `pdctl keys add NAME` and \"keys_file\" (docs/gateway.md, Keys)")  # fmt: skip
+
+
+def _keys_file(c: _Ctx) -> Iterable[Finding]:
+    """The keys file loads as the gateway will load it (PD000 with its file, line and field otherwise)."""
+    if c.dep.gateway.keys_file:
+        from pdctl.gateway.keys import load_keys
+
+        try:
+            load_keys(Path(c.dep.gateway.keys_file), c.env, need_env=c.for_up)
+        except ConfigError as exc:
+            yield finding_from_error(exc)
+
+
+def _tokenizers(c: _Ctx) -> Iterable[Finding]:
+    """PD031: a model without a local tokenizer.json gets estimated token counts in the gateway's limits."""
+    from pdctl.gateway.tokens import find_tokenizer
+
+    seen: set[str] = set()
+    for w in c.dep.workers:
+        if w.engine != "vllm" or w.model in seen:
+            continue
+        seen.add(w.model)
+        source = c.dep.resolve_path(w.model) if _is_local(w.model) else w.model
+        if find_tokenizer(source) is None:
+            yield c.at("PD031", "info", "config", f"{w.table}.model",
+                       f"no tokenizer.json for {w.model} on this machine: the gateway estimates prompt tokens "
+                       "(rate limits, admission) instead of counting them",
+                       "download the model (huggingface-cli download) or point `model` at its folder")  # fmt: skip
 
 
 def _memory(c: _Ctx) -> Iterable[Finding]:
@@ -552,8 +595,8 @@ def _sim(c: _Ctx) -> Iterable[Finding]:
                    "simulated transfer times still use the full size", fixes=({"sim.kv_scale": 0.001},))  # fmt: skip
 
 
-RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _memory, _lengths, _identity,
-                           _devices, _ports, _mappings, _sim)  # fmt: skip
+RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _shared_key, _keys_file,
+                           _tokenizers, _memory, _lengths, _identity, _devices, _ports, _mappings, _sim)  # fmt: skip
 
 
 def _context_of(dep: Deployment, w: WorkerConfig, env: Mapping[str, str]) -> ContextLength:

@@ -535,12 +535,18 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
     rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
+    keys_file: str | None = None
+    """Per-user keys (:mod:`pdctl.gateway.keys`); relative paths are resolved against settings.json's folder."""
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    metrics_public: bool = False
+    """Serve ``/metrics`` without a key even when the gateway listens beyond loopback."""
 
     @property
     def url(self) -> str:
         """The URL a local client uses to reach the gateway."""
         host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "", "::") else self.listen_host
-        return f"http://{host}:{self.listen_port}"
+        return f"{'https' if self.tls_certfile else 'http'}://{host}:{self.listen_port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1067,6 +1073,14 @@ def _load_workers(
     return tuple(out)
 
 
+def _beside(sfile: str, path: str | None) -> str | None:
+    """``path`` as given when absolute, else relative to the folder of settings.json."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else Path(sfile).parent / p)
+
+
 def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> Settings:
     """Read ``settings.json`` alone (the gateway runs from it when no config.toml is given)."""
     spath = Path(settings_path)
@@ -1110,7 +1124,15 @@ def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Setti
         max_body_bytes=g.get("max_body_bytes", _int(1024), "an integer >= 1024", 1 << 20),
         drain_timeout_s=g.get("drain_timeout_s", _num(-1), "a number of seconds >= 0", 30.0),
         rate_limit=rate,
+        keys_file=_beside(sfile, g.opt("keys_file", _str, "a path to a keys file (`pdctl keys add` makes one)")),
+        tls_certfile=_beside(sfile, g.opt("tls_certfile", _str, "a path to a PEM certificate")),
+        tls_keyfile=_beside(sfile, g.opt("tls_keyfile", _str, "a path to a PEM private key")),
+        metrics_public=g.get("metrics_public", _bool, "true or false", False),
     )
+    if (gateway.tls_certfile is None) != (gateway.tls_keyfile is None):
+        missing = "tls_keyfile" if gateway.tls_keyfile is None else "tls_certfile"
+        raise g.err(missing, "TLS needs both tls_certfile and tls_keyfile",
+                    hint="set both to PEM files, or neither to serve plain HTTP")  # fmt: skip
     g.finish()
 
     routing = RoutingConfig(**_read_section(top, "routing", RoutingConfig))

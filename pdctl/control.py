@@ -1,5 +1,7 @@
 """A deployment driven from outside its supervisor: the detached start, the ordered stop, the status.
 
+* :func:`host_part`          -- ``up --only NAME|ROLE``: this host's part of the deployment (its processes,
+  its own run directory) and the workers other hosts run
 * :func:`start_detached`     -- ``up -d``: start ``python -m pdctl.daemon`` in its own session, relay its event
   log, return the state once it says ``ready`` (:class:`LaunchError` otherwise)
 * :func:`stop_deployment`    -- ``down``: SIGTERM the supervisor (it stops gateway, decode, prefill in order),
@@ -16,19 +18,21 @@ to the callbacks; nothing here prints or exits. psutil and httpx are imported wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdctl.config import Deployment
-from pdctl.errors import LaunchError, NotRunningError, PdctlError
+from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
 from pdctl.eventlog import EVENT_LOG, EventTail
-from pdctl.plan import Plan
+from pdctl.plan import Plan, build_plan
 from pdctl.rundir import (
     STATE_FILE,
     ProcessStatus,
@@ -38,28 +42,90 @@ from pdctl.rundir import (
     is_running,
     kill_recorded,
     owned_process,
+    part_dir,
     read_state,
     write_state,
 )
 
-__all__ = ["DeploymentStatus", "deployment_status", "log_files", "start_detached", "stop_deployment"]
+__all__ = [
+    "DeploymentStatus",
+    "HostPart",
+    "deployment_status",
+    "host_part",
+    "log_files",
+    "split_only",
+    "start_detached",
+    "stop_deployment",
+]
 
 Say = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------------------------- --only
+
+ROLES = ("prefill", "decode", "gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class HostPart:
+    """What one host runs under ``up --only``: the deployment with its own run directory, the plan of its
+    processes, and the workers other hosts run (name, health URL), waited for before the gateway opens."""
+
+    dep: Deployment
+    plan: Plan
+    remote: tuple[tuple[str, str], ...]
+
+
+def split_only(values: Sequence[str] | None) -> tuple[str, ...]:
+    """``--only decode,gateway --only prefill-1`` -> the selectors, in order, without repeats."""
+    out: list[str] = []
+    for v in values or ():
+        out += [x.strip() for x in v.split(",") if x.strip() and x.strip() not in out]
+    return tuple(out)
+
+
+def host_part(dep: Deployment, only: Sequence[str], plan: Plan | None = None) -> HostPart:
+    """This host's processes: those named in ``only`` or of a role in it (``prefill``, ``decode``, ``gateway``).
+
+    Raises :class:`ConfigError` for a selector that is neither a process name nor a role.
+    """
+    full = plan if plan is not None else build_plan(dep)
+    if not only:
+        return HostPart(dep, full, ())
+    names = [p.name for p in full.processes]
+    for sel in only:
+        if sel not in names and sel not in ROLES:
+            raise ConfigError(
+                dep.config_path,
+                None,
+                f"--only {sel}: no process or role of that name",
+                hint=f"name processes ({', '.join(names)}) or roles ({', '.join(ROLES)}), comma-separated",
+            )
+    sup = dataclasses.replace(dep.supervisor, run_dir=str(part_dir(dep.run_dir, only)))
+    part = dataclasses.replace(dep, supervisor=sup)
+    # Rebuilt for the part's run directory (the gateway's go-file and vLLM's logging file live there).
+    rebuilt = build_plan(part, full.vllm)
+    chosen = tuple(p for p in rebuilt.processes if p.name in only or p.role in only)
+    remote = tuple((w.name, f"{w.url}/health") for w in dep.workers if w.name not in {p.name for p in chosen})
+    return HostPart(part, dataclasses.replace(rebuilt, processes=chosen), remote)
 
 
 # ------------------------------------------------------------------------------------------------ up -d
 
 
-def start_detached(dep: Deployment, plan: Plan, on_message: Say) -> RunState:
+def start_detached(dep: Deployment, plan: Plan, on_message: Say, only: Sequence[str] = ()) -> RunState:
     """Start the detached supervisor and wait until state.json says ``ready``; its events go to ``on_message``.
 
     The wait is bounded by every wave's ``ready_timeout_s`` plus the warm-up's; on a timeout or Ctrl-C the
-    supervisor is asked to stop (SIGTERM) before this raises.
+    supervisor is asked to stop (SIGTERM) before this raises. ``dep``/``plan`` are a :class:`HostPart`'s when
+    ``only`` selects one.
     """
     run_dir = dep.run_dir
     log_dir = run_dir / "logs"
     daemon_log = (log_dir / "daemon.log").open("ab")
     argv = [sys.executable, "-m", "pdctl.daemon", "-c", dep.config_path, "-s", dep.settings_path]
+    for sel in only:
+        argv += ["--only", sel]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=daemon_log, stderr=subprocess.STDOUT,
                             start_new_session=True, close_fds=True)  # fmt: skip
     daemon_log.close()
@@ -231,5 +297,6 @@ def deployment_status(run_dir: Path) -> DeploymentStatus:
         return DeploymentStatus(run_dir, "unreadable" if exists else "not running", problem=exc)
     running = is_running(state)
     overall = state.status if running or state.status in ("stopped", "failed") else "supervisor gone"
-    counters = gateway_counters(state.gateway_url) if state.gateway_url and running else None
+    key = os.environ.get(state.api_key_env) if state.api_key_env else None
+    counters = gateway_counters(state.gateway_url, key) if state.gateway_url and running else None
     return DeploymentStatus(run_dir, overall, state, running, collect_status(state), counters)

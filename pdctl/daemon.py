@@ -14,13 +14,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TextIO
 
 import psutil
 
 from pdctl.config import Deployment, load
+from pdctl.control import host_part, split_only
 from pdctl.errors import PdctlError
 from pdctl.eventlog import EVENT_LOG, format_event
 from pdctl.logs import LogLine
@@ -46,6 +47,7 @@ class Runner:
         detached: bool = False,
         on_line: Callable[[LogLine], None] | None = None,
         on_event: Callable[[Event], None] | None = None,
+        remote: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.dep = dep
         self.plan = plan if plan is not None else build_plan(dep)
@@ -79,6 +81,7 @@ class Runner:
             warmup=warmup,
             rewarm=self._rewarm if warmup is not None else None,
             watchdog=self.watchdog,
+            remote=remote,
         )
 
     # ------------------------------------------------------------------------------------------ io
@@ -173,14 +176,16 @@ def _error_text(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The detached supervisor: ``python -m pdctl.daemon -c CONFIG -s SETTINGS``."""
+    """The detached supervisor: ``python -m pdctl.daemon -c CONFIG -s SETTINGS [--only NAME|ROLE ...]``."""
     parser = argparse.ArgumentParser(prog="python -m pdctl.daemon")
     parser.add_argument("-c", "--config", required=True)
     parser.add_argument("-s", "--settings", required=True)
+    parser.add_argument("--only", action="append", default=[], help="this host's part (`pdctl up --only`)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        runner = Runner(load(args.config, args.settings), detached=True)
+        part = host_part(load(args.config, args.settings), split_only(args.only))
+        runner = Runner(part.dep, part.plan, detached=True, remote=part.remote)
     except PdctlError as exc:
         print(f"error: {_error_text(exc)}", file=sys.stderr)
         return 2

@@ -159,7 +159,7 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
         if w.replicas > 1:
             add("K8S006", "info", f"{t}.replicas",
                 f"{w.replicas} {w.name} pods behind one headless Service: the gateway reaches them by that "
-                "name, resolved per connection (no per-pod discovery yet)")  # fmt: skip
+                "name, re-resolved; a new pod gets traffic after its warm-up, a leaving one is drained")  # fmt: skip
     if not _uses_gpu(dep) and opts.image is None and any(w.engine == "vllm" for w in dep.workers):
         add("K8S005", "warning", "connector.kv_buffer_device",
             f"the pods request no GPU (kv_buffer_device = {dep.connector.kv_buffer_device!r}), but the default "
@@ -248,7 +248,11 @@ def _configmap(dep: Deployment, ns: str) -> dict[str, Any]:
 
 
 def _worker_argv(spec: ProcessSpec) -> list[str]:
+    """The plan's command line as the container runs it: the image's own ``vllm serve``, the pod IP bound."""
     argv = list(spec.argv)
+    launch = VllmInstall("vllm", None).launch  # how `render` planned it: this interpreter's module form
+    if spec.engine == "vllm" and tuple(argv[: len(launch)]) == launch:
+        argv = ["vllm", "serve", *argv[len(launch) :]]
     i = argv.index("--host")
     argv[i + 1] = "0.0.0.0"  # pods are reached on their pod IP; the key never reaches a worker anyway
     if spec.engine == "sim":
@@ -288,9 +292,13 @@ def _drain_hook(port: int, limit_s: float) -> list[str]:
         f"time.sleep({_PRESTOP_S}); end = time.monotonic() + {limit_s:g}\n"
         "while time.monotonic() < end:\n"
         "    try:\n"
-        f"        m = u.urlopen('http://127.0.0.1:{port}/metrics', timeout=2).read().decode()\n"
-        "    except Exception:\n"
-        "        break\n"
+        f"        m = u.urlopen('http://127.0.0.1:{port}/metrics', timeout=5).read().decode()\n"
+        "    except OSError as e:\n"
+        # Only an engine that is gone ends the wait early; a slow /metrics reply (a busy engine) is asked again.
+        "        if isinstance(getattr(e, 'reason', e), ConnectionRefusedError):\n"
+        "            break\n"
+        "        time.sleep(1)\n"
+        "        continue\n"
         r"    busy = re.findall(r'^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.e+]+)$', m, re.M)"
         "\n"
         "    if not any(float(x) for x in busy):\n"

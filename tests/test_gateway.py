@@ -166,15 +166,17 @@ def test_x1_bad_authorization_is_401(gw: GatewayThread, workers: tuple[FakeProc,
 
 
 def test_x1_compare_digest_in_source() -> None:
-    src = (Path(__file__).parents[1] / "pdctl" / "gateway" / "auth.py").read_text()
+    src = (Path(__file__).parents[1] / "pdctl" / "gateway" / "keys.py").read_text()
     assert "hmac.compare_digest" in src and "sha256" in src
     assert "digest in self._digests" not in src  # the early-exit anti-pattern
-    from pdctl.gateway.auth import KeyChecker
+    from pdctl.gateway.keys import KeyEntry, KeyRing, hash_key
 
-    checker = KeyChecker("sk-one-aaaaaaaaaaaa", "sk-two-bbbbbbbbbbbb")
-    assert checker.check(b"Bearer sk-two-bbbbbbbbbbbb") and checker.check(b"bearer sk-one-aaaaaaaaaaaa")
-    assert not checker.check(b"Bearer sk-one-aaaaaaaaaaa") and not checker.check(b"Basic sk-one-aaaaaaaaaaaa")
-    assert not checker.check(None) and not KeyChecker().check(b"Bearer x")
+    one, two = (KeyEntry(n, bytes.fromhex(hash_key(k))) for n, k in (("one", "sk-one-aaaaaaaaaaaa"),
+                                                                     ("two", "sk-two-bbbbbbbbbbbb")))  # fmt: skip
+    ring = KeyRing((one, two))
+    assert ring.identify(b"Bearer sk-two-bbbbbbbbbbbb") == two and ring.identify(b"bearer sk-one-aaaaaaaaaaaa") == one
+    assert ring.identify(b"Bearer sk-one-aaaaaaaaaaa") is None and ring.identify(b"Basic sk-one-aaaaaaaaaaaa") is None
+    assert ring.identify(None) is None and KeyRing(()).identify(b"Bearer x") is None
 
 
 def test_x4_only_gateway_routes(gw: GatewayThread) -> None:

@@ -177,3 +177,21 @@ def test_cli_size_is_part_of_what_is_reused(tmp_path: Path) -> None:
     assert other.exit_code == 1 and "another size" in other.output and "--force" in other.output
     bad = runner.invoke(app, ["model", "tiny", str(tmp_path / "x"), "--size", "huge"])
     assert bad.exit_code == 1 and "unknown size 'huge'" in bad.output and "tiny, small, medium" in bad.output
+
+
+@needs_transformers
+def test_gateway_counts_prompts_like_the_engine_tokenizer(tiny: Path) -> None:
+    """The gateway's TokenCounter (tokenizer.json via `tokenizers`) agrees with transformers' tokenizer, which
+    vLLM loads from the same folder, on English and Chinese prompts (issue 17, item 2)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from pdctl.gateway.tokens import TokenCounter
+
+    counter = TokenCounter()
+    counter.load({"tiny": str(tiny)})
+    engine = AutoTokenizer.from_pretrained(str(tiny))
+    for text in ("the quick brown fox jumps over the lazy dog " * 8, "请用中文解释预填充和解码分离" * 10):
+        body = {"model": "tiny", "prompt": text}
+        assert asyncio.run(counter.count("tiny", body)) == len(engine(text, add_special_tokens=False)["input_ids"])

@@ -20,7 +20,7 @@ from pdctl.sim.server import VLLM_VERSION
 from tests.conftest import REPO
 
 CONFIGS = {
-    "seed": REPO / "examples" / "recipe",
+    "seed": REPO / "tests" / "fixtures" / "recipe",
     "tp2": REPO / "tests" / "configs" / "k8s-tp2",
     "2p2d": REPO / "tests" / "configs" / "k8s-2p2d",
     "sim": REPO / "tests" / "configs" / "k8s-sim",
@@ -81,6 +81,8 @@ def test_worker_containers_run_the_plans_command_and_environment(name: str) -> N
         argv = c["command"] + c["args"]
         expected = list(spec.argv)
         expected[expected.index("--host") + 1] = "0.0.0.0"
+        if w.engine == "vllm":  # the image's own `vllm serve` instead of this machine's interpreter
+            expected = ["vllm", "serve", *expected[len(plan.vllm.launch) :]]
         if w.engine == "sim":
             assert c["image"] == K8sOptions().pdctl_image
             expected[0] = "python"

@@ -214,10 +214,17 @@ def kv_summary(deltas: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
-async def _scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, dict[str, float] | None]:
+async def _scrape(
+    client: httpx.AsyncClient, urls: Sequence[str], target: BenchTarget | None = None
+) -> dict[str, dict[str, float] | None]:
+    """Each URL's metrics; the target's key goes to the target's own ``/metrics`` only (a gateway listening
+    beyond loopback asks for one), never to other URLs."""
+    own = f"{target.base_url}/" if target is not None and target.api_key else None
+
     async def one(url: str) -> dict[str, float] | None:
+        auth = {"Authorization": f"Bearer {target.api_key}"} if target and own and url.startswith(own) else {}
         try:
-            resp = await client.get(url, timeout=10.0)
+            resp = await client.get(url, timeout=10.0, headers=auth)
         except httpx.HTTPError:
             return None
         return parse_metrics(resp.text) if resp.status_code == 200 else None
@@ -319,7 +326,7 @@ async def run_once(
             )
             if not wres.success:
                 warm_failures.append(wres.error)
-        before = await _scrape(scraper, target.metrics_urls)
+        before = await _scrape(scraper, target.metrics_urls, target)
 
         results: list[RequestResult] = []
         live.phase = "running"
@@ -371,7 +378,7 @@ async def run_once(
             await asyncio.gather(*(worker() for _ in range(shape.concurrency or 1)))
         duration = time.perf_counter() - t0
         live.phase = "collecting"
-        after = await _scrape(scraper, target.metrics_urls)
+        after = await _scrape(scraper, target.metrics_urls, target)
 
     results.sort(key=lambda r: r.index)
     summary = summarize(results, duration, percentiles=shape.percentiles, slo=shape.slo)

@@ -9,6 +9,7 @@ from pdctl.cli import (  # noqa: F401  (imported for their command registrations
     bench_cmd,
     config_cmds,
     gateway_cmd,
+    keys_cmd,
     model_cmd,
     render_cmd,
     run_cmds,

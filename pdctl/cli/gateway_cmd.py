@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +24,7 @@ def gateway(
     host: Annotated[str | None, typer.Option(help="Listen address (default: gateway.listen).")] = None,
     port: Annotated[int | None, typer.Option(help="Listen port (default: gateway.listen).")] = None,
 ) -> None:
-    """Run the OpenAI-compatible gateway (key from the variable named by gateway.api_key_env).
+    """Run the OpenAI-compatible gateway (keys: gateway.keys_file, else the variable named by gateway.api_key_env).
 
     With PDCTL_GATEWAY_HOLD=FILE set (as `pdctl up` does) it sets everything up, then waits for FILE to exist
     before it listens.
@@ -37,8 +38,11 @@ def gateway(
         gw_settings = from_deployment(load(config, settings))
     else:
         gw_settings = from_settings(load_settings(settings))
+    if host is not None:
+        gw_settings = replace(gw_settings, gateway=replace(gw_settings.gateway, listen_host=host))
     g = gw_settings.gateway
-    key = read_key(g.api_key_env, "gateway.api_key_env")
+    # With a keys file, $api_key_env is optional: the operator's key (verify, bench), named "default".
+    key = os.environ.get(g.api_key_env) or None if g.keys_file else read_key(g.api_key_env, "gateway.api_key_env")
     upstream_key = None
     if g.upstream_api_key_env:
         upstream_key = read_key(g.upstream_api_key_env, "gateway.upstream_api_key_env")
@@ -46,7 +50,7 @@ def gateway(
     listen_host = host or g.listen_host
     listen_port = port if port is not None else g.listen_port
     server = make_server(create_app(gw_settings, key, upstream_key), listen_host, listen_port)
-    where = f"http://{listen_host}:{listen_port}"
+    where = f"{'https' if g.tls_certfile else 'http'}://{listen_host}:{listen_port}"
     hold = os.environ.get(GATEWAY_HOLD_ENV)
     if hold and not Path(hold).exists():  # a restart under `up` finds the file: it must not hold
         console.print(f"pdctl gateway: set up; held until {hold} exists before listening on {where}", markup=False)

@@ -36,6 +36,11 @@ SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="settings.js
 RunDirOpt = Annotated[
     Path | None, typer.Option("--run-dir", help="Run directory (default: supervisor.run_dir of the config).")
 ]
+OnlyOpt = Annotated[
+    list[str] | None,
+    typer.Option("--only", help="This host's part: process names or roles (prefill, decode, gateway), "
+                 "comma-separated or repeated; its own run directory (docs/multi-node.md)."),
+]  # fmt: skip
 
 Item = LogLine | Callable[[], None] | None
 
@@ -43,20 +48,26 @@ Item = LogLine | Callable[[], None] | None
 # ------------------------------------------------------------------------------------------- shared
 
 
-def _run_dir(config: Path, settings: Path, run_dir: Path | None) -> Path:
+def _run_dir(config: Path, settings: Path, run_dir: Path | None, only: list[str] | None = None) -> Path:
+    from pdctl.control import split_only
+    from pdctl.rundir import part_dir
+
     if run_dir is not None:
-        return run_dir
+        return part_dir(run_dir, split_only(only))
     try:
-        return load(config, settings).run_dir
+        base = load(config, settings).run_dir
     except ConfigError:
         # down/status/logs must work even if the files were edited into an invalid state since `up`.
-        return config.resolve().parent / ".pdctl"
+        base = config.resolve().parent / ".pdctl"
+    return part_dir(base, split_only(only))
 
 
-def _checks(dep: Deployment) -> None:
+def _checks(dep: Deployment, local: Plan | None = None) -> None:
     from pdctl.check import run_checks
 
     findings = run_checks(dep, for_up=True)
+    if local is not None:
+        findings = [f for f in findings if not _elsewhere(f.code, f.message, local)]
     errors = [f for f in findings if f.severity == "error"]
     for f in findings:
         if f.severity == "info":
@@ -72,6 +83,12 @@ def _checks(dep: Deployment) -> None:
             f"`pdctl check` found {len(errors)} error(s); nothing was started",
             hint="fix the findings above (`pdctl check` shows them all)",
         )
+
+
+def _elsewhere(code: str, message: str, local: Plan) -> bool:
+    """A busy-port finding (PD018) about a process another host runs: not this host's concern."""
+    names = [p.name for p in local.processes]
+    return code == "PD018" and not any(f"({n})" in message or f"({n} side channel)" in message for n in names)
 
 
 def summary_table(state: RunState) -> Table:
@@ -103,9 +120,13 @@ def curl_commands(dep: Deployment) -> list[str]:
     ]
 
 
-def _print_ready(dep: Deployment, state: RunState) -> None:
+def _print_ready(dep: Deployment, state: RunState, only: list[str] | None = None) -> None:
+    stop = "pdctl down" + (f" --only {','.join(only)}" if only else "")
     console.print(summary_table(state))
-    console.print(f"gateway: {dep.gateway.url}   logs: {dep.run_dir / 'logs'}   stop: pdctl down")
+    if not any(p.get("role") == "gateway" for p in state.processes):
+        console.print(f"logs: {dep.run_dir / 'logs'}   stop: {stop}")
+        return
+    console.print(f"gateway: {dep.gateway.url}   logs: {dep.run_dir / 'logs'}   stop: {stop}")
     console.print("verify (non-streaming, then streaming):")
     for cmd in curl_commands(dep):
         console.print(cmd, markup=False, highlight=False)
@@ -123,23 +144,35 @@ def up(
         bool, typer.Option("-d", "--detach", help="Return once ready; supervise in the background.")
     ] = False,
     no_check: Annotated[bool, typer.Option("--no-check", help="Skip `pdctl check` (not recommended).")] = False,
+    only: OnlyOpt = None,
 ) -> None:
-    """Check, start prefill/decode (and the gateway, held), probe the KV link, release the gateway, supervise."""
+    """Check, start prefill/decode (and the gateway, held), probe the KV link, release the gateway, supervise.
+
+    With ``--only``, just this host's part; where the gateway runs it first waits for the other hosts' workers.
+    """
+    from pdctl.control import host_part, split_only
     from pdctl.rundir import ensure_not_running, prepare_run_dir
 
-    dep = load(config, settings)
-    ensure_not_running(dep)
-    if not no_check:
-        _checks(dep)
-    plan = build_plan(dep)
-    prepare_run_dir(dep)
-    if detach:
-        _up_detached(dep, plan)
+    selected = split_only(only)
+    if not selected:
+        dep = load(config, settings)
+        ensure_not_running(dep)
+        if not no_check:
+            _checks(dep)
+        part = host_part(dep, (), build_plan(dep))
     else:
-        _up_foreground(dep, plan)
+        part = host_part(load(config, settings), selected)
+        ensure_not_running(part.dep)
+        if not no_check:
+            _checks(part.dep, part.plan)
+    prepare_run_dir(part.dep)
+    if detach:
+        _up_detached(part.dep, part.plan, list(selected))
+    else:
+        _up_foreground(part.dep, part.plan, part.remote, list(selected))
 
 
-def _up_foreground(dep: Deployment, plan: Plan) -> None:
+def _up_foreground(dep: Deployment, plan: Plan, remote: tuple[tuple[str, str], ...], only: list[str]) -> None:
     from pdctl.daemon import Runner
 
     q: queue.Queue[Item] = queue.Queue()
@@ -158,7 +191,7 @@ def _up_foreground(dep: Deployment, plan: Plan) -> None:
     def on_event(ev: Event) -> None:
         q.put(LogLine(PDCTL_NAME, ev.message, ev.ts))
 
-    runner = Runner(dep, plan, detached=False, on_line=q.put, on_event=on_event)
+    runner = Runner(dep, plan, detached=False, on_line=q.put, on_event=on_event, remote=remote)
     thread = threading.Thread(target=pump, name="pdctl-printer", daemon=True)
     thread.start()
 
@@ -177,7 +210,7 @@ def _up_foreground(dep: Deployment, plan: Plan) -> None:
             q.put(None)
             thread.join(timeout=5)
             raise
-        q.put(lambda: _print_ready(dep, runner.state))
+        q.put(lambda: _print_ready(dep, runner.state, only))
         reason = runner.serve()
         runner.stop(reason)
     finally:
@@ -189,12 +222,12 @@ def _up_foreground(dep: Deployment, plan: Plan) -> None:
         raise LaunchError(reason, hint=f"see `pdctl logs` ({dep.run_dir / 'logs'})")
 
 
-def _up_detached(dep: Deployment, plan: Plan) -> None:
+def _up_detached(dep: Deployment, plan: Plan, only: list[str]) -> None:
     from pdctl.control import start_detached
 
     printer = Printer(sys.stdout, [p.name for p in plan.processes])
-    state = start_detached(dep, plan, lambda msg: printer.write(LogLine(PDCTL_NAME, msg, time.time())))
-    _print_ready(dep, state)
+    state = start_detached(dep, plan, lambda msg: printer.write(LogLine(PDCTL_NAME, msg, time.time())), only)
+    _print_ready(dep, state, only)
     exit_without_teardown()
 
 
@@ -208,11 +241,12 @@ def down(
     settings: SettingsOpt = Path(DEFAULT_SETTINGS),
     run_dir: RunDirOpt = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the ordered stop before SIGKILL.")] = 120.0,
+    only: OnlyOpt = None,
 ) -> None:
     """Stop a running deployment (from any shell): gateway, decode, prefill; nothing survives."""
     from pdctl.control import stop_deployment
 
-    stop_deployment(_run_dir(config, settings, run_dir), timeout, say=console.print, warn=err_console.print)
+    stop_deployment(_run_dir(config, settings, run_dir, only), timeout, say=console.print, warn=err_console.print)
     console.print("stopped")
 
 
@@ -236,6 +270,7 @@ def status(
     settings: SettingsOpt = Path(DEFAULT_SETTINGS),
     run_dir: RunDirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    only: OnlyOpt = None,
 ) -> None:
     """Per process: state, pid, uptime, restarts, health, CPU/RSS of its tree, GPU memory; gateway counters.
 
@@ -246,7 +281,7 @@ def status(
 
     from pdctl.control import deployment_status
 
-    rd = _run_dir(config, settings, run_dir)
+    rd = _run_dir(config, settings, run_dir, only)
     st = deployment_status(rd)
     if as_json:
         console.print_json(json.dumps(st.to_json()))
@@ -304,11 +339,12 @@ def logs(
     request: Annotated[str | None, typer.Option("--request", help="Follow one request id across processes.")] = None,
     tail: Annotated[int | None, typer.Option("-n", "--tail", help="Only the last N lines.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    only: OnlyOpt = None,
 ) -> None:
     """Show the per-process log files of the deployment, merged by time."""
     from pdctl.control import log_files
 
-    rd = _run_dir(config, settings, run_dir)
+    rd = _run_dir(config, settings, run_dir, only)
     files = log_files(rd, list(names or []))
     since_ts = parse_since(since) if since else None
     lines = read_logs(files, since=since_ts, request_id=request, tail=None if kv else tail)

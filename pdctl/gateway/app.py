@@ -2,9 +2,11 @@
 
 Request flow for the two completion endpoints::
 
-    draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
-      -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
-      -> rate limit (429)
+    draining? -> auth (the key's entry: name, limits, models) -> body (413 before reading it all)
+      -> JSON/UTF-8/nesting (400)
+      -> validation (400) -> prompt tokens (:mod:`pdctl.gateway.tokens`) -> model: local | upstream | 404
+      (routed once) -> the key may use it (403) -> fits the context (400)
+      -> rate limits: the key's, then the gateway's, both checked before either is charged (429)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A watcher task waits for ``http.disconnect`` and cancels the handler, so a client that leaves cancels the
@@ -21,11 +23,14 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from pathlib import Path
 from typing import Any
 
+from pdctl.errors import ConfigError
 from pdctl.gateway.admission import Admission
-from pdctl.gateway.auth import KeyChecker
+from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError
+from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
@@ -42,6 +47,7 @@ from pdctl.gateway.request import (
 from pdctl.gateway.routing import Pool
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
+from pdctl.gateway.tokens import TokenCounter
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
 from pdctl.protocol import connector_kind
@@ -64,28 +70,40 @@ class Gateway:
 
     It reads the body, checks it with :mod:`pdctl.gateway.request`, applies limits and admission, hands the request
     to :mod:`pdctl.gateway.pd` (with :attr:`legs`, the narrow context built once) or to the upstream, and records
-    the outcome. ``clients``: how the pool reaches the workers (:mod:`pdctl.gateway.workers`).
+    the outcome. ``clients``: how the pool reaches the workers (:mod:`pdctl.gateway.workers`). ``keys``: the
+    client keys (default: ``gateway.keys_file`` when set, plus ``api_key`` named ``default`` when given).
     """
 
     def __init__(
         self,
         settings: GatewaySettings,
-        api_key: str,
+        api_key: str | None,
         upstream_key: str | None = None,
         clients: ClientFactory | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.pool = Pool(settings, self.metrics, clients)
-        self.keys = KeyChecker(api_key)
+        self.discovery = Discovery(self.pool)
+        g = settings.gateway
+        if keys is None:
+            keys = KeyRing.from_file(Path(g.keys_file), api_key) if g.keys_file else KeyRing.single(api_key or "")
+        self.keys = keys
+        self.tokens = TokenCounter()
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
+        self.metrics_need_key = not g.metrics_public and g.listen_host not in ("127.0.0.1", "localhost", "::1")
         self.limiter = RateLimiter(settings.gateway.rate_limit)
         self.admission = Admission(settings.slo)
-        g = settings.gateway
+        if g.upstream_base_url and not upstream_key and keys.per_user:
+            raise ConfigError("settings.json", "gateway.upstream_api_key_env",
+                              "per-user keys (gateway.keys_file) with an upstream need the upstream's own key",
+                              hint='set "upstream_api_key_env": "TAOTOKEN_API_KEY" and export that variable; '
+                              "client keys are never sent upstream")  # fmt: skip
         self.upstream = (
             Upstream(
                 g.upstream_base_url,
-                upstream_key or api_key,
+                upstream_key or api_key or "",
                 g.request_timeout_s,
                 g.max_retries,
                 self.metrics,
@@ -104,16 +122,38 @@ class Gateway:
     # ------------------------------------------------------------------------------------- lifecycle
 
     async def startup(self) -> None:
-        """Probe the workers once and start the health loop."""
+        """Resolve the endpoints' DNS names, probe the workers once and start the health and discovery loops."""
         if not self._started:
             self._started = True
+            await self.discovery.start()
             await self.pool.start()
+            self.spawn(self._load_tokenizers())
+            if self.keys.per_user:
+                self.spawn(self._watch_keys())
+
+    async def _load_tokenizers(self) -> None:
+        """Load each local model's tokenizer on a thread; until then (and without one) counts are estimates."""
+        sources = {m.name: m.source or m.name for m in self.settings.models}
+        for name in self.local_models():
+            sources.setdefault(name, name)
+        await asyncio.to_thread(self.tokens.load, sources)
+
+    async def _watch_keys(self) -> None:
+        """Reload the keys file when it changes (checked every second; SIGHUP reloads at once)."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.keys.reload_if_changed()
+
+    def reload_keys(self) -> None:
+        """Re-read the keys file now (SIGHUP)."""
+        self.keys.reload()
 
     async def shutdown(self) -> None:
         """Stop background work and close clients."""
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.discovery.close()
         await self.pool.close()
         if self.upstream is not None:
             await self.upstream.close()
@@ -161,19 +201,24 @@ class Gateway:
             ready = self.pool.ready() and not self.draining
             self.metrics.ready.set(1 if ready else 0)
             body = json.dumps({"ready": ready, "draining": self.draining, "instances": [
-                {"name": i.name, "role": i.role, "healthy": i.healthy, "breaker_open": i.breaker_open,
-                 "in_flight": i.in_flight} for i in self.pool.instances]}).encode()  # fmt: skip
+                {"name": i.name, "role": i.role, "url": i.url, "state": i.state, "healthy": i.healthy,
+                 "breaker_open": i.breaker_open, "in_flight": i.in_flight}
+                for i in self.pool.instances]}).encode()  # fmt: skip
             await _json(send, 200 if ready else 503, body)
         elif path == "/metrics" and method == "GET":
+            if self.metrics_need_key and self.keys.identify(_header(scope, b"authorization")) is None:
+                await _plain_error(send, _auth_error())
+                return
             self.metrics.tasks.set(len(asyncio.all_tasks()))
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})  # fmt: skip
             await send({"type": "http.response.body", "body": self.metrics.render()})
         elif path == "/v1/models" and method == "GET":
-            if not self.keys.check(_header(scope, b"authorization")):
+            entry = self.keys.identify(_header(scope, b"authorization"))
+            if entry is None:
                 await _plain_error(send, _auth_error())
                 return
-            await self._models(send)
+            await self._models(send, entry)
         else:
             await _plain_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
 
@@ -192,16 +237,17 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _models(self, send: Send) -> None:
+    async def _models(self, send: Send, entry: KeyEntry) -> None:
         now = int(time.time())
         local = self.local_models()
         data: list[dict[str, Any]] = [
             {"id": name, "object": "model", "created": now, "owned_by": "pdctl", "max_model_len": mlen}
             for name, mlen in local.items()
+            if entry.may_use(name)
         ]
-        if self.upstream is not None:
+        if self.upstream is not None and entry.upstream:
             for m in await self.upstream.models():
-                if m["id"] not in local:
+                if m["id"] not in local and entry.may_use(m["id"]):
                     data.append({"id": m["id"], "object": "model", "created": m.get("created", now),
                                  "owned_by": m.get("owned_by", "upstream")})  # fmt: skip
         await _json(send, 200, json.dumps({"object": "list", "data": data}).encode())
@@ -217,28 +263,39 @@ class Gateway:
         self.in_flight += 1
         self.metrics.accepted.inc()
         self.metrics.gateway_in_flight.inc()
-        acquired = False
+        key_limiter: RateLimiter | None = None
+        key_name = "-"
         watcher: asyncio.Task[None] | None = None
         try:
             if self.draining:
                 raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
-            if not self.keys.check(_header(scope, b"authorization")):
+            entry = self.keys.identify(_header(scope, b"authorization"))
+            if entry is None:
                 raise _auth_error()
+            key_name = entry.name
             raw = await self._read_body(scope, receive, ex)
             body = parse_body(raw, self.settings.max_nesting)
             watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, asyncio.current_task()))
-            req, route = self._check(body, endpoint, ex)
-            self.limiter.acquire(req.prompt_tokens + (req.max_tokens or 0))
-            acquired = True
+            req, route, prompt_tokens = await self._check(body, endpoint, ex, entry)
+            tokens = prompt_tokens + (req.max_tokens or 0)
+            limiter = self.keys.limiters.get(entry.name)
+            if limiter is None:  # revoked by a reload while this request was being read
+                raise _auth_error()
+            limiter.check(tokens, entry.name)
+            self.limiter.check(tokens)
+            limiter.charge(tokens)
+            self.limiter.charge(tokens)
+            key_limiter = limiter
+            self.metrics.key_tokens.labels(key_name).inc(tokens)
             if route == "local":
-                route = self._admit(ex, req.prompt_tokens)
+                route = self._admit(ex, prompt_tokens, entry.upstream)
             if route == "upstream":
                 assert self.upstream is not None
                 await self.upstream.serve(ex, endpoint, body)
             elif self.settings.routing.strategy == "colocated":
-                await serve_colocated(self.legs, ex, endpoint, body, req.prompt_tokens)
+                await serve_colocated(self.legs, ex, endpoint, body, prompt_tokens)
             else:
-                await serve_pd(self.legs, ex, endpoint, body, req.prompt_tokens)
+                await serve_pd(self.legs, ex, endpoint, body, prompt_tokens)
         except ApiError as err:
             if ex.path in ("-", "rejected"):
                 ex.path = "rejected"
@@ -261,11 +318,12 @@ class Gateway:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if acquired:
+            if key_limiter is not None:
+                key_limiter.release()
                 self.limiter.release()
             self.in_flight -= 1
             self.metrics.gateway_in_flight.dec()
-            self._finish(ex)
+            self._finish(ex, key_name)
 
     async def _fail(self, ex: Exchange, err: ApiError) -> None:
         with contextlib.suppress(Exception):
@@ -273,10 +331,11 @@ class Gateway:
         if not ex.status:
             ex.status = err.status
 
-    def _finish(self, ex: Exchange) -> None:
+    def _finish(self, ex: Exchange, key_name: str) -> None:
         duration = time.monotonic() - ex.started
         status_label = ex.outcome()
         self.metrics.requests.labels(ex.path, status_label).inc()
+        self.metrics.key_requests.labels(key_name, status_label).inc()
         self.metrics.duration.labels(ex.path).observe(duration)
         if ex.ttft_s is not None:
             self.metrics.ttft.labels(ex.path).observe(ex.ttft_s)
@@ -308,17 +367,32 @@ class Gateway:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _check(self, body: dict[str, Any], endpoint: str, ex: Exchange) -> tuple[CompletionRequest, Route]:
-        """Validate ``body`` and route its model, once (:mod:`pdctl.gateway.request`)."""
+    async def _check(
+        self, body: dict[str, Any], endpoint: str, ex: Exchange, entry: KeyEntry
+    ) -> tuple[CompletionRequest, Route, int]:
+        """Validate ``body``, count its prompt tokens, route its model once and check the key may use it.
+
+        The count is the model tokenizer's when loaded (then the context check uses it too), else
+        :func:`pdctl.gateway.tokens.estimate_tokens`, for limits and admission only.
+        """
         ex.model = read_model(body)
         req = validate(body, endpoint, ex.model)
         ex.stream = req.stream
+        prompt_tokens = await self.tokens.count(req.model, body)
+        if self.tokens.exact(req.model):
+            req.prompt_tokens = prompt_tokens
         local = self.local_models()
         route = route_model(req.model, local, self.upstream is not None)
+        if not entry.may_use(req.model):
+            raise ApiError(403, f"key {entry.name!r} may not use model {req.model!r}", param="model",
+                           type="permission_error", code="model_not_allowed")  # fmt: skip
+        if route == "upstream" and not entry.upstream:
+            raise ApiError(403, f"key {entry.name!r} may not use the upstream channel, which serves {req.model!r}",
+                           param="model", type="permission_error", code="upstream_not_allowed")  # fmt: skip
         check_fits(req, route, self.settings.routing.strategy == "pd_disagg", local.get(req.model))
-        return req, route
+        return req, route, prompt_tokens
 
-    def _admit(self, ex: Exchange, prompt_tokens: int) -> Route:
+    def _admit(self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True) -> Route:
         if self.settings.routing.strategy == "colocated":
             return "local"
         prefill = self.pool.least_loaded(("prefill",))
@@ -327,7 +401,7 @@ class Gateway:
         decision = self.admission.decide(prompt_tokens, ahead, concurrency)
         if decision.admit:
             return "local"
-        if self.settings.slo.overflow == "upstream" and self.upstream is not None:
+        if self.settings.slo.overflow == "upstream" and self.upstream is not None and may_overflow:
             self.metrics.rejected.labels(f"slo_{decision.reason}_overflow").inc()
             log.info("request %s: SLO predictor (%s) sends it upstream", ex.request_id, decision.reason)
             return "upstream"
@@ -384,10 +458,15 @@ async def _plain_error(send: Send, err: ApiError) -> None:
 
 
 def create_app(
-    settings: GatewaySettings, api_key: str, upstream_key: str | None = None, clients: ClientFactory | None = None
+    settings: GatewaySettings,
+    api_key: str | None,
+    upstream_key: str | None = None,
+    clients: ClientFactory | None = None,
+    keys: KeyRing | None = None,
 ) -> Gateway:
     """The ASGI app for ``settings``; keys come from the caller (read from the environment by the CLI).
 
+    With ``gateway.keys_file`` set, ``api_key`` is optional (accepted as the key named ``default``).
     ``clients``: how to reach the workers (default: HTTP; :class:`pdctl.gateway.memory.MemoryWorkers` in tests).
     """
-    return Gateway(settings, api_key, upstream_key, clients)
+    return Gateway(settings, api_key, upstream_key, clients, keys)

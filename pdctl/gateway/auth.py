@@ -1,16 +1,14 @@
-"""The API key: read from the environment at start, compared in constant time."""
+"""The single API key and the upstream key, read from the environment at start (:mod:`pdctl.gateway.keys` checks)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import re
 from collections.abc import Mapping
 
 from pdctl.errors import PdctlError
 
-__all__ = ["KeyChecker", "MissingKeyError", "looks_like_key", "read_key"]
+__all__ = ["MissingKeyError", "looks_like_key", "read_key"]
 
 
 class MissingKeyError(PdctlError):
@@ -50,23 +48,3 @@ def read_key(env_name: str, setting: str, environ: Mapping[str, str] | None = No
         f"settings.json: {setting}: environment variable {env_name} is not set",
         hint=f"export {env_name}=<your key> in the gateway's environment (never on a command line)",
     )
-
-
-class KeyChecker:
-    """Checks ``Authorization: Bearer <key>`` against SHA-256 digests with ``hmac.compare_digest``."""
-
-    def __init__(self, *keys: str) -> None:
-        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys if k)
-
-    def check(self, header: bytes | None) -> bool:
-        """True when the header carries one of the keys; every digest is compared (no early exit)."""
-        if not header or not self._digests:
-            return False
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token:
-            return False
-        digest = hashlib.sha256(token.strip()).digest()
-        ok = False
-        for d in self._digests:
-            ok |= hmac.compare_digest(digest, d)
-        return ok

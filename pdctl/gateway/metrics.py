@@ -20,6 +20,14 @@ class GatewayMetrics:
         self.requests = Counter(
             "pdctl_requests", "Requests answered, by path and HTTP status.", ["path", "status"], registry=r
         )
+        # Per key: labelled by the key's name from the keys file, never by the key.
+        self.key_requests = Counter(
+            "pdctl_key_requests", "Completion requests by key name and HTTP status ('-': no valid key).",
+            ["key", "status"], registry=r,
+        )  # fmt: skip
+        self.key_tokens = Counter(
+            "pdctl_key_tokens", "Tokens charged to each key's limits (prompt + max_tokens).", ["key"], registry=r
+        )
         self.fallbacks = Counter(
             "pdctl_pd_fallback", "Requests served by decode without usable KV from prefill.", ["reason"],
             registry=r,
@@ -60,6 +68,10 @@ class GatewayMetrics:
         self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r)
         self.healthy = Gauge("pdctl_instance_healthy", "1 when the instance is in the pool.", ["instance", "role"],
                              registry=r)  # fmt: skip
+        self.instances = Gauge(
+            "pdctl_instances", "Worker instances in the pool, by role and state (warming, serving, draining).",
+            ["role", "state"], registry=r,
+        )  # fmt: skip
         self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r)
         self.accepted = Counter(
             "pdctl_accepted", "Completion requests received; each ends in one pdctl_requests_total.", registry=r

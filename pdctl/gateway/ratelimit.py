@@ -37,25 +37,34 @@ class RateLimiter:
             self._token_sum -= self._tokens.popleft()[1]
 
     def acquire(self, tokens: int) -> None:
-        """Charge one request of ``tokens`` estimated tokens, or raise a 429 :class:`ApiError`."""
+        """Charge one request of ``tokens`` tokens, or raise a 429 :class:`ApiError`."""
+        self.check(tokens)
+        self.charge(tokens)
+
+    def check(self, tokens: int, who: str = "") -> None:
+        """Raise a 429 :class:`ApiError` if one request of ``tokens`` would exceed a limit; charges nothing.
+
+        ``who``: what the limit belongs to in the message (a key's name), empty for the gateway's own limits.
+        """
         c = self.config
         now = self.clock()
         self._expire(now)
+        of = f" for key {who!r}" if who else ""
         if c.max_concurrency is not None and self.active >= c.max_concurrency:
             raise ApiError(
-                429, f"too many concurrent requests (gateway.rate_limit.max_concurrency = {c.max_concurrency})",
+                429, f"too many concurrent requests{of} (max_concurrency = {c.max_concurrency})",
                 code="rate_limit_exceeded", retry_after_s=1, reason="max_concurrency",
             )  # fmt: skip
         if c.requests_per_minute is not None and len(self._requests) >= c.requests_per_minute:
             wait = self._requests[0] + WINDOW_S - now
             raise ApiError(
-                429, f"rate limit reached: {c.requests_per_minute} requests per minute",
+                429, f"rate limit reached{of}: {c.requests_per_minute} requests per minute",
                 code="rate_limit_exceeded", retry_after_s=wait, reason="requests_per_minute",
             )  # fmt: skip
         if c.tokens_per_minute is not None and self._token_sum + tokens > c.tokens_per_minute:
             if tokens > c.tokens_per_minute:
                 raise ApiError(
-                    429, f"this request (~{tokens} tokens) exceeds the limit of {c.tokens_per_minute} tokens per "
+                    429, f"this request (~{tokens} tokens) exceeds the limit{of} of {c.tokens_per_minute} tokens per "
                     "minute; lower max_tokens or shorten the prompt", code="rate_limit_exceeded",
                     should_retry=False, retry_after_s=WINDOW_S, reason="tokens_per_minute",
                 )  # fmt: skip
@@ -68,9 +77,14 @@ class RateLimiter:
                     wait = t + WINDOW_S - now
                     break
             raise ApiError(
-                429, f"rate limit reached: {c.tokens_per_minute} tokens per minute",
+                429, f"rate limit reached{of}: {c.tokens_per_minute} tokens per minute",
                 code="rate_limit_exceeded", retry_after_s=wait, reason="tokens_per_minute",
             )  # fmt: skip
+
+    def charge(self, tokens: int) -> None:
+        """Count one admitted request of ``tokens`` tokens (after :meth:`check` passed)."""
+        c = self.config
+        now = self.clock()
         self.active += 1
         if c.requests_per_minute is not None:
             self._requests.append(now)

@@ -1,6 +1,9 @@
 """The instance pool: least-loaded choice, health probing in and out, a per-instance circuit breaker.
 
-An instance is *available* when its last ``/health`` probe succeeded and its breaker is closed. The
+An instance is *available* when it is ``serving``, its last ``/health`` probe succeeded and its breaker is closed.
+Static endpoints are ``serving`` from the start; :mod:`pdctl.gateway.discovery` adds instances as ``warming``,
+makes them ``serving`` after their warm-up and ``draining`` when their address goes (:meth:`Pool.add`,
+:meth:`Pool.serve`, :meth:`Pool.retire`, :meth:`Pool.remove`). The
 breaker opens after ``breaker_threshold`` consecutive failed calls, for ``cooldown x times_opened``
 seconds; after that a successful probe closes it half-way (one more failure reopens it).
 """
@@ -22,13 +25,18 @@ from pdctl.transport import TransportError
 __all__ = ["Instance", "Pool"]
 
 Role = Literal["prefill", "decode"]
+State = Literal["warming", "serving", "draining"]
+STATES: tuple[State, ...] = ("warming", "serving", "draining")
 
 
 class Instance:
     """One worker: its pooled HTTP client, load and health."""
 
-    def __init__(self, spec: InstanceSpec, client: WorkerClient, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, spec: InstanceSpec, client: WorkerClient, metrics: GatewayMetrics, state: State = "serving"
+    ) -> None:
         self.spec = spec
+        self.state: State = state
         self.name = spec.name
         self.role: Role = spec.role
         self.url = spec.url
@@ -49,8 +57,8 @@ class Instance:
         return self.open_until > 0.0
 
     def available(self) -> bool:
-        """In the pool: not known unhealthy and breaker closed."""
-        return self.healthy is not False and not self.breaker_open
+        """In the pool: serving, not known unhealthy and breaker closed."""
+        return self.state == "serving" and self.healthy is not False and not self.breaker_open
 
     @contextlib.contextmanager
     def track(self, tokens: int) -> Iterator[None]:
@@ -68,7 +76,11 @@ class Instance:
     def set_healthy(self, ok: bool) -> None:
         """Record a probe result."""
         self.healthy = ok
-        self._health_gauge.set(1 if ok and not self.breaker_open else 0)
+        self.show_health()
+
+    def show_health(self) -> None:
+        """The ``pdctl_instance_healthy`` gauge: 1 while the instance is in the pool."""
+        self._health_gauge.set(1 if self.healthy and self.state == "serving" and not self.breaker_open else 0)
 
 
 class Pool:
@@ -81,10 +93,47 @@ class Pool:
         self, settings: GatewaySettings, metrics: GatewayMetrics, connect: ClientFactory | None = None
     ) -> None:
         self.settings = settings
-        connect = connect or http_clients(settings)
-        self.instances = [Instance(spec, connect(spec), metrics) for spec in settings.instances]
+        self._connect = connect or http_clients(settings)
+        self._metrics = metrics
+        self.instances = [Instance(spec, self._connect(spec), metrics) for spec in settings.instances]
+        self._count_states()
         self._rr: dict[tuple[Role, ...], itertools.count[int]] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def add(self, spec: InstanceSpec, state: State) -> Instance:
+        """A new instance (a discovered address), with a client of its own."""
+        inst = Instance(spec, self._connect(spec), self._metrics, state)
+        self.instances.append(inst)
+        self._count_states()
+        return inst
+
+    def serve(self, inst: Instance) -> None:
+        """The instance passed its warm-up: it gets traffic from now on."""
+        inst.state = "serving"
+        inst.show_health()
+        self._count_states()
+
+    def retire(self, inst: Instance) -> None:
+        """No new requests for ``inst``; those in flight finish (then :meth:`remove`)."""
+        inst.state = "draining"
+        inst.show_health()
+        self._count_states()
+
+    async def remove(self, inst: Instance) -> None:
+        """Out of the pool: its client closed, its metric series gone."""
+        self.instances.remove(inst)
+        for gauge in (self._metrics.in_flight, self._metrics.healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(inst.name, inst.role)
+        self._count_states()
+        with contextlib.suppress(Exception):
+            await inst.client.aclose()
+
+    def _count_states(self) -> None:
+        for role in ("prefill", "decode"):
+            for state in STATES:
+                n = sum(1 for i in self.instances if i.role == role and i.state == state)
+                self._metrics.instances.labels(role, state).set(n)
 
     def by_role(self, role: Role) -> list[Instance]:
         """Instances of one role."""

@@ -8,20 +8,30 @@ Held start (``pdctl up``): :func:`make_server` does every import and builds the 
 while the engines load; :func:`wait_for_release` then waits for the go-file before :func:`run` binds the
 port, so no client reaches the gateway before the supervisor's warm-up passed. SIGTERM/SIGINT while held
 end the wait; the process exits 0 without ever listening.
+
+TLS: ``gateway.tls_certfile``/``tls_keyfile`` go to uvicorn's ``ssl_certfile``/``ssl_keyfile`` after
+:func:`tls_files` checked them (present, readable, a certificate that is not expired, a key that matches).
+SIGHUP re-reads the keys file (:meth:`pdctl.gateway.app.Gateway.reload_keys`) between ticks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import logging
 import signal
+import ssl
 import sys
 import time
+from collections.abc import Generator
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from pdctl.config import GatewayConfig
+from pdctl.errors import ConfigError
 from pdctl.gateway.app import Gateway
 
 __all__ = [
@@ -32,6 +42,7 @@ __all__ = [
     "make_server",
     "run",
     "serve",
+    "tls_files",
     "wait_for_release",
 ]
 
@@ -46,6 +57,19 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self._exit_at: float | None = None
+        self._reload = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        previous = signal.signal(signal.SIGHUP, self._on_sighup)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
+    def _on_sighup(self, sig: int, frame: FrameType | None) -> None:
+        self._reload = True  # acted on in on_tick, outside the signal handler
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.gateway.draining:
@@ -61,6 +85,9 @@ class DrainingServer(uvicorn.Server):
         self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self._reload:
+            self._reload = False
+            self.gateway.reload_keys()
         if self._exit_at is not None and time.monotonic() >= self._exit_at:
             self.should_exit = True
         return await super().on_tick(counter)
@@ -90,6 +117,7 @@ def make_server(gateway: Gateway, host: str, port: int) -> DrainingServer:
         loop = "uvloop"
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         loop = "asyncio"
+    tls = tls_files(g)
     config = uvicorn.Config(
         gateway,
         host=host,
@@ -104,9 +132,54 @@ def make_server(gateway: Gateway, host: str, port: int) -> DrainingServer:
         backlog=4096,
         # The gateway reads no client address, so X-Forwarded-* need no rewriting: one ASGI layer less per request.
         proxy_headers=False,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
     )
     config.load()
     return DrainingServer(config, gateway)
+
+
+def tls_files(g: GatewayConfig) -> tuple[str, str] | None:
+    """``(certfile, keyfile)`` from the settings, or None; :class:`ConfigError` naming the key when unusable."""
+    if g.tls_certfile is None or g.tls_keyfile is None:
+        return None
+    for key, path in (("gateway.tls_certfile", g.tls_certfile), ("gateway.tls_keyfile", g.tls_keyfile)):
+        if not Path(path).is_file():
+            raise ConfigError(
+                "settings.json",
+                key,
+                f"{path}: no such file",
+                hint="give the path of a PEM file (relative paths start at settings.json's folder)",
+            )
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(Path(g.tls_certfile).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            "settings.json",
+            "gateway.tls_certfile",
+            f"{g.tls_certfile}: not a PEM certificate ({exc})",
+            hint="the certificate (BEGIN CERTIFICATE), not the key",
+        ) from None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if cert.not_valid_after_utc < now:
+        raise ConfigError(
+            "settings.json",
+            "gateway.tls_certfile",
+            f"{g.tls_certfile}: the certificate expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC",
+            hint="renew it (for example with certbot, or openssl for a self-signed one)",
+        )
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(g.tls_certfile, g.tls_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            "settings.json",
+            "gateway.tls_keyfile",
+            f"{g.tls_keyfile}: cannot use it with {g.tls_certfile} ({exc})",
+            hint="the private key (unencrypted PEM) that belongs to the certificate",
+        ) from None
+    return g.tls_certfile, g.tls_keyfile
 
 
 def run(server: DrainingServer) -> None:

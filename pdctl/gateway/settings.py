@@ -25,6 +25,8 @@ class LocalModel:
 
     name: str
     max_model_len: int | None = None
+    source: str | None = None
+    """The model path or Hugging Face repo id the workers load (where its tokenizer is); None: ``name``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +78,9 @@ def from_settings(settings: Settings) -> GatewaySettings:
 def from_deployment(dep: Deployment) -> GatewaySettings:
     """Settings from config.toml + settings.json: instance names, models and limits from the workers."""
     models: dict[str, int | None] = {}
+    sources: dict[str, str] = {}
     for w in dep.workers:
+        sources.setdefault(w.model_name, dep.resolve_path(w.model) if w.model.startswith((".", "~")) else w.model)
         known = models.get(w.model_name)
         lens = [x for x in (known, w.max_model_len) if x is not None]
         models[w.model_name] = min(lens) if lens else None
@@ -87,7 +91,7 @@ def from_deployment(dep: Deployment) -> GatewaySettings:
         logging=dep.logging,
         prefill=tuple(InstanceSpec(w.name, "prefill", w.url) for w in dep.prefill),
         decode=tuple(InstanceSpec(w.name, "decode", w.url) for w in dep.decode),
-        models=tuple(LocalModel(n, m) for n, m in models.items()),
+        models=tuple(LocalModel(n, m, sources[n]) for n, m in models.items()),
         connector=dep.routing.kv_connector or dep.connector.kv_connector,
         kv_timeout_s=dep.kv_transfer.timeout_ms / 1000.0,
     )
