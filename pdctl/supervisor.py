@@ -109,14 +109,11 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class SupervisorOptions:
-    """Timing and restart policy (``[supervisor]`` in config.toml, plus the gateway's drain timeout)."""
+    """``[supervisor]`` of config.toml (``config``), plus what the config does not set: the backoff's base,
+    the gateway's stop grace (its drain timeout plus a margin) and the polling periods."""
 
-    ready_timeout_s: float = 900.0
-    stop_timeout_s: float = 20.0
-    max_restarts: int = 3
-    start_secs: float = 10.0
+    config: SupervisorConfig = field(default_factory=SupervisorConfig)
     backoff_base_s: float = 1.0
-    backoff_max_s: float = 60.0
     gateway_stop_timeout_s: float | None = None
     poll_s: float = 0.25
     ready_poll_s: float = 0.1
@@ -124,14 +121,7 @@ class SupervisorOptions:
     @classmethod
     def from_config(cls, cfg: SupervisorConfig, drain_timeout_s: float | None = None) -> SupervisorOptions:
         """Options from ``[supervisor]``; the gateway gets its drain time plus a margin to exit."""
-        return cls(
-            ready_timeout_s=cfg.ready_timeout_s,
-            stop_timeout_s=cfg.stop_timeout_s,
-            max_restarts=cfg.max_restarts,
-            start_secs=cfg.start_secs,
-            backoff_max_s=cfg.backoff_max_s,
-            gateway_stop_timeout_s=None if drain_timeout_s is None else drain_timeout_s + 5.0,
-        )
+        return cls(cfg, gateway_stop_timeout_s=None if drain_timeout_s is None else drain_timeout_s + 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,14 +156,14 @@ def decide_restart(policy: str, history: Sequence[Run], now: float, options: Sup
         return RestartDecision(False, 0, reason="its restart policy is 'never'")
     failures = 0
     for run in reversed(history):
-        if run.ended - run.started >= options.start_secs:
+        if run.ended - run.started >= options.config.start_secs:
             break
         failures += 1
-    if failures > options.max_restarts:
+    if failures > options.config.max_restarts:
         return RestartDecision(False, failures, reason=(
-            f"failed {failures} time(s) in a row, each within start_secs ({options.start_secs:g} s); "
-            f"max_restarts = {options.max_restarts} reached"))  # fmt: skip
-    delay = min(options.backoff_max_s, options.backoff_base_s * 2 ** (max(failures, 1) - 1))
+            f"failed {failures} time(s) in a row, each within start_secs ({options.config.start_secs:g} s); "
+            f"max_restarts = {options.config.max_restarts} reached"))  # fmt: skip
+    delay = min(options.config.backoff_max_s, options.backoff_base_s * 2 ** (max(failures, 1) - 1))
     return RestartDecision(True, failures, delay, now + delay)
 
 
@@ -301,7 +291,7 @@ class Supervisor:
             return
         names = ", ".join(name for name, _ in self.remote)
         self._emit("remote", "pdctl", f"waiting for the workers on other hosts: {names}")
-        deadline = self._clock() + self.options.ready_timeout_s
+        deadline = self._clock() + self.options.config.ready_timeout_s
         pending = list(self.remote)
         while pending:
             for name, url in list(pending):
@@ -314,7 +304,7 @@ class Supervisor:
             if self._clock() > deadline:
                 missing = ", ".join(f"{n} ({u})" for n, u in pending)
                 raise LaunchError(
-                    f"{missing} did not answer 200 within {self.options.ready_timeout_s:g} s",
+                    f"{missing} did not answer 200 within {self.options.config.ready_timeout_s:g} s",
                     hint="start them on their hosts (`pdctl up --only NAME`) and check this host reaches their "
                     "address (firewall, routing.*_endpoint); docs/multi-node.md",
                 )
@@ -352,7 +342,7 @@ class Supervisor:
 
     def _wait_ready(self, slots: list[_Slot], *, watch: Sequence[_Slot] = (), poll_s: float | None = None) -> None:
         """Wait until every slot answers its ready_url; any of ``slots`` or ``watch`` exiting fails the start."""
-        deadline = self._clock() + self.options.ready_timeout_s
+        deadline = self._clock() + self.options.config.ready_timeout_s
         pending = list(slots)
         while pending:
             for slot in [*watch, *pending]:
@@ -377,7 +367,7 @@ class Supervisor:
             if self._clock() > deadline:
                 names = ", ".join(s.spec.name for s in pending)
                 raise LaunchError(
-                    f"{names} did not answer 200 on /health within {self.options.ready_timeout_s:g} s",
+                    f"{names} did not answer 200 on /health within {self.options.config.ready_timeout_s:g} s",
                     hint="see `pdctl logs`; raise supervisor.ready_timeout_s for slow model loads",
                 )
             self._check_stop()
@@ -433,10 +423,10 @@ class Supervisor:
                                 threading.Thread(
                                     target=self._rewarm, args=(slot.spec.name,), name="pdctl-rewarm", daemon=True
                                 ).start()
-                        elif proc.uptime_s() > self.options.ready_timeout_s:
+                        elif proc.uptime_s() > self.options.config.ready_timeout_s:
                             self._emit("info", slot.spec.name, f"{slot.spec.name} not ready after "
-                                       f"{self.options.ready_timeout_s:g} s; stopping it")  # fmt: skip
-                            proc.stop(self.options.stop_timeout_s)
+                                       f"{self.options.config.ready_timeout_s:g} s; stopping it")  # fmt: skip
+                            proc.stop(self.options.config.stop_timeout_s)
                             if not self._handle_exit(slot, proc, now):
                                 return False
                 elif slot.state is ProcState.BACKOFF and now >= slot.next_start:
@@ -462,7 +452,7 @@ class Supervisor:
         slot.last_exit = info
         name = slot.spec.name
         self._emit("exited", name, f"{name} exited ({signal_name(info.returncode)}) after {ran_s:.1f} s", exit=info)
-        slot.history = [*slot.history[-(self.options.max_restarts + 1) :], Run(slot.started, now)]
+        slot.history = [*slot.history[-(self.options.config.max_restarts + 1) :], Run(slot.started, now)]
         decision = decide_restart(slot.spec.restart, slot.history, now, self.options)
         if not decision.restart:
             if slot.spec.restart != "on-failure":  # fail fast
@@ -482,7 +472,7 @@ class Supervisor:
         slot.next_start = decision.at
         delay = decision.delay_s
         self._emit("backoff", name, f"restarting {name} in {delay:g} s (failure {max(decision.failures, 1)} of "
-                   f"{self.options.max_restarts} allowed)", delay_s=delay)  # fmt: skip
+                   f"{self.options.config.max_restarts} allowed)", delay_s=delay)  # fmt: skip
         return True
 
     def run(self, tick: Callable[[], None] | None = None) -> str | None:
@@ -516,7 +506,7 @@ class Supervisor:
                 s.state = ProcState.STOPPED
         if not running:
             return
-        grace = self.options.stop_timeout_s
+        grace = self.options.config.stop_timeout_s
         if role == "gateway" and self.options.gateway_stop_timeout_s is not None:
             grace = self.options.gateway_stop_timeout_s
         for s in running:

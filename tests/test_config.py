@@ -9,6 +9,7 @@ import pytest
 from pdctl import config
 from pdctl.config import load
 from pdctl.errors import ConfigError
+from pdctl.gateway.settings import from_settings
 from tests.conftest import RECIPE, REPO
 
 SEED = REPO.parent / "shared" / "seed"  # the project's copy of the article, beside the checkout in CI
@@ -89,6 +90,25 @@ def test_config_errors_name_file_line_key(recipe_files, edits: dict[str, str], e
     assert str(info.value) == expected
 
 
+@pytest.mark.parametrize(
+    ("append", "expected", "hint"),
+    [
+        ("[supervisor]\nready_timeout = 60\n", "config.toml:46: supervisor.ready_timeout: unknown key",
+         "did you mean 'ready_timeout_s'?"),
+        ('[supervisor]\nrestart = "always"\n',
+         'config.toml:46: supervisor.restart: expected never or on-failure, got "always"', None),
+        ("[sim]\nkv_scale = 2\n", "config.toml:46: sim.kv_scale: expected a number in (0, 1], got 2", None),
+        ("[engine]\npyhton = \"/usr/bin/python3\"\n", "config.toml:46: engine.pyhton: unknown key",
+         "did you mean 'python'?"),
+    ],
+)  # fmt: skip
+def test_section_errors_name_file_line_key(recipe_files, append: str, expected: str, hint: str | None) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = recipe_files(config_append="\n" + append)
+    with pytest.raises(ConfigError) as info:
+        load(cpath, spath)
+    assert (str(info.value), info.value.hint) == (expected, hint)
+
+
 def test_unknown_key_suggests_the_nearest(recipe_files) -> None:  # type: ignore[no-untyped-def]
     cpath, spath = recipe_files(config_edits={"max_num_seqs = 8\n": "max_num_seq = 8\n"})
     with pytest.raises(ConfigError) as info:
@@ -167,6 +187,10 @@ def test_several_instances_per_role(recipe_files) -> None:  # type: ignore[no-un
     assert [w.port for w in dep.decode] == [8200, 8300]
     assert dep.decode[0].side_channel_port != dep.decode[1].side_channel_port
     assert "[[decode]]" in text
+    # settings.json alone (the gateway without config.toml) names the instances as config.toml's loader does.
+    alone = from_settings(config.load_settings(spath))
+    assert [i.name for i in alone.instances] == [w.name for w in dep.workers] == ["prefill", "decode-0", "decode-1"]
+    assert config.load_settings(spath) == dep.settings
 
 
 def test_endpoint_count_must_match_instances(recipe_files) -> None:  # type: ignore[no-untyped-def]
@@ -236,3 +260,25 @@ def test_plan_shows_the_cluster_name(recipe_files, cli) -> None:  # type: ignore
     assert json.loads(res.stdout)["cluster"] == "team-a-pd"
     res = cli("plan", "-c", str(cpath), "-s", str(spath))
     assert res.stdout.splitlines()[0] == "deployment team-a-pd"
+
+
+def test_every_declared_worker_key_reaches_its_flag_or_env(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    """Each key declared with a flag or env (config.key) is read by the loader and lands where it says."""
+    from pdctl.plan import VllmInstall, build_plan
+
+    extra = (
+        'served_model_name = "q"\nhost = "0.0.0.0"\nkv_connector = "NixlConnector"\ngpu_memory_utilization = 0.5\n'
+        'max_model_len = 4096\ndtype = "bfloat16"\nblock_size = 32\nenforce_eager = true\ncpu_ids = [2, 3]\n'
+        "side_channel_port = 6100\n"
+    )
+    cpath, spath = recipe_files({"enable_chunked_prefill = false\n": "enable_chunked_prefill = false\n" + extra,
+                                 "tensor_parallel_size = 1\nenable": "tensor_parallel_size = 2\nenable"})  # fmt: skip
+    pre = build_plan(load(cpath, spath), VllmInstall("vllm", "0.32.0")).get("prefill")
+    for name, spec in config.keys_of(config.WorkerConfig).items():
+        if spec.flag and spec.emit:
+            assert spec.flag in pre.argv or "--no-" + spec.flag[2:] in pre.argv, name
+        if spec.env:
+            assert spec.env in pre.env, name
+    assert pre.argv[pre.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--no-enable-chunked-prefill" in pre.argv and "--enforce-eager" in pre.argv
+    assert pre.env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3" and pre.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "6100"

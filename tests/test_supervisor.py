@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.config import load
+from pdctl.config import SupervisorConfig, load
 from pdctl.errors import LaunchError
 from pdctl.plan import GATEWAY_HOLD_ENV, Plan, ProcessSpec, VllmInstall, build_plan
 from pdctl.probe import probe_pair
@@ -26,7 +26,9 @@ from pdctl.watchdog import Watchdog
 from tests.fakes.helpers import fake_spec
 from tests.test_run_cli import KEY, KEY_VAR, recorded_pids, write_deployment
 
-OPTS = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=0.2, poll_s=0.1)
+OPTS = SupervisorOptions(
+    SupervisorConfig(ready_timeout_s=60, stop_timeout_s=5, start_secs=30), backoff_base_s=0.2, poll_s=0.1
+)
 
 
 @pytest.fixture
@@ -118,7 +120,7 @@ def test_crash_at_start_fails_fast_and_cleans_up(tmp_path: Path, sups: list[Supe
 
 def test_not_ready_in_time_is_a_launch_error(tmp_path: Path, sups: list[Supervisor]) -> None:
     plan = Plan((fake_spec("prefill", "prefill", "--startup-delay", "60"),))
-    opts = SupervisorOptions(ready_timeout_s=1.0, stop_timeout_s=5, poll_s=0.1)
+    opts = SupervisorOptions(SupervisorConfig(ready_timeout_s=1.0, stop_timeout_s=5), poll_s=0.1)
     sup, _ = make(sups, plan, tmp_path, opts)
     with pytest.raises(LaunchError, match="within 1 s"):
         sup.start()
@@ -134,8 +136,7 @@ def test_crash_after_ready_restarts_with_growing_delays_then_fatal(tmp_path: Pat
         )
     )
     # Delays of 20-50 s on a scripted clock: the test jumps the clock instead of sleeping through them.
-    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=60, max_restarts=3,
-                             backoff_base_s=20, backoff_max_s=50, poll_s=0.05)  # fmt: skip
+    opts = SupervisorOptions(SupervisorConfig(ready_timeout_s=60, stop_timeout_s=5, start_secs=60, max_restarts=3, backoff_max_s=50), backoff_base_s=20, poll_s=0.05)  # fmt: skip
     clock = FakeClock()
     sup, events = make(sups, plan, tmp_path, opts, clock=clock)
     sup.start()
@@ -181,7 +182,7 @@ def test_stop_event_ends_run_and_interrupts_start(tmp_path: Path, sups: list[Sup
 
 def test_force_skips_the_grace_period(tmp_path: Path, sups: list[Supervisor]) -> None:
     plan = Plan((fake_spec("prefill", "prefill", "--ignore-sigterm"),))
-    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=300, poll_s=0.1)
+    opts = SupervisorOptions(SupervisorConfig(ready_timeout_s=60, stop_timeout_s=300), poll_s=0.1)
     sup, events = make(sups, plan, tmp_path, opts)
     sup.start()
     p = sup.processes()["prefill"]
@@ -245,7 +246,7 @@ def test_restart_recovers_and_rewarms(tmp_path: Path, sups: list[Supervisor]) ->
 
 # ------------------------------------------------------------------ the restart rule, with a scripted clock
 
-POLICY = SupervisorOptions(start_secs=10, max_restarts=3, backoff_base_s=1, backoff_max_s=5)
+POLICY = SupervisorOptions(SupervisorConfig(start_secs=10, max_restarts=3, backoff_max_s=5), backoff_base_s=1)
 
 # (history of (started, ended) runs, now) -> (restart?, quick failures in a row, delay)
 HISTORIES = [
@@ -272,7 +273,7 @@ def test_decide_restart(history: list[tuple[float, float]], now: float, expected
 
 
 def test_decide_restart_caps_the_delay_and_never_gives_up_on_never() -> None:
-    opts = SupervisorOptions(start_secs=10, max_restarts=10, backoff_base_s=1, backoff_max_s=5)
+    opts = SupervisorOptions(SupervisorConfig(start_secs=10, max_restarts=10, backoff_max_s=5), backoff_base_s=1)
     runs = [Run(i, i + 1) for i in range(0, 20, 2)]
     delays = [decide_restart("on-failure", runs[: n + 1], 0, opts).delay_s for n in range(6)]
     assert delays == [1, 2, 4, 5, 5, 5]
@@ -293,7 +294,9 @@ class FakeClock:
 def test_backoff_waits_for_the_clock_not_the_wall(tmp_path: Path, sups: list[Supervisor]) -> None:
     plan = Plan((fake_spec("decode", "decode", "--crash-after-ready", "0.2", restart="on-failure"),))
     clock = FakeClock()
-    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, backoff_base_s=8, poll_s=0.05)
+    opts = SupervisorOptions(
+        SupervisorConfig(ready_timeout_s=60, stop_timeout_s=5, start_secs=30), backoff_base_s=8, poll_s=0.05
+    )
     sup, events = make(sups, plan, tmp_path, opts, clock=clock)
     sup.start()
     first = sup.processes()["decode"]
@@ -317,7 +320,9 @@ def test_xpyd_fatal_decode_stays_down_while_its_peer_serves(tmp_path: Path, sups
         fake_spec("decode-1", "decode", restart="on-failure"),
     ))  # fmt: skip
     clock = FakeClock()
-    opts = SupervisorOptions(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, max_restarts=0, poll_s=0.05)
+    opts = SupervisorOptions(
+        SupervisorConfig(ready_timeout_s=60, stop_timeout_s=5, start_secs=30, max_restarts=0), poll_s=0.05
+    )
     sup, events = make(sups, plan, tmp_path, opts, clock=clock)
     sup.start()
     dead = sup.processes()["decode-0"]

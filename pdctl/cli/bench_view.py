@@ -64,7 +64,8 @@ def load_context(config_path: Path | None, settings_path: Path | None, attainmen
     if config_path is not None and not cpath.exists():
         raise BenchError(f"{cpath}: no such file", hint="give -c config.toml, or --gateway URL alone")
     if spath.exists():
-        gateway, _routing, slo, _logging = config.load_settings(spath)
+        read = config.load_settings(spath)
+        gateway, slo = read.gateway, read.slo
         return BenchContext(
             gateway.url,
             None,

@@ -37,7 +37,7 @@ def gateway(
     if config is not None:
         gw_settings = from_deployment(load(config, settings))
     else:
-        gw_settings = from_settings(*load_settings(settings))
+        gw_settings = from_settings(load_settings(settings))
     if host is not None:
         gw_settings = replace(gw_settings, gateway=replace(gw_settings.gateway, listen_host=host))
     g = gw_settings.gateway

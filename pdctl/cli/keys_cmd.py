@@ -25,7 +25,7 @@ def _keys_file(file: Path | None, settings: Path) -> Path:
     if file is not None:
         return file
     if settings.exists():
-        g = load_settings(settings)[0]
+        g = load_settings(settings).gateway
         if g.keys_file:
             return Path(g.keys_file)
     return Path("keys.json")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pdctl.config import Deployment, GatewayConfig, LoggingConfig, RoutingConfig, SLOConfig
+from pdctl.config import Deployment, GatewayConfig, LoggingConfig, RoutingConfig, Settings, SLOConfig, instance_name
 
 __all__ = ["GatewaySettings", "InstanceSpec", "LocalModel", "from_deployment", "from_settings"]
 
@@ -58,20 +58,17 @@ class GatewaySettings:
 
 
 def _names(role: Literal["prefill", "decode"], urls: tuple[str, ...]) -> tuple[InstanceSpec, ...]:
-    if len(urls) == 1:
-        return (InstanceSpec(role, role, urls[0].rstrip("/")),)
-    return tuple(InstanceSpec(f"{role}-{i}", role, u.rstrip("/")) for i, u in enumerate(urls))
+    return tuple(InstanceSpec(instance_name(role, i, len(urls)), role, u.rstrip("/")) for i, u in enumerate(urls))
 
 
-def from_settings(
-    gateway: GatewayConfig, routing: RoutingConfig, slo: SLOConfig, logging: LoggingConfig
-) -> GatewaySettings:
+def from_settings(settings: Settings) -> GatewaySettings:
     """Settings from settings.json alone: model names come from the workers' ``/v1/models``."""
+    routing = settings.routing
     return GatewaySettings(
-        gateway=gateway,
+        gateway=settings.gateway,
         routing=routing,
-        slo=slo,
-        logging=logging,
+        slo=settings.slo,
+        logging=settings.logging,
         prefill=_names("prefill", routing.prefill_endpoints),
         decode=_names("decode", routing.decode_endpoints),
         connector=routing.kv_connector,
