@@ -116,6 +116,7 @@ class SimRequest:
     state: State = "WAITING"
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_scores: list[int] = field(default_factory=list)  # each token's hash: fixes its logprobs
     digest: bytes = b""
     kv_prefix: bytes = b""
     kv_ready: bool = False
@@ -609,6 +610,7 @@ class SimEngine:
         i = len(r.output_ids)
         tid, v = self._token(r, i)
         r.output_ids.append(tid)
+        r.output_scores.append(v)
         m = self.metrics
         m.c(m.generation_tokens).inc()
         self.total_generated += 1
