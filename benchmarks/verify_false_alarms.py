@@ -55,8 +55,11 @@ def _pdctl(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[float]:
-    """Hold the machine's real-engine lock; yields the seconds spent waiting for it."""
+    """Hold the machine's real-engine lock (none for ``""``: the caller holds it); yields the seconds waited."""
     start = time.monotonic()
+    if not path:
+        yield 0.0
+        return
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -224,12 +227,20 @@ def main() -> None:
     ap.add_argument("--loaded-every", type=int, default=2, help="every Nth fresh run beside the hogs (0: none)")
     ap.add_argument("--hogs", type=int, default=2, help="busy-looping processes during a loaded run")
     ap.add_argument("--broken", type=int, default=1, help="broken-link runs (decode with other weights)")
-    ap.add_argument("--lock", default="/tmp/pdctl-real.lock")
+    ap.add_argument("--lock", default="/tmp/pdctl-real.lock", help='taken per run; "" when the caller holds it')
+    ap.add_argument(
+        "--models",
+        type=Path,
+        default=ROOT / "models",
+        help="folder for the broken runs' seed-0 and seed-1 models (fresh runs serve examples/cpu's own)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "verify_false_alarms.json")
     args = ap.parse_args()
     conf = ["-c", str(EXAMPLE / "config.toml"), "-s", str(EXAMPLE / "settings.json")]
-    seed0, seed1 = ROOT / "models" / "tiny-qwen3", ROOT / "models" / "tiny-qwen3-seed1"
-    for path, seed in ((seed0, "0"), (seed1, "1")):
+    seed0, seed1 = args.models / "tiny-qwen3", args.models / "tiny-qwen3-seed1"
+    needed = [(ROOT / "models" / "tiny-qwen3", "0")] if args.runs else []
+    needed += [(seed0, "0"), (seed1, "1")] if args.broken else []
+    for path, seed in needed:
         made = _pdctl("model", "tiny", str(path), "--seed", seed, timeout=600)
         if made.returncode != 0:
             sys.exit(f"pdctl model tiny {path} --seed {seed} failed:\n{made.stdout}{made.stderr}")

