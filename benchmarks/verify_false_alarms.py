@@ -242,7 +242,9 @@ def main() -> None:
         help="folder for the broken runs' seed-0 and seed-1 models (fresh runs serve examples/cpu's own)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "verify_false_alarms.json")
+    ap.add_argument("--stop-after-s", type=float, default=None, help="start no run after this many seconds")
     args = ap.parse_args()
+    deadline = time.monotonic() + args.stop_after_s if args.stop_after_s else None
     conf = ["-c", str(EXAMPLE / "config.toml"), "-s", str(EXAMPLE / "settings.json")]
     seed0, seed1 = args.models / "tiny-qwen3", args.models / "tiny-qwen3-seed1"
     needed = [(ROOT / "models" / "tiny-qwen3", "0")] if args.runs else []
@@ -257,6 +259,9 @@ def main() -> None:
         ("fresh", bool(args.loaded_every) and (i + 1) % args.loaded_every == 0) for i in range(args.runs)
     ]
     for i, (kind, loaded) in enumerate(plan):
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"--stop-after-s reached: {i} of {len(plan)} runs done", flush=True)
+            break
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         rec = broken_run(seed0, seed1, args.lock) if kind == "broken" else fresh_run(conf, loaded, args.hogs, args.lock)
         rec["index"], rec["started"] = i, started
