@@ -298,6 +298,26 @@ def test_corrupted_kv_fails_correctness(cluster: Callable[..., Cluster]) -> None
     assert div["verdict"] == "corruption" and div["position"] == 0 and div["ref_margin"] >= 0.5
 
 
+def test_a_near_tie_once_is_re_run_and_passes(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_args=["--sim-fault", "near-tie:2@times=1"])
+    res = _by_name(c.verify())["kv_correctness" + PAIR]
+    assert res.ok is True, res
+    assert "short: token ids identical (re-run after a tie: first difference at output token 2" in res.detail
+    short = res.data["probes"][0]
+    assert short["first_tie"]["verdict"] == "tie" and short["first_tie"]["ref_margin"] == pytest.approx(0.01)
+    assert len(short["request_ids"]) == 2 and short["divergence"] is None
+
+
+def test_a_near_tie_twice_is_inconclusive_not_a_failure(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_args=["--sim-fault", "near-tie"])
+    checks = _by_name(c.verify())
+    res = checks["kv_correctness" + PAIR]
+    assert res.ok is None and res.detail.startswith("inconclusive at a numerical tie, twice"), res
+    assert "short: first difference at output token 0" in res.detail
+    assert all(p["divergence"]["verdict"] == "tie" and p["first_tie"] for p in res.data["probes"])
+    assert checks["kv_metrics" + PAIR].ok is True and checks["identity" + PAIR].ok is True
+
+
 def test_different_model_fails_identity_with_5_4(cluster: Callable[..., Cluster]) -> None:
     c = cluster(gateway=False, decode_model="sim/other-model")
     checks = _by_name(c.verify())

@@ -186,7 +186,7 @@ class SimApp:
             return None
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         build = lp.chat_logprobs if chat else lp.completion_logprobs
-        return build(self.engine.tokenizer, req.output_ids, req.output_scores, k, as_ids)
+        return build(self.engine.tokenizer, req.output_ids, req.output_scores, k, as_ids, req.near_ties)
 
     def _detokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
         tokens = body.get("tokens")
