@@ -244,6 +244,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "verify_false_alarms.json")
     ap.add_argument("--stop-after-s", type=float, default=None, help="start no run after this many seconds")
     args = ap.parse_args()
+    # SIGTERM (a timeout, a test's teardown) unwinds like Ctrl-C: each run's `finally` stops what it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.stop_after_s if args.stop_after_s else None
     conf = ["-c", str(EXAMPLE / "config.toml"), "-s", str(EXAMPLE / "settings.json")]
     seed0, seed1 = args.models / "tiny-qwen3", args.models / "tiny-qwen3-seed1"

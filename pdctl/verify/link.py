@@ -34,6 +34,7 @@ from pdctl.identity import fetch_identity, identity_problems
 from pdctl.probe import two_legs
 from pdctl.protocol import ConnectorKind, connector_kind
 from pdctl.verify import diagnoses as dg
+from pdctl.verify import proof
 from pdctl.verify.gateway_checks import CHAT_PROMPT
 from pdctl.verify.proof import TIE_TOLERANCE_NATS, TOP_K, Divergence, Sample, first_divergence, parse_sample, show_token
 from pdctl.verify.report import CheckResult, Timer
@@ -113,6 +114,9 @@ class Probe:
             "prompt_tokens": self.prompt_tokens,
             "pd_tokens": list(self.pd.tokens) if self.pd else None,
             "ref_tokens": list(self.ref.tokens) if self.ref else None,
+            "ref_margins": proof.margins(self.ref),
+            "pd_margins": proof.margins(self.pd),
+            "drift": proof.drift(self.ref, self.pd) if self.ref and self.pd else None,
             "divergence": self.divergence.to_json() if self.divergence else None,
             "first_tie": self.first_tie.to_json() if self.first_tie else None,
             "batch": dict(self.batch),

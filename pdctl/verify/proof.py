@@ -27,7 +27,9 @@ __all__ = [
     "Divergence",
     "Sample",
     "Step",
+    "drift",
     "first_divergence",
+    "margins",
     "parse_sample",
     "show_token",
 ]
@@ -163,6 +165,22 @@ def _drift(ref: Sequence[Step], pd: Sequence[Step], upto: int) -> float | None:
         for t in r.top.keys() & p.top.keys()
     ]
     return max(diffs) if diffs else None
+
+
+def drift(ref: Sample, pd: Sample) -> float | None:
+    """The largest logprob difference of one token between the two sides, up to their first difference."""
+    if ref.steps is None or pd.steps is None:
+        return None
+    n = min(len(ref.tokens), len(pd.tokens))
+    upto = next((k for k in range(n) if ref.tokens[k] != pd.tokens[k]), n - 1)
+    return _drift(ref.steps, pd.steps, upto)
+
+
+def margins(sample: Sample | None) -> list[float | None] | None:
+    """Each position's top-1 minus top-2 logprob (None without logprobs)."""
+    if sample is None or sample.steps is None:
+        return None
+    return [_round(s.margin) for s in sample.steps]
 
 
 def first_divergence(ref: Sample, pd: Sample, tolerance: float = TIE_TOLERANCE_NATS) -> Divergence | None:
