@@ -203,6 +203,55 @@ def broken_run(seed0: Path, seed1: Path, lock: str, ready_timeout_s: float = 900
     return rec
 
 
+def batch_experiment(conf: list[str], prompts: int, lock: str) -> dict[str, Any]:
+    """Is vLLM CPU batch-invariant? Each prompt greedy on decode alone, then again beside 3 other requests.
+
+    Records per prompt whether the tokens differ, the first difference's verdict, and the logprob drift.
+    """
+    import concurrent.futures
+
+    from pdctl.verify.proof import drift, first_divergence, parse_sample
+
+    decode = "http://127.0.0.1:8200"
+    rec: dict[str, Any] = {"kind": "batch_experiment", "prompts": []}
+    with _locked(lock) as waited:
+        rec["lock_wait_s"] = round(waited, 1)
+        up = _pdctl("up", "-d", *conf, timeout=1500)
+        if up.returncode != 0:
+            rec["error"] = (up.stdout + up.stderr)[-1500:]
+            return rec
+        try:
+            with httpx.Client(timeout=300, trust_env=False) as client:
+
+                def greedy(prompt: str, max_tokens: int = 8) -> Any:
+                    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True, "logprobs": 5,
+                            "return_tokens_as_token_ids": True, "cache_salt": os.urandom(8).hex()}  # fmt: skip
+                    return client.post(f"{decode}/v1/completions", json=body).json()
+
+                for i in range(prompts):
+                    prompt = f"batch experiment {i} " + " ".join(f"w{j % 97}" for j in range(40 + 37 * i))
+                    alone = parse_sample(greedy(prompt))
+                    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                        others = [pool.submit(greedy, f"neighbour {i}.{k} " + "x " * 300, 64) for k in range(3)]
+                        time.sleep(0.3)  # the neighbours are running when the probe arrives
+                        shared = parse_sample(pool.submit(greedy, prompt).result())
+                        for f in others:
+                            f.result()
+                    if alone is None or shared is None:
+                        rec["prompts"].append({"error": "no token ids"})
+                        continue
+                    div = first_divergence(alone, shared)
+                    rec["prompts"].append({
+                        "differ": div is not None,
+                        "divergence": div.to_json() if div else None,
+                        "drift": drift(alone, shared),
+                    })  # fmt: skip
+        finally:
+            rec["down_rc"] = _pdctl("down", *conf, timeout=300).returncode
+    return rec
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """False alarms among fresh runs (quiet / loaded) and the detection rate among broken runs."""
     fresh = [r for r in runs if r["kind"] == "fresh" and "ok" in r]
@@ -219,7 +268,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "ties_rerun": ties,
         }
 
+    exp = [p for r in runs if r["kind"] == "batch_experiment" for p in r.get("prompts", []) if "differ" in p]
     return {
+        "batch_experiment": {
+            "prompts": len(exp),
+            "tokens_differ": sum(1 for p in exp if p["differ"]),
+            "logprobs_moved": sum(1 for p in exp if p["drift"]),
+        },
         "quiet": part([r for r in fresh if not r["loaded"]]),
         "loaded": part([r for r in fresh if r["loaded"]]),
         "start_failures": sum(1 for r in runs if r["kind"] == "fresh" and "ok" not in r),
@@ -242,6 +297,7 @@ def main() -> None:
         help="folder for the broken runs' seed-0 and seed-1 models (fresh runs serve examples/cpu's own)",
     )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "verify_false_alarms.json")
+    ap.add_argument("--batch-experiment", type=int, default=0, help="prompts: alone vs beside 3 others (0: skip)")
     ap.add_argument("--stop-after-s", type=float, default=None, help="start no run after this many seconds")
     args = ap.parse_args()
     # SIGTERM (a timeout, a test's teardown) unwinds like Ctrl-C: each run's `finally` stops what it started.
@@ -257,6 +313,9 @@ def main() -> None:
             sys.exit(f"pdctl model tiny {path} --seed {seed} failed:\n{made.stdout}{made.stderr}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
+    if args.batch_experiment:
+        runs.append(batch_experiment(conf, args.batch_experiment, args.lock))
+        print(json.dumps(runs[-1], indent=1), flush=True)
     plan = [("broken", False)] * args.broken + [
         ("fresh", bool(args.loaded_every) and (i + 1) % args.loaded_every == 0) for i in range(args.runs)
     ]
