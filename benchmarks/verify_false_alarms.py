@@ -39,7 +39,7 @@ import httpx
 from pdctl import config
 from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
 from pdctl.sim.testing import free_port
-from pdctl.verify import run_verify
+from pdctl.verify import metric_total, run_verify
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "cpu"
@@ -233,8 +233,10 @@ def batch_experiment(conf: list[str], prompts: int, lock: str) -> dict[str, Any]
                     prompt = f"batch experiment {i} " + " ".join(f"w{j % 97}" for j in range(40 + 37 * i))
                     alone = parse_sample(greedy(prompt))
                     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                        others = [pool.submit(greedy, f"neighbour {i}.{k} " + "x " * 300, 64) for k in range(3)]
-                        time.sleep(0.3)  # the neighbours are running when the probe arrives
+                        others = [pool.submit(greedy, f"neighbour {i}.{k} " + "x " * 300, 400) for k in range(3)]
+                        time.sleep(1.0)  # the neighbours are decoding when the probe arrives
+                        metrics = client.get(f"{decode}/metrics").text
+                        running = metric_total(metrics, "vllm:num_requests_running")
                         shared = parse_sample(pool.submit(greedy, prompt).result())
                         for f in others:
                             f.result()
@@ -246,6 +248,7 @@ def batch_experiment(conf: list[str], prompts: int, lock: str) -> dict[str, Any]
                         "differ": div is not None,
                         "divergence": div.to_json() if div else None,
                         "drift": drift(alone, shared),
+                        "running_at_probe": running,
                     })  # fmt: skip
         finally:
             rec["down_rc"] = _pdctl("down", *conf, timeout=300).returncode
