@@ -319,6 +319,7 @@ def main() -> None:
     if args.batch_experiment:
         runs.append(batch_experiment(conf, args.batch_experiment, args.lock))
         print(json.dumps(runs[-1], indent=1), flush=True)
+        args.out.write_text(json.dumps({"summary": summarize(runs), "runs": runs}, indent=1, ensure_ascii=False))
     plan = [("broken", False)] * args.broken + [
         ("fresh", bool(args.loaded_every) and (i + 1) % args.loaded_every == 0) for i in range(args.runs)
     ]
