@@ -1,9 +1,10 @@
-"""The warm-up probe: one short two-leg request straight to a prefill and a decode worker.
+"""The two-leg call straight to a prefill and a decode worker, and ``up``'s warm-up probe built on it.
 
 vLLM's NIXL handshake is lazy: the first P→D request performs it, and on a loaded machine that first
 attempt can fail with HTTP 500 (``handshake_setup_failed``). ``up`` runs this probe for every
 prefill→decode pair before the gateway opens, retrying with a fresh request id, so the link is proven
-and the first user request does not pay for the handshake. ``verify`` can reuse :func:`probe_pair`.
+and the first user request does not pay for the handshake. :func:`two_legs` is the one call both the
+warm-up and ``verify``'s KV probes send (the gateway runs the same legs through ``pdctl.protocol``).
 """
 
 from __future__ import annotations
@@ -11,17 +12,25 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 from pdctl.config import Deployment
 from pdctl.errors import LaunchError
 from pdctl.identity import fetch_identity, identity_problems
-from pdctl.protocol import ConnectorKind, build_decode_body, build_prefill_body, check_kv_params, connector_kind
+from pdctl.protocol import (
+    ConnectorKind,
+    KVParamsCheck,
+    build_decode_body,
+    build_prefill_body,
+    check_kv_params,
+    connector_kind,
+)
 
-__all__ = ["ProbeAttempt", "ProbeResult", "probe_pair", "run_warmup"]
+__all__ = ["ProbeAttempt", "ProbeResult", "TwoLegs", "describe_http_error", "probe_pair", "run_warmup", "two_legs"]
 
 MAX_ATTEMPTS = 5
 
@@ -50,38 +59,104 @@ class ProbeResult:
         return self.attempts[-1].error if self.attempts else None
 
 
+@dataclass(frozen=True, slots=True)
+class TwoLegs:
+    """What one two-leg call through a prefill and a decode worker brought back.
+
+    ``params`` is prefill's ``kv_transfer_params`` check (None when leg 1 failed); ``decode_body`` the
+    parsed decode reply (None when leg 2 was not sent or answered no JSON); ``error`` the first failure.
+    """
+
+    request_id: str
+    prefill_status: int = 0
+    params: KVParamsCheck | None = None
+    decode_status: int = 0
+    decode_body: Any = None
+    error: str | None = None
+    retryable: bool = True
+
+
+def _reply_error(leg: str, url: str, r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    message = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+    return f"{leg} leg ({url}) answered HTTP {r.status_code}: {message or r.text[:200]}"
+
+
+def two_legs(
+    client: httpx.Client,
+    prefill_url: str,
+    decode_url: str,
+    body: Mapping[str, Any],
+    kind: ConnectorKind,
+    request_id: str,
+    *,
+    prefill_model: str | None = None,
+    require_params: bool = True,
+    timeout_s: float | None = None,
+) -> TwoLegs:
+    """Send ``body`` through prefill then decode with one ``X-Request-Id``, as the gateway does.
+
+    ``prefill_model`` names the model prefill serves (each leg names its own worker's model, so a served-name
+    mismatch cannot hide the link). With ``require_params`` an unusable ``kv_transfer_params`` ends the call
+    (not retryable: the worker runs without the right connector); without it decode gets no params, which is
+    how verify measures the silent fallback.
+    """
+    headers = {"X-Request-Id": request_id}
+    extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+    leg1 = build_prefill_body({**body, "model": prefill_model or body.get("model")}, kind)
+    try:
+        r1 = client.post(f"{prefill_url}/v1/completions", json=leg1, headers=headers, **extra)
+    except httpx.HTTPError as exc:
+        return TwoLegs(request_id, error=f"prefill leg ({prefill_url}): {describe_http_error(exc)}")
+    if r1.status_code != 200:
+        return TwoLegs(request_id, r1.status_code, error=_reply_error("prefill", prefill_url, r1))
+    try:
+        reply = r1.json()
+    except ValueError:
+        return TwoLegs(request_id, 200, error=f"prefill leg ({prefill_url}) answered non-JSON: {r1.text[:200]}")
+    check = check_kv_params(reply if isinstance(reply, Mapping) else {})
+    params = check.params if check.usable and kind != "shared_storage" else None
+    if kind != "shared_storage" and not check.usable and require_params:
+        detail = f"missing fields {', '.join(check.missing)}" if check.missing else check.reason
+        return TwoLegs(
+            request_id,
+            200,
+            check,
+            error=f"prefill {prefill_url} returned no usable kv_transfer_params ({detail})",
+            retryable=False,
+        )
+    try:
+        r2 = client.post(f"{decode_url}/v1/completions", json=build_decode_body(body, params), headers=headers, **extra)
+    except httpx.HTTPError as exc:
+        return TwoLegs(request_id, 200, check, error=f"decode leg ({decode_url}): {describe_http_error(exc)}")
+    try:
+        decoded: Any = r2.json()
+    except ValueError:
+        decoded = None
+    if r2.status_code != 200:
+        return TwoLegs(request_id, 200, check, r2.status_code, decoded, _reply_error("decode", decode_url, r2))
+    return TwoLegs(request_id, 200, check, 200, decoded)
+
+
+def describe_http_error(exc: Exception) -> str:
+    """A short reason for a failed HTTP call (``connection refused``, ``timed out (ReadTimeout)``, ...)."""
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _one(
     client: httpx.Client, prefill_url: str, decode_url: str, model: str, kind: ConnectorKind, rid: str
 ) -> ProbeAttempt:
     body = {"model": model, "prompt": f"pdctl warm-up probe {rid}", "max_tokens": 2, "temperature": 0}
-    headers = {"X-Request-Id": rid}
-    try:
-        r1 = client.post(f"{prefill_url}/v1/completions", json=build_prefill_body(body, kind), headers=headers)
-    except httpx.HTTPError as exc:
-        return ProbeAttempt(rid, f"prefill {prefill_url}: {type(exc).__name__}: {exc}")
-    if r1.status_code != 200:
-        return ProbeAttempt(rid, f"prefill {prefill_url} answered HTTP {r1.status_code}: {r1.text[:200]}")
-    try:
-        reply = r1.json()
-    except ValueError:
-        return ProbeAttempt(rid, f"prefill {prefill_url} answered non-JSON: {r1.text[:200]}")
-    params = None
-    if kind != "shared_storage":
-        chk = check_kv_params(reply)
-        if not chk.usable:
-            detail = f"missing fields {', '.join(chk.missing)}" if chk.missing else chk.reason
-            # Retrying cannot help: the prefill worker runs without a KV connector (or the wrong one).
-            return ProbeAttempt(
-                rid, f"prefill {prefill_url} returned no usable kv_transfer_params ({detail})", retryable=False
-            )
-        params = chk.params
-    try:
-        r2 = client.post(f"{decode_url}/v1/completions", json=build_decode_body(body, params), headers=headers)
-    except httpx.HTTPError as exc:
-        return ProbeAttempt(rid, f"decode {decode_url}: {type(exc).__name__}: {exc}")
-    if r2.status_code != 200:
-        return ProbeAttempt(rid, f"decode {decode_url} answered HTTP {r2.status_code}: {r2.text[:200]}")
-    return ProbeAttempt(rid, None)
+    legs = two_legs(client, prefill_url, decode_url, body, kind, rid)
+    return ProbeAttempt(rid, legs.error, legs.retryable)
 
 
 def probe_pair(

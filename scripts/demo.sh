@@ -33,9 +33,19 @@ VENV="$VENV" scripts/install-cpu-engine.sh
 step 2/6 "generate the tiny random Qwen3 model in $MODEL_DIR"
 "$PDCTL" model tiny "$MODEL_DIR"
 
+# True when a deployment of examples/cpu is up and ready. Whatever `status --json` prints (nothing, an error,
+# JSON of another shape), this answers yes or no and never shows a traceback.
 running() {
-    "$PDCTL" status --json "${CONFIG[@]}" 2>/dev/null | "$VENV/bin/python" -c \
-        'import json, sys; d = json.load(sys.stdin); sys.exit(0 if d["supervisor_running"] and d["status"] == "ready" else 1)'
+    local out
+    out="$("$PDCTL" status --json "${CONFIG[@]}" 2>/dev/null)" || true
+    "$VENV/bin/python" -c '
+import json, sys
+try:
+    d = json.loads(sys.argv[1])
+except ValueError:
+    sys.exit(1)
+sys.exit(0 if isinstance(d, dict) and d.get("supervisor_running") and d.get("status") == "ready" else 1)
+' "$out" 2>/dev/null
 }
 
 step 3/6 "start prefill (core 0), decode (core 1) and the gateway (1-3 min on 2 cores)"
@@ -47,7 +57,11 @@ fi
 "$PDCTL" status "${CONFIG[@]}"
 
 step 4/6 "verify: the recipe's requests, and proof that the KV moved from prefill to decode intact"
-"$PDCTL" verify "${CONFIG[@]}" --timeout 300
+if ! "$PDCTL" verify "${CONFIG[@]}" --timeout 300; then
+    echo "verify failed: each ✗ line above names its cause and next step; the deployment is still up" \
+        "(\`$PDCTL logs --kv ${CONFIG[*]}\`, \`$PDCTL down ${CONFIG[*]}\`)" >&2
+    exit 1
+fi
 
 step 5/6 "bench: a short run of the recipe's two prompts through the gateway"
 mkdir -p "$(dirname "$RESULTS")"

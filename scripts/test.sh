@@ -15,16 +15,29 @@ else
 fi
 py=.venv/bin/python
 
-echo "== lint and types"
-.venv/bin/ruff check pdctl tests benchmarks
-.venv/bin/ruff format --check pdctl tests benchmarks
-.venv/bin/mypy pdctl
-.venv/bin/mypy benchmarks   # relaxed settings (pyproject.toml)
+# Every stage runs even when an earlier one failed (a red fast suite must not hide the real one); the exit
+# status is non-zero when any failed, and the last line says which.
+failed=()
+stage() {
+  local name=$1; shift
+  echo "== $name"
+  "$@" || failed+=("$name")
+}
+lint() {
+  .venv/bin/ruff check pdctl tests benchmarks &&
+    .venv/bin/ruff format --check pdctl tests benchmarks &&
+    .venv/bin/mypy pdctl &&
+    .venv/bin/mypy benchmarks # relaxed settings (pyproject.toml)
+}
 
-echo "== fast suite (simulator, fakes, fixtures)"
-$py -m pytest -m "not real and not gpu and not soak" -q "$@"
-
+stage "lint and types" lint
+stage "fast suite (simulator, fakes, fixtures)" $py -m pytest -m "not real and not gpu and not soak" -q "$@"
 if [[ $fast == 0 ]]; then
-  echo "== real vLLM CPU end to end"
-  PDCTL_REQUIRE_REAL=1 $py -m pytest -m real -q "$@"
+  stage "real vLLM CPU end to end" env PDCTL_REQUIRE_REAL=1 $py -m pytest -m real -q "$@"
 fi
+
+if (( ${#failed[@]} )); then
+  printf 'FAILED stage: %s\n' "${failed[@]}" >&2
+  exit 1
+fi
+echo "all stages passed"

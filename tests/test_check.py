@@ -10,6 +10,7 @@ from pdctl.check import describe_key, run_checks
 from pdctl.config import load
 from pdctl.gateway.tokens import find_tokenizer
 from pdctl.plan import VllmInstall, build_plan
+from pdctl.testing import free_port
 from tests.conftest import REPO
 
 GPU = VllmInstall("vllm", "0.33.0")
@@ -31,8 +32,24 @@ def codes(
     return out
 
 
+def _on_own_ports(recipe_files, decode_port: int | None = None) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
+    """The recipe moved to ports this test picked: its 8000/8100/8200 and 5600 may be held (the CPU demo)."""
+    g, p, d, sp, sd = (free_port() for _ in range(5))
+    cedits = {
+        "gateway_port = 8000": f"gateway_port = {g}",
+        "gpu_ids = [0]": f"gpu_ids = [0]\nside_channel_port = {sp}",
+        "gpu_ids = [1]": f"gpu_ids = [1]\nside_channel_port = {sd}",
+    }
+    sedits = {
+        '"listen": "0.0.0.0:8000"': f'"listen": "0.0.0.0:{g}"',
+        '"http://127.0.0.1:8100"': f'"http://127.0.0.1:{p}"',
+        '"http://127.0.0.1:8200"': f'"http://127.0.0.1:{decode_port or d}"',
+    }
+    return recipe_files(cedits, sedits)  # type: ignore[no-any-return]
+
+
 def test_recipe_baseline(recipe_files) -> None:  # type: ignore[no-untyped-def]
-    found = codes(*recipe_files())
+    found = codes(*_on_own_ports(recipe_files))
     assert set(found) == BASELINE
     assert [f.code for fs in found.values() for f in fs if f.severity == "error"] == ["PD024"]
     pd024 = found["PD024"][0]
@@ -231,7 +248,7 @@ def test_port_in_use(recipe_files) -> None:  # type: ignore[no-untyped-def]
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        cpath, spath = recipe_files({}, {'"http://127.0.0.1:8200"': f'"http://127.0.0.1:{port}"'})
+        cpath, spath = _on_own_ports(recipe_files, decode_port=port)
         found = codes(cpath, spath, for_up=True)
         assert found["PD018"][0].severity == "error" and found["PD018"][0].key == "routing.decode_endpoint"
     assert "PD018" not in codes(cpath, spath, for_up=True)

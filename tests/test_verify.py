@@ -1,6 +1,6 @@
 """``pdctl verify`` against simulated deployments: a healthy pair passes; each fault fails the right check.
 
-The workers (and the gateway, once ``pdctl.gateway.app`` exists) are started from ``build_plan`` (the argv
+The workers (and the gateway) are started from ``build_plan`` (the argv
 ``pdctl up`` would run), each in its own process group on free ports, with its output in
 ``<run_dir>/logs/<name>.log`` like ``up`` writes it. Faults are the simulator's ``--sim-fault`` flags, put in
 the worker's ``extra_args``.
@@ -9,14 +9,15 @@ the worker's ``extra_args``.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib.metadata
 import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -26,12 +27,10 @@ from pdctl import config, kvevents
 from pdctl.config import Deployment
 from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
 from pdctl.testing import free_port, kill_groups
-from pdctl.verify import CheckResult, VerifyReport, metric_total, run_verify
+from pdctl.verify import CheckResult, VerifyReport, link, metric_total, proof, run_verify
 
 KEY_ENV = "PDCTL_VERIFY_TEST_KEY"
 KEY = "test-key-0123456789"
-HAS_GATEWAY = importlib.util.find_spec("pdctl.gateway.app") is not None
-needs_gateway = pytest.mark.skipif(not HAS_GATEWAY, reason="pdctl.gateway.app has not landed yet")
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-cpu"
 
 
@@ -156,7 +155,7 @@ def _wait_ready(spec: ProcessSpec, proc: subprocess.Popen[bytes], logs: Path, ti
 def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     started: list[Cluster] = []
 
-    def start(*, gateway: bool = HAS_GATEWAY, **kw: object) -> Cluster:
+    def start(*, gateway: bool = True, **kw: object) -> Cluster:
         cpath, spath = _write_files(tmp_path, **kw)  # type: ignore[arg-type]
         dep = config.load(cpath, spath)
         logs = dep.run_dir / "logs"
@@ -204,7 +203,12 @@ def test_healthy_pair_workers_only(cluster: Callable[..., Cluster]) -> None:
     assert checks["workers"].ok is True
     for name in LINK:
         assert checks[name + PAIR].ok is True, checks[name + PAIR]
-    assert "identical" in checks["kv_correctness" + PAIR].detail
+    correctness = checks["kv_correctness" + PAIR]
+    assert "token ids identical" in correctness.detail
+    # each PD decode and each reference ran alone on its worker, and compared top-k logprobs came back
+    for probe in correctness.data["probes"]:
+        assert probe["divergence"] is None and probe["pd_tokens"] == probe["ref_tokens"]
+        assert probe["batch"] == {"prefill_before": 0.0, "decode_before": 0.0, "reference_before": 0.0}
     assert report.exit_code == 1
     # The classifier reads the simulator's lines like vLLM's: each probe saved on prefill, loaded on decode.
     probes = {f"pdctl-verify-{n}" for n in ("short", "typical", "long")}
@@ -224,7 +228,6 @@ def test_healthy_pair_workers_only(cluster: Callable[..., Cluster]) -> None:
         assert ("wait_for_layer_load", probe) in phases("decode")
 
 
-@needs_gateway
 def test_healthy_pair_passes_everything(cluster: Callable[..., Cluster]) -> None:
     c = cluster()
     report = c.verify(compare_colocated=True)
@@ -264,12 +267,11 @@ def test_no_kv_params_is_a_silent_fallback(cluster: Callable[..., Cluster]) -> N
     c = cluster(prefill_args=["--sim-fault", "no-kv-params"])
     report = c.verify()
     checks = _by_name(report)
-    if HAS_GATEWAY:
-        # the gateway still answers 200, but says it ran decode alone
-        assert checks["chat"].ok is True
-        assert checks["gateway_pd_path"].ok is False
-        assert "fallback" in checks["gateway_pd_path"].detail
-        assert "silent fallback" in (checks["gateway_pd_path"].cause or "")
+    # the gateway still answers 200, but says it ran decode alone
+    assert checks["chat"].ok is True
+    assert checks["gateway_pd_path"].ok is False
+    assert "fallback" in checks["gateway_pd_path"].detail
+    assert "silent fallback" in (checks["gateway_pd_path"].cause or "")
     assert checks["kv_params" + PAIR].ok is False
     assert "silent fallback" in (checks["kv_params" + PAIR].cause or "")
     assert checks["kv_metrics" + PAIR].ok is False
@@ -287,6 +289,31 @@ def test_corrupted_kv_fails_correctness(cluster: Callable[..., Cluster]) -> None
     assert "corrupted" in (res.cause or "")
     assert checks["identity" + PAIR].ok is True
     assert checks["kv_metrics" + PAIR].ok is True  # the bytes did move
+    # the report names the position, both token ids with their text, and the margins: no mojibake excerpt
+    assert re.search(r'first difference at output token 0: reference id \d+ " \w+" \(margin \d\.\d{3} nats', res.detail)
+    assert re.search(r'PD id \d+ " \w+" \(margin \d\.\d{3}\)', res.detail)
+    div = res.data["probes"][0]["divergence"]
+    assert div["verdict"] == "corruption" and div["position"] == 0 and div["ref_margin"] >= 0.5
+
+
+def test_a_near_tie_once_is_re_run_and_passes(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_args=["--sim-fault", "near-tie:2@times=1"])
+    res = _by_name(c.verify())["kv_correctness" + PAIR]
+    assert res.ok is True, res
+    assert "short: token ids identical (re-run after a tie: first difference at output token 2" in res.detail
+    short = res.data["probes"][0]
+    assert short["first_tie"]["verdict"] == "tie" and short["first_tie"]["ref_margin"] == pytest.approx(0.01)
+    assert len(short["request_ids"]) == 2 and short["divergence"] is None
+
+
+def test_a_near_tie_twice_is_inconclusive_not_a_failure(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(gateway=False, decode_args=["--sim-fault", "near-tie"])
+    checks = _by_name(c.verify())
+    res = checks["kv_correctness" + PAIR]
+    assert res.ok is None and res.detail.startswith("inconclusive at a numerical tie, twice"), res
+    assert "short: first difference at output token 0" in res.detail
+    assert all(p["divergence"]["verdict"] == "tie" and p["first_tie"] for p in res.data["probes"])
+    assert checks["kv_metrics" + PAIR].ok is True and checks["identity" + PAIR].ok is True
 
 
 def test_different_model_fails_identity_with_5_4(cluster: Callable[..., Cluster]) -> None:
@@ -355,7 +382,6 @@ def test_handshake_failure_shows_in_logs(cluster: Callable[..., Cluster]) -> Non
     assert "handshake" in res.detail and "§5.1" in (res.cause or "")
 
 
-@needs_gateway
 def test_wrong_key_is_5_2(cluster: Callable[..., Cluster]) -> None:
     c = cluster()
     report = c.verify(api_key="not-the-key", probes=("short",))
@@ -367,7 +393,6 @@ def test_wrong_key_is_5_2(cluster: Callable[..., Cluster]) -> None:
     assert "not-the-key" not in json.dumps(report.to_json())
 
 
-@needs_gateway
 def test_missing_key_in_verify_env(cluster: Callable[..., Cluster]) -> None:
     c = cluster()
     res = _by_name(c.verify(api_key=None, probes=("short",)))["chat"]
@@ -377,7 +402,6 @@ def test_missing_key_in_verify_env(cluster: Callable[..., Cluster]) -> None:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-@needs_gateway
 def test_cli_json_and_exit_code(cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
@@ -428,3 +452,138 @@ def test_metric_total_reads_the_real_fixture() -> None:
     example = (FIXTURES / "example-connector-decode.metrics.txt").read_text()
     assert metric_total(example, "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}) == 1792
     assert metric_total(example, "vllm:nixl_xfer_time_seconds_count") is None
+
+
+# -------------------------------------------------------------------------------------- the proof's verdict
+
+
+def _reply(ids: Sequence[int], tops: Sequence[dict[int, float]] | None) -> dict[str, object]:
+    """A /v1/completions reply in vLLM 0.32's shape (logprobs with return_tokens_as_token_ids)."""
+    logprobs = None
+    if tops is not None:
+        logprobs = {
+            "text_offset": list(range(len(ids))),
+            "token_logprobs": [top[t] for t, top in zip(ids, tops, strict=True)],
+            "tokens": [f"token_id:{t}" for t in ids],
+            "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for top in tops],
+        }
+    return {"choices": [{"index": 0, "text": "x", "logprobs": logprobs, "token_ids": list(ids)}]}
+
+
+def _sample(ids: Sequence[int], tops: Sequence[dict[int, float]] | None) -> proof.Sample:
+    sample = proof.parse_sample(_reply(ids, tops))
+    assert sample is not None
+    return sample
+
+
+SURE = {1: -0.1, 9: -3.0}
+
+
+def test_identical_tokens_are_proven() -> None:
+    ref = _sample([1, 1], [SURE, SURE])
+    assert proof.first_divergence(ref, _sample([1, 1], [SURE, {1: -0.12, 9: -2.9}])) is None
+
+
+def test_a_near_tie_that_breaks_the_other_way_is_a_tie() -> None:
+    ref = _sample([1, 5, 6], [SURE, {5: -1.00, 6: -1.03, 9: -4.0}, {6: -0.5, 9: -2.0}])
+    pd = _sample([1, 6, 6], [SURE, {6: -1.01, 5: -1.02, 9: -4.0}, {6: -0.5, 9: -2.0}])
+    div = proof.first_divergence(ref, pd)
+    assert div is not None and div.verdict == "tie"
+    assert (div.position, div.ref_token, div.pd_token) == (1, 5, 6)
+    assert div.ref_margin == pytest.approx(0.03) and div.pd_margin == pytest.approx(0.01)
+    assert div.drift == pytest.approx(0.02)  # token 5: -1.00 on the reference, -1.02 on PD
+
+
+def test_a_clear_margin_is_corruption_even_when_both_tokens_are_in_the_top_k() -> None:
+    ref = _sample([1, 5], [SURE, {5: -0.2, 6: -1.5}])
+    pd = _sample([1, 6], [SURE, {6: -0.3, 5: -1.4}])
+    div = proof.first_divergence(ref, pd)
+    assert div is not None and div.verdict == "corruption" and div.ref_gap == pytest.approx(1.3)
+
+
+def test_a_token_outside_the_reference_top_k_is_corruption() -> None:
+    div = proof.first_divergence(_sample([5], [{5: -0.01, 6: -0.02}]), _sample([7], [{7: -0.1, 8: -0.2}]))
+    assert div is not None and div.verdict == "corruption" and div.ref_gap is None
+    assert div.ref_margin == pytest.approx(0.01)  # a near-tie on one side only does not excuse a foreign token
+
+
+def test_without_logprobs_a_difference_stays_a_failure() -> None:
+    div = proof.first_divergence(_sample([5, 6], None), _sample([5, 7], None))
+    assert div is not None and div.verdict == "corruption" and div.ref_margin is None
+    assert "margin n/a" in link.describe(div, {})
+
+
+def test_tokens_are_shown_by_id_and_escaped_text() -> None:
+    assert proof.show_token(5, "\ufffd\n") == 'id 5 "\\ufffd\\n"'
+    assert proof.show_token(7, "缓存") == 'id 7 "缓存"'
+    div = proof.first_divergence(_sample([5], [{5: -0.1, 6: -2.0}]), _sample([6], [{6: -0.1, 5: -2.0}]))
+    assert div is not None
+    text = link.describe(div, {5: "\ufffd", 6: "ag"})
+    assert "\ufffd" not in text and "output token 0" in text and 'id 5 "\\ufffd"' in text and 'id 6 "ag"' in text
+    assert "margin 1.900 nats" in text
+
+
+def _pair_and_probe(tmp_path: Path, div: proof.Divergence | None, first_tie: proof.Divergence | None) -> str:
+    from pdctl.verify.wire import Http
+
+    cpath, spath = _write_files(tmp_path)
+    dep = config.load(cpath, spath)
+    with httpx.Client() as client:
+        pair = link.Pair(Http(client, 1.0), dep.prefill[0], dep.decode[0], "NixlConnector", "NixlConnector", "n")
+    sample = _sample([5], [{5: -0.1, 6: -0.12}])
+    probe = link.Probe("short", ("r",), "p", 3, external_delta=3.0, pd=sample, ref=sample)
+    res = link.judge_correctness(pair, [replace(probe, divergence=div, first_tie=first_tie)], True)
+    return f"{res.ok} {res.detail}"
+
+
+def test_a_second_tie_is_inconclusive_not_a_failure(tmp_path: Path) -> None:
+    tie = proof.first_divergence(_sample([5], [{5: -1.0, 6: -1.01}]), _sample([6], [{6: -1.0, 5: -1.01}]))
+    assert tie is not None and tie.verdict == "tie"
+    out = _pair_and_probe(tmp_path, tie, tie)
+    assert out.startswith("None inconclusive at a numerical tie") and "output token 0" in out
+    settled = _pair_and_probe(tmp_path, None, tie)
+    assert settled.startswith("True short: token ids identical (re-run after a tie: first difference")
+
+
+# ------------------------------------------------------------------------------- real vLLM: a broken link
+
+
+@pytest.mark.real
+@pytest.mark.timeout(2400)
+def test_real_decode_with_other_weights_fails_correctness_as_corruption(tmp_path: Path) -> None:
+    """Decode serves seed-1 weights under prefill's model path, name and tokenizer: only the output can tell.
+
+    Runs benchmarks/verify_false_alarms.py's broken case (examples/cpu on free ports) without taking
+    /tmp/pdctl-real.lock itself: wrap the real suite in it (``flock /tmp/pdctl-real.lock ...``).
+    """
+    for dist in ("vllm-cpu", "nixl"):
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            if os.environ.get("PDCTL_REQUIRE_REAL"):
+                pytest.fail(f"PDCTL_REQUIRE_REAL is set but {dist} is not installed")
+            pytest.skip(f"{dist} is not installed (scripts/install-cpu-engine.sh)")
+    out = tmp_path / "broken.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "verify_false_alarms.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--runs", "0", "--broken", "1", "--lock", "", "--models", str(tmp_path),
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(script.parent.parent)},
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=2300)
+    finally:
+        if proc.poll() is None:  # a timeout: SIGTERM lets the benchmark stop its two engines
+            proc.terminate()
+            proc.wait(120)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    assert "error" not in run, run
+    assert run["identity_ok"] is True, run["identity"]  # same root, name, tokenizer and vLLM: identity cannot tell
+    assert run["kv_correctness"]["ok"] is False and run["detected"] is True, run["kv_correctness"]
+    assert "corrupted" in run["kv_correctness"]["cause"]
+    for probe in run["probes"]:
+        div = probe["divergence"]
+        assert div is not None and div["verdict"] == "corruption", probe
+    assert "first difference at output token" in run["kv_correctness"]["detail"]

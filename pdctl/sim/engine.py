@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pdctl.protocol import REQUIRED_DECODE_FIELDS, connector_kind
 from pdctl.sim import kv as kvmod
 from pdctl.sim import logfmt as L
+from pdctl.sim import logprobs as lp
 from pdctl.sim.faults import FaultSet
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.text import Tokenizer
@@ -116,6 +117,8 @@ class SimRequest:
     state: State = "WAITING"
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_scores: list[int] = field(default_factory=list)  # each token's hash: fixes its logprobs
+    near_ties: dict[int, int] = field(default_factory=dict)  # position -> the runner-up 0.01 nats behind
     digest: bytes = b""
     kv_prefix: bytes = b""
     kv_ready: bool = False
@@ -608,7 +611,14 @@ class SimEngine:
         now = self._now()
         i = len(r.output_ids)
         tid, v = self._token(r, i)
+        tie = self.faults.get("near-tie")
+        if tie is not None and i == int(tie.num(0)):
+            other = lp.runner_up(self.tokenizer, tid, v)
+            if r.kv_ready and tie.fires():  # the KV came from prefill: the near-tie rounds the other way
+                tid, other = other, tid
+            r.near_ties[i] = other
         r.output_ids.append(tid)
+        r.output_scores.append(v)
         m = self.metrics
         m.c(m.generation_tokens).inc()
         self.total_generated += 1

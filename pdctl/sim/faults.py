@@ -11,6 +11,9 @@ no-kv-params           a prefill leg returns ``kv_transfer_params: null`` (the s
 corrupt-kv             KV bytes are corrupted (when served by prefill, or when received by decode) --
 slow-kv:SECONDS        every KV transfer takes SECONDS (simulated) longer                         --
 handshake-fail         the NIXL handshake fails (decode: ``handshake_setup_failed``, HTTP 500)    first pull
+near-tie[:N]           output token N of every request is a near-tie (0.01 nats); a request whose  N 0
+                       KV was pulled from prefill takes the runner-up (a batch-shape rounding
+                       difference); an opportunity is one such request
 model-name:NAME        /v1/models and responses report NAME instead of the served name           --
 tokenizer[:VARIANT]    a different tokenizer: other token ids for the same text                   VARIANT 1
 ignore-sigterm         SIGTERM is logged and ignored (only SIGKILL stops the worker)              --
@@ -39,6 +42,7 @@ FAULT_NAMES = (
     "corrupt-kv",
     "slow-kv",
     "handshake-fail",
+    "near-tie",
     "model-name",
     "tokenizer",
     "ignore-sigterm",
@@ -89,7 +93,7 @@ def parse_fault(spec: str, seed: int = 0) -> Fault:
         raise ValueError(f"--sim-fault {name} needs an argument: {name}:VALUE")
     fault = Fault(name, arg or None, times=_DEFAULT_TIMES.get(name), rng=random.Random(f"{seed}:{spec}"))
     try:
-        if name in ("fail-start", "crash-after", "crash-mid-stream", "tokenizer") and arg:
+        if name in ("fail-start", "crash-after", "crash-mid-stream", "tokenizer", "near-tie") and arg:
             int(arg)
         if name in ("stall", "slow-kv") and arg:
             float(arg)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from pdctl.sim import logprobs as lp
 from pdctl.sim.agentapi import MESSAGES, RESPONSES, AgentStream, chat_request, messages_reply, responses_reply
 from pdctl.sim.engine import SimEngine, SimRequest, StreamEvent
 from pdctl.sim.text import VOCAB_SIZE, apply_chat_template
@@ -73,12 +74,14 @@ class SimApp:
                 await _respond(send, 200, body, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
             elif path == "/tokenize" and method == "POST":
                 await _json(send, 200, self._tokenize(await _read_json(receive)))
+            elif path == "/detokenize" and method == "POST":
+                await _json(send, 200, self._detokenize(await _read_json(receive)))
             elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
                 await self._generate(scope, receive, send, chat=path.endswith("chat/completions"))
             elif path in (RESPONSES, MESSAGES) and method == "POST":
                 await self._agent(scope, receive, send, path)
-            elif path in ("/health", "/v1/models", "/version", "/metrics", "/tokenize", "/v1/completions",
-                          "/v1/chat/completions", RESPONSES, MESSAGES):  # fmt: skip
+            elif path in ("/health", "/v1/models", "/version", "/metrics", "/tokenize", "/detokenize",
+                          "/v1/completions", "/v1/chat/completions", RESPONSES, MESSAGES):  # fmt: skip
                 await _json(send, 405, error_body(405, "Method Not Allowed"))
             else:
                 await _json(send, 404, {"detail": "Not Found"})
@@ -171,9 +174,37 @@ class SimApp:
             )
         return raw, False
 
+    @staticmethod
+    def _top_k(body: Mapping[str, Any], chat: bool) -> int | None:
+        """How many candidates per token the request asks for (None: no logprobs), as vLLM validates it."""
+        field = "top_logprobs" if chat else "logprobs"
+        if chat and not body.get("logprobs"):
+            return None
+        raw = body.get(field, 0 if chat else None)
+        if raw is None:
+            return None
+        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0 or raw > lp.MAX_LOGPROBS:
+            raise HTTPError(400, f"{field} must be an integer from 0 to {lp.MAX_LOGPROBS}, got {raw!r}.", field)
+        return raw
+
+    def _logprobs(self, body: Mapping[str, Any], req: SimRequest, chat: bool) -> dict[str, Any] | None:
+        k = self._top_k(body, chat)
+        if k is None:
+            return None
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        build = lp.chat_logprobs if chat else lp.completion_logprobs
+        return build(self.engine.tokenizer, req.output_ids, req.output_scores, k, as_ids, req.near_ties)
+
+    def _detokenize(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise HTTPError(400, "'tokens' must be a list of token ids.", "tokens")
+        return {"prompt": self.engine.tokenizer.decode(tokens)}
+
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         body = await _read_json(receive)
         self._check_model(body)
+        self._top_k(body, chat)
         try:
             ids = self._prompt_ids(body, chat)
         except ValueError as e:
@@ -341,6 +372,7 @@ class SimApp:
             return
         text = self.engine.tokenizer.decode(req.output_ids)
         want_ids = bool(body.get("return_token_ids"))
+        logprobs = self._logprobs(body, req, chat)
         usage = _usage(req)
         out: dict[str, Any]
         if chat:
@@ -354,7 +386,7 @@ class SimApp:
                         "index": 0,
                         "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
                                     "audio": None, "function_call": None, "tool_calls": [], "reasoning": None},
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": req.finish_reason,
                         "stop_reason": None,
                         "token_ids": list(req.output_ids) if want_ids else None,
@@ -377,7 +409,7 @@ class SimApp:
                     {
                         "index": 0,
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": req.finish_reason,
                         "stop_reason": None,
                         "token_ids": list(req.output_ids) if want_ids else None,
