@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdctl import recipe
 from pdctl.config import Deployment, WorkerConfig
 from pdctl.verify import diagnoses as dg
 from pdctl.verify.report import CheckResult, Timer
@@ -32,10 +33,8 @@ __all__ = [
     "check_workers",
 ]
 
-CHAT_PROMPT = "用一句话解释 KV Cache"
-STREAM_PROMPT = "写一段 200 字的自我介绍"
-CHAT_MAX_TOKENS = 32
-STREAM_MAX_TOKENS = 256
+CHAT_PROMPT, CHAT_MAX_TOKENS = recipe.CHAT.prompt, recipe.CHAT.max_tokens
+STREAM_PROMPT, STREAM_MAX_TOKENS = recipe.STREAM.prompt, recipe.STREAM.max_tokens
 
 
 @dataclass(frozen=True, slots=True)

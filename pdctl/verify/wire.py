@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdctl.eventstream import SSEParser
 from pdctl.probe import describe_http_error
+from pdctl.promtext import metric_value, samples
 
 __all__ = ["Http", "Reply", "StreamResult", "block_size", "error_message", "metric_total", "read_stream", "short"]
 
@@ -66,16 +67,7 @@ class Http:
 
 def metric_total(text: str, name: str, labels: Mapping[str, str] | None = None) -> float | None:
     """Sum of the samples called ``name`` (whose labels include ``labels``); ``None`` if there is none."""
-    total: float | None = None
-    want = dict(labels or {})
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in want.items()):
-                    total = (total or 0.0) + float(s.value)
-    except ValueError:
-        return None
-    return total
+    return metric_value(samples(text, (name,)), name, **dict(labels or {}))
 
 
 def block_size(text: str) -> int | None:
@@ -134,11 +126,8 @@ def read_stream(http: Http, url: str, body: Mapping[str, Any], headers: Mapping[
                 r.read()
                 return StreamResult(r.status_code, f"HTTP {r.status_code}: {r.text[:160]}", dict(r.headers))
             ctype = r.headers.get("content-type", "")
-            for line in _lines(r.iter_lines()):
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            for data in _payloads(r.iter_bytes()):
+                if data.strip() == "[DONE]":
                     done = True
                     break
                 now = time.perf_counter()
@@ -180,6 +169,9 @@ def read_stream(http: Http, url: str, body: Mapping[str, Any], headers: Mapping[
     return StreamResult(200, None, resp_headers, chunks, tokens, (first - start) * 1000.0, tpot)
 
 
-def _lines(it: Iterator[str]) -> Iterator[str]:
-    for line in it:
-        yield line.rstrip("\r")
+def _payloads(chunks: Iterator[bytes]) -> Iterator[str]:
+    """The ``data`` of each event of an SSE body as it arrives (:class:`pdctl.eventstream.SSEParser`)."""
+    parser = SSEParser()
+    for chunk in chunks:
+        yield from parser.feed(chunk)
+    yield from parser.close()
