@@ -244,6 +244,8 @@ def test_huge_and_malformed_bodies_in_each_apis_shape(pair: tuple[SimProcess, Si
         with pytest.raises(anthropic.AuthenticationError) as info:
             client.messages.create(model="sim-model", max_tokens=3, messages=[{"role": "user", "content": "x"}])
         assert "sk-wrong" not in str(info.value)
+        assert info.value.body["type"] == "error"  # type: ignore[index]  # Anthropic's shape, not OpenAI's
+        assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     finally:
         g.stop()
 

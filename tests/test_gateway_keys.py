@@ -33,6 +33,7 @@ from pdctl.gateway.settings import GatewaySettings, LocalModel
 from pdctl.gateway.tokens import TokenCounter, estimate_tokens
 from pdctl.rundir import gateway_counters
 from pdctl.testing import SimProcess, free_port
+from pdctl.transport import TransportError
 from tests.fakes.gateway_harness import (
     UPSTREAM_KEY,
     FakeProc,
@@ -280,6 +281,36 @@ def test_key_limited_to_models_and_kept_off_the_upstream(tmp_path: Path) -> None
         seen = json.dumps(calls)
         assert calls[0]["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}"
         assert everything not in seen and local_only not in seen
+    finally:
+        up.kill()
+
+
+def test_prefill_fallback_to_the_upstream_respects_the_keys_right(tmp_path: Path) -> None:
+    """gateway.fallback = "upstream" sends a request upstream only for a key that may use the upstream."""
+    up = FakeProc("fake_upstream.py", {"models": ["tiny"], "key": UPSTREAM_KEY})
+    try:
+        keys = tmp_path / "keys.json"
+        local_only = add_key(keys, "local", NO_LIMITS, None, upstream=False)
+        everything = add_key(keys, "all", NO_LIMITS, None, True)
+        base = make_settings(["http://p.invalid"], ["http://d.invalid"], upstream=up.url + "/v1", max_retries=0,
+                             fallback="upstream")  # fmt: skip
+        workers = MemoryWorkers()
+        app = create_app(_with_keys(base, keys), None, UPSTREAM_KEY, clients=workers)
+
+        async def main() -> None:
+            await app.startup()
+            try:
+                workers["prefill"].script(TransportError("connect", "refused"))
+                denied = await asgi_request(app, CHAT, _chat("tiny"), key=local_only)
+                assert denied.status == 502, denied.body  # the prefill's failure, not the upstream's answer
+                workers["prefill"].script(TransportError("connect", "refused"))
+                ok = await asgi_request(app, CHAT, _chat("tiny"), key=everything)
+                assert ok.status == 200 and ok.headers["x-pd-path"] == "upstream", ok.body
+            finally:
+                await app.shutdown()
+
+        asyncio.run(main())
+        assert len(up.completions()) == 1
     finally:
         up.kill()
 

@@ -277,6 +277,7 @@ class Gateway:
             if entry is None:
                 raise _auth_error()
             key_name = entry.name
+            ex.upstream_allowed = entry.upstream
             raw = await self._read_body(scope, receive, ex)
             body = parse_body(raw, self.settings.max_nesting)
             watcher = asyncio.ensure_future(_watch_disconnect(receive, ex, asyncio.current_task()))

@@ -191,7 +191,7 @@ async def _fallback(
     """No prefill could serve the request: ``gateway.fallback`` decides where it goes, or ``err`` is answered."""
     mode = ctx.settings.gateway.fallback
     reason = "no_prefill" if err.code == "server_overloaded" else "prefill_failed"
-    if mode == "upstream" and ctx.upstream is not None:
+    if mode == "upstream" and ctx.upstream is not None and ex.upstream_allowed:
         ctx.metrics.prefill_fallbacks.labels("upstream", reason).inc()
         ex.fallback_reason = reason
         log.warning("request %s: %s; sent to the upstream (gateway.fallback)", ex.request_id, err.message)

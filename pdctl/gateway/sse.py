@@ -59,6 +59,8 @@ class Exchange:
     fallback_reason: str | None = None
     kv: dict[str, Any] = field(default_factory=dict)
     wire: Wire = "openai"
+    upstream_allowed: bool = True
+    """Whether the client's key may use the upstream channel (``gateway.fallback = "upstream"`` asks it too)."""
     """The route's dialect: error bodies, mid-stream error events and the end of a stream follow it."""
 
     def remaining(self) -> float:
