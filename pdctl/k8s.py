@@ -212,7 +212,7 @@ def render(dep: Deployment, options: K8sOptions | None = None) -> Rendered:
     plan = build_plan(dep, VllmInstall("vllm", _vllm_version()))
     files: dict[str, list[dict[str, Any]]] = {
         "namespace.yaml": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": _labels(dep)}}],
-        "configmap.yaml": [_configmap(dep, ns)],
+        "configmap.yaml": [_configmap(dep, ns, plan.workers)],
     }
     for w in dep.workers:
         files[f"{w.name}.yaml"] = _worker_objects(dep, w, plan.get(w.name), ns, opts)
@@ -235,16 +235,13 @@ def _kustomization(resources: list[str]) -> dict[str, Any]:
     return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": resources}
 
 
-def _configmap(dep: Deployment, ns: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(dep, "pdctl-config", ns),
-        "data": {
-            "config.toml": Path(dep.config_path).read_text(encoding="utf-8"),
-            "settings.json": cluster_settings(dep),
-        },
-    }
+def _configmap(dep: Deployment, ns: str, workers: Sequence[ProcessSpec]) -> dict[str, Any]:
+    """The two files, plus the files the plan writes for the workers (vLLM's logging config) under their names."""
+    data = {"config.toml": Path(dep.config_path).read_text(encoding="utf-8"), "settings.json": cluster_settings(dep)}
+    for spec in workers:
+        for path, text in spec.files.items():
+            data[Path(path).name] = text
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(dep, "pdctl-config", ns), "data": data}
 
 
 def _worker_argv(spec: ProcessSpec) -> list[str]:
@@ -268,6 +265,8 @@ def _worker_env(w: WorkerConfig, spec: ProcessSpec, opts: K8sOptions) -> list[di
             continue
         if name == "VLLM_NIXL_SIDE_CHANNEL_HOST" and name not in w.env:
             env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        elif value in spec.files:  # a file the plan writes on a host: the pod reads the ConfigMap's copy
+            env.append({"name": name, "value": f"{CONFIG_MOUNT}/{Path(value).name}"})
         else:
             env.append({"name": name, "value": value})
     for knob, setting in (("UCX_TLS", opts.ucx_tls), ("UCX_NET_DEVICES", opts.ucx_net_devices)):
@@ -359,6 +358,10 @@ def _worker_objects(
     if w.tensor_parallel_size > 1:
         container["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
         pod["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}}]
+    if spec.files:
+        volume, mount = _config_volume()
+        container.setdefault("volumeMounts", []).append(mount)
+        pod.setdefault("volumes", []).append(volume)
     statefulset = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

@@ -94,7 +94,15 @@ def test_worker_containers_run_the_plans_command_and_environment(name: str) -> N
         assert kv["kv_role"] == ("kv_producer" if w.role == "prefill" else "kv_consumer")
         env = {e["name"]: e for e in c["env"]}
         plain = {k: v for k, v in spec.env.items() if k not in ("CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST")}
-        assert {k: e["value"] for k, e in env.items() if "value" in e} == plain
+        # A file the plan writes on a host (vLLM's logging config) is the ConfigMap's copy, mounted in the pod.
+        moved = {k: f"{CONFIG_MOUNT}/{Path(v).name}" for k, v in plain.items() if v in spec.files}
+        assert {k: e["value"] for k, e in env.items() if "value" in e} == {**plain, **moved}
+        configmap = find(docs, "ConfigMap", "pdctl-config")["data"]
+        for path, text in spec.files.items():
+            assert configmap[Path(path).name] == text
+            assert {"name": "pdctl-config", "mountPath": CONFIG_MOUNT, "readOnly": True} in c["volumeMounts"]
+        if name == "seed":  # the recipe logs KV transfers at info: vLLM's logging config must reach the pod
+            assert env["VLLM_LOGGING_CONFIG_PATH"]["value"] == f"{CONFIG_MOUNT}/vllm-logging.json"
         assert "CUDA_VISIBLE_DEVICES" not in env
         if "VLLM_NIXL_SIDE_CHANNEL_HOST" in spec.env:
             assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -108,11 +116,11 @@ def test_gpus_and_shared_memory_follow_tensor_parallel_size() -> None:
         sts = find(tp2, "StatefulSet", name)
         c = container(sts)
         assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"} == c["resources"]["requests"]
-        assert c["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
+        assert c["volumeMounts"][0] == {"name": "shm", "mountPath": "/dev/shm"}
         assert sts["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["medium"] == "Memory"
     seed = container(find(objects(render(load("seed"))), "StatefulSet", "prefill"))
     assert seed["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    assert "volumeMounts" not in seed
+    assert all(m["name"] != "shm" for m in seed.get("volumeMounts", []))  # TP = 1: no shared memory
 
 
 def test_each_group_gets_a_statefulset_with_its_replicas_and_a_headless_service() -> None:

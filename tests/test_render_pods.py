@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from pdctl import config
-from pdctl.k8s import dump_yaml, render
+from pdctl.k8s import CONFIG_MOUNT, dump_yaml, render
 from pdctl.promtext import metric_value, samples
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.testing.ports import free_port
@@ -58,8 +58,9 @@ def write_config(folder: Path, sim: str = 'profile = "fast"\nspeed = 20') -> tup
     return cpath, spath
 
 
-def start_pod(container: dict[str, Any], pod_ip: str, log: Path) -> SimProcess:
-    """Run a container as a process: this interpreter as the image's ``python``, and ``vllm serve`` (above)."""
+def start_pod(container: dict[str, Any], pod_ip: str, log: Path, mount: Path | None = None) -> SimProcess:
+    """Run a container as a process: this interpreter as the image's ``python``, ``vllm serve`` (above), and
+    ``mount`` (the ConfigMap's files) where the pod has ``/etc/pdctl``."""
     argv = container["command"] + container["args"]
     if argv[0] == "python":
         argv = [sys.executable, *argv[1:]]
@@ -68,7 +69,7 @@ def start_pod(container: dict[str, Any], pod_ip: str, log: Path) -> SimProcess:
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(log.parent)}
     for e in container["env"]:
         if "value" in e:
-            env[e["name"]] = e["value"]
+            env[e["name"]] = e["value"].replace(CONFIG_MOUNT, str(mount)) if mount else e["value"]
         else:
             assert e["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, e
             env[e["name"]] = pod_ip
@@ -121,12 +122,17 @@ def worker_containers(dep: config.Deployment) -> dict[str, dict[str, Any]]:
 
 def run_pods(dep: config.Deployment, tmp_path: Path, ready_timeout_s: float) -> tuple[dict[str, SimProcess], str, str]:
     containers = worker_containers(dep)
+    mount = tmp_path / "etc-pdctl"  # the ConfigMap, as the pods mount it
+    mount.mkdir()
+    (configmap,) = [d for d in render(dep).manifests if d["kind"] == "ConfigMap"]
+    for name, text in configmap["data"].items():
+        (mount / name).write_text(text, encoding="utf-8")
     pods: dict[str, SimProcess] = {}
     try:
         for w in dep.workers:
             container = containers[w.name]
             assert container["args"][container["args"].index("--host") + 1] == "0.0.0.0"
-            pods[w.role] = start_pod(container, POD_IPS[w.role], tmp_path / f"{w.name}.log")
+            pods[w.role] = start_pod(container, POD_IPS[w.role], tmp_path / f"{w.name}.log", mount)
         p_url, d_url = (f"http://{POD_IPS[r]}:{pods[r].port}" for r in ("prefill", "decode"))
         for role, url in (("prefill", p_url), ("decode", d_url)):
             wait_healthy(pods[role], url, ready_timeout_s)
