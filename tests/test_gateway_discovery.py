@@ -20,7 +20,7 @@ from pdctl.gateway.discovery import DNS_SERVER_ENV, is_dns_name, resolver_from_e
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.protocol import REQUIRED_DECODE_FIELDS
 from tests.fakes.dns_server import DnsServer
-from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings
+from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings, run_app
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
@@ -47,17 +47,7 @@ def dns_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[DnsServer]:
 
 def _run(workers: MemoryWorkers, decode_url: str, test: Callable[[Gateway], Awaitable[None]]) -> Gateway:
     settings = make_settings(["http://prefill.invalid"], [decode_url], health_interval_s=600.0)
-    app = create_app(settings, KEY, clients=workers)
-
-    async def main() -> None:
-        await app.startup()
-        try:
-            await test(app)
-        finally:
-            await app.shutdown()
-
-    asyncio.run(main())
-    return app
+    return run_app(create_app(settings, KEY, clients=workers), test)
 
 
 async def _ready(app: Gateway) -> dict[str, str]:

@@ -17,7 +17,7 @@ from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.pd import MAX_PD_RETRIES
 from pdctl.protocol import REQUIRED_DECODE_FIELDS
 from pdctl.transport import TransportError
-from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings
+from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings, run_app
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
@@ -48,17 +48,7 @@ DECODED = MemoryReply.json({"id": "cmpl-d", "choices": [{"index": 0, "message": 
 def _run(workers: MemoryWorkers, n_prefill: int, test: Callable[[Gateway], Awaitable[None]], **extra: Any) -> Gateway:
     """Start the app on ``workers`` (``make_settings`` keywords in ``extra``), run ``test``, shut it down."""
     prefill = [f"http://prefill-{i}.invalid" for i in range(n_prefill)]
-    app = create_app(make_settings(prefill, ["http://decode.invalid"], **extra), KEY, clients=workers)
-
-    async def main() -> None:
-        await app.startup()
-        try:
-            await test(app)
-        finally:
-            await app.shutdown()
-
-    asyncio.run(main())
-    return app
+    return run_app(create_app(make_settings(prefill, ["http://decode.invalid"], **extra), KEY, clients=workers), test)
 
 
 def _metric(app: Gateway, name: str, **labels: str) -> float:

@@ -42,9 +42,7 @@ def nixl(root: Path) -> Iterator[Deployment]:
     try:
         yield dep
     finally:
-        if (dep.run_dir / "state.json").exists():
-            dep.pdctl("down", timeout=600)
-        dep.sweep()
+        dep.teardown()
 
 
 def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:

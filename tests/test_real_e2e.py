@@ -160,6 +160,12 @@ class Deployment:
             out.append(f"--- {log.name}\n" + "\n".join(lines))
         return "\n".join(out)
 
+    def teardown(self) -> None:
+        """A fixture's end: `pdctl down` if it is still up, then the sweep."""
+        if (self.run_dir / "state.json").exists():
+            self.pdctl("down", timeout=600)
+        self.sweep()
+
     def sweep(self) -> None:
         """Last resort after a failed test: kill whatever of this run is still alive."""
         survivors = _run_processes(self.marker)
@@ -208,9 +214,7 @@ def nixl(root: Path) -> Iterator[Deployment]:
     try:
         yield dep
     finally:
-        if (dep.run_dir / "state.json").exists():
-            dep.pdctl("down", timeout=600)
-        dep.sweep()
+        dep.teardown()
 
 
 @pytest.fixture
@@ -219,9 +223,7 @@ def shared_storage(root: Path) -> Iterator[Deployment]:
     try:
         yield dep
     finally:
-        if (dep.run_dir / "state.json").exists():
-            dep.pdctl("down", timeout=600)
-        dep.sweep()
+        dep.teardown()
 
 
 def _chat(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -340,9 +342,7 @@ def mismatched(root: Path) -> Iterator[Deployment]:
     try:
         yield dep
     finally:
-        if (dep.run_dir / "state.json").exists():
-            dep.pdctl("down", timeout=600)
-        dep.sweep()
+        dep.teardown()
 
 
 def test_connector_mismatch_fails_verify_with_5_1(mismatched: Deployment) -> None:

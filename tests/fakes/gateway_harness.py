@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,20 @@ class AsgiReply:
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+
+def run_app(app: Gateway, test: Callable[[Gateway], Awaitable[None]]) -> Gateway:
+    """Start ``app`` in a new event loop, run ``test`` on it, shut it down (no server, no socket)."""
+
+    async def main() -> None:
+        await app.startup()
+        try:
+            await test(app)
+        finally:
+            await app.shutdown()
+
+    asyncio.run(main())
+    return app
 
 
 async def asgi_request(
