@@ -13,7 +13,7 @@ check can tell. Detected = ``kv_correctness`` failed with a clear-margin differe
 Each run takes ``--lock`` (``/tmp/pdctl-real.lock``) for itself only, so other real-vLLM work on the machine
 interleaves. Results are rewritten to ``--out`` after every run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/verify_false_alarms.py --runs 40 --loaded-every 2 --hogs 2 \\
+    PYTHONPATH=. .venv/bin/python -m benchmarks.verify_false_alarms --runs 44 --loaded-every 2 --cold-every 4 --hogs 2 \\
         --broken 3 --out results/verify_false_alarms.json
 """
 
@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,13 +89,26 @@ def _probe_records(report: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def fresh_run(conf: list[str], loaded: bool, hogs: int, lock: str) -> dict[str, Any]:
-    """One fresh start of examples/cpu, verify at once, down; under the lock (and the hogs when loaded)."""
+def _clear_compile_caches() -> None:
+    """Empty vLLM's and torch inductor's compile caches, as on a machine that never ran vLLM."""
+    for cache in [Path.home() / ".cache" / "vllm", *Path(tempfile.gettempdir()).glob("torchinductor_*")]:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def fresh_run(conf: list[str], loaded: bool, hogs: int, lock: str, cold: bool = False) -> dict[str, Any]:
+    """One fresh start of examples/cpu, verify at once, down; under the lock (and the hogs when loaded).
+
+    ``cold`` empties the compile caches first (under the lock, so no other engine is using them).
+    """
     with _locked(lock) as waited, _hogs(hogs if loaded else 0):
+        if cold:
+            _clear_compile_caches()
+        load_1m = os.getloadavg()[0]
         t0 = time.monotonic()
         up = _pdctl("up", "-d", *conf, timeout=1500)
         up_s = time.monotonic() - t0
-        rec: dict[str, Any] = {"kind": "fresh", "loaded": loaded, "lock_wait_s": round(waited, 1)}
+        rec: dict[str, Any] = {"kind": "fresh", "loaded": loaded, "cold": cold, "lock_wait_s": round(waited, 1)}
+        rec["load_1m_at_start"] = round(load_1m, 2)
         rec["up_rc"], rec["up_s"] = up.returncode, round(up_s, 1)
         try:
             if up.returncode != 0:
@@ -279,6 +293,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "logprobs_moved": sum(1 for p in exp if p["drift"]),
         },
         "quiet": part([r for r in fresh if not r["loaded"]]),
+        "cold": part([r for r in fresh if r.get("cold")]),
         "loaded": part([r for r in fresh if r["loaded"]]),
         "start_failures": sum(1 for r in runs if r["kind"] == "fresh" and "ok" not in r),
         "broken_runs": len(broken),
@@ -290,6 +305,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=4, help="fresh-start runs")
     ap.add_argument("--loaded-every", type=int, default=2, help="every Nth fresh run beside the hogs (0: none)")
+    ap.add_argument(
+        "--cold-every", type=int, default=0, help="every Nth fresh run (from the first) with empty compile caches"
+    )
     ap.add_argument("--hogs", type=int, default=2, help="busy-looping processes during a loaded run")
     ap.add_argument("--broken", type=int, default=1, help="broken-link runs (decode with other weights)")
     ap.add_argument("--lock", default="/tmp/pdctl-real.lock", help='taken per run; "" when the caller holds it')
@@ -320,19 +338,30 @@ def main() -> None:
         runs.append(batch_experiment(conf, args.batch_experiment, args.lock))
         print(json.dumps(runs[-1], indent=1), flush=True)
         args.out.write_text(json.dumps({"summary": summarize(runs), "runs": runs}, indent=1, ensure_ascii=False))
-    plan = [("broken", False)] * args.broken + [
-        ("fresh", bool(args.loaded_every) and (i + 1) % args.loaded_every == 0) for i in range(args.runs)
+    fresh = [
+        (
+            "fresh",
+            bool(args.loaded_every) and (i + 1) % args.loaded_every == 0,
+            bool(args.cold_every) and i % args.cold_every == 0,
+        )
+        for i in range(args.runs)
     ]
-    for i, (kind, loaded) in enumerate(plan):
+    # The first fresh run goes first (with --cold-every, a cold start as on a new machine), then the broken ones.
+    plan = fresh[:1] + [("broken", False, False)] * args.broken + fresh[1:]
+    for i, (kind, loaded, cold) in enumerate(plan):
         if deadline is not None and time.monotonic() > deadline:
             print(f"--stop-after-s reached: {i} of {len(plan)} runs done", flush=True)
             break
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        rec = broken_run(seed0, seed1, args.lock) if kind == "broken" else fresh_run(conf, loaded, args.hogs, args.lock)
+        if kind == "broken":
+            rec = broken_run(seed0, seed1, args.lock)
+        else:
+            rec = fresh_run(conf, loaded, args.hogs, args.lock, cold=cold)
         rec["index"], rec["started"] = i, started
         runs.append(rec)
         verdict = rec.get("detected", rec.get("ok", rec.get("error", "?")))
-        print(f"[{i + 1}/{len(plan)}] {kind}{' loaded' if loaded else ''}: {verdict}", flush=True)
+        tags = "".join([" loaded" if loaded else "", " cold" if cold else ""])
+        print(f"[{i + 1}/{len(plan)}] {kind}{tags}: {verdict}", flush=True)
         args.out.write_text(json.dumps({"summary": summarize(runs), "runs": runs}, indent=1, ensure_ascii=False))
     print(json.dumps(summarize(runs), indent=1))
 
