@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import tomlkit
 
 from pdctl import config
 from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
@@ -93,6 +94,28 @@ def _clear_compile_caches() -> None:
     """Empty vLLM's and torch inductor's compile caches, as on a machine that never ran vLLM."""
     for cache in [Path.home() / ".cache" / "vllm", *Path(tempfile.gettempdir()).glob("torchinductor_*")]:
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def example_copy(dst: Path) -> list[str]:
+    """``examples/cpu`` copied to ``dst`` on free ports (a running demo keeps the example's own), as ``-c``/``-s`` args.
+
+    Everything else is the example as shipped; the model path becomes absolute so the copy serves the same model.
+    """
+    dst.mkdir(parents=True, exist_ok=True)
+    doc = tomlkit.parse((EXAMPLE / "config.toml").read_text(encoding="utf-8"))
+    for table in ("prefill", "decode"):
+        worker = doc[table]
+        assert isinstance(worker, dict)
+        worker["model"] = str((EXAMPLE / str(worker["model"])).resolve())
+        if "side_channel_port" in worker:
+            worker["side_channel_port"] = free_port()
+    (dst / "config.toml").write_text(tomlkit.dumps(doc), encoding="utf-8")
+    settings = json.loads((EXAMPLE / "settings.json").read_text(encoding="utf-8"))
+    settings["gateway"]["listen"] = f"127.0.0.1:{free_port()}"
+    for key in ("prefill_endpoint", "decode_endpoint"):
+        settings["routing"][key] = f"http://127.0.0.1:{free_port()}"
+    (dst / "settings.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
+    return ["-c", str(dst / "config.toml"), "-s", str(dst / "settings.json")]
 
 
 def fresh_run(conf: list[str], loaded: bool, hogs: int, lock: str, cold: bool = False) -> dict[str, Any]:
@@ -324,7 +347,7 @@ def main() -> None:
     # SIGTERM (a timeout, a test's teardown) unwinds like Ctrl-C: each run's `finally` stops what it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.stop_after_s if args.stop_after_s else None
-    conf = ["-c", str(EXAMPLE / "config.toml"), "-s", str(EXAMPLE / "settings.json")]
+    conf = example_copy(Path(tempfile.mkdtemp(prefix="pdctl-verify-bench-")))
     seed0, seed1 = args.models / "tiny-qwen3", args.models / "tiny-qwen3-seed1"
     needed = [(ROOT / "models" / "tiny-qwen3", "0")] if args.runs else []
     needed += [(seed0, "0"), (seed1, "1")] if args.broken else []
@@ -356,7 +379,13 @@ def main() -> None:
         if kind == "broken":
             rec = broken_run(seed0, seed1, args.lock)
         else:
-            rec = fresh_run(conf, loaded, args.hogs, args.lock, cold=cold)
+            rec = fresh_run(
+                example_copy(Path(tempfile.mkdtemp(prefix="pdctl-verify-bench-"))),
+                loaded,
+                args.hogs,
+                args.lock,
+                cold=cold,
+            )
         rec["index"], rec["started"] = i, started
         runs.append(rec)
         verdict = rec.get("detected", rec.get("ok", rec.get("error", "?")))
