@@ -583,7 +583,7 @@ class GatewayConfig:
         "127.0.0.1", _listen, '"host:port" with a port 1-65535', name="listen", into=("listen_host", "listen_port"),
         use="gateway", type='`"host:port"`', default='`"127.0.0.1:8000"`', doc="gateway bind address",
     )
-    listen_port: int = 8000
+    listen_port: int = 8000  # set with listen_host from the one key `listen` (its Key.into)
     upstream_base_url: str | None = key(
         None, _http_url, "an http(s) URL", use="gateway", type="URL", default="none",
         doc="OpenAI-compatible API for models not served locally (docs/gateway.md)",
