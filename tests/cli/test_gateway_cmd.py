@@ -16,10 +16,7 @@ import httpx
 import pytest
 
 from pdctl.testing import stop_group
-
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import KEY, FakeProc, free_port, wait_for
+from tests.fakes.gateway_harness import KEY, FakeProc, free_port, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 
