@@ -39,7 +39,7 @@ import psutil
 from benchmarks import _harness as H
 from pdctl.config import load
 from pdctl.pgroup import signal_group
-from pdctl.protocol import build_decode_body, build_prefill_body
+from pdctl.probe import two_legs
 from pdctl.testing import stop_group
 
 BENCH = Path(__file__).resolve().parent
@@ -157,9 +157,8 @@ def time_by_hand(config: str, settings: str, env: dict[str, str]) -> dict[str, A
         model = pre["argv"][pre["argv"].index("--served-model-name") + 1]
         body = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 4}
         with httpx.Client(timeout=900) as c:
-            r1 = c.post(pre["url"] + "/v1/completions", json=build_prefill_body(body)).json()
-            r2 = c.post(dec["url"] + "/v1/completions", json=build_decode_body(body, r1.get("kv_transfer_params")))
-        out["first_pd_status"] = r2.status_code
+            legs = two_legs(c, pre["url"], dec["url"], body, "params", "startup-overhead", require_params=False)
+        out["first_pd_status"] = legs.decode_status
         out["seconds"] = time.monotonic() - t0
     finally:
         for pr in procs:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pdctl.config import DECLARED_SECTIONS, Deployment, WorkerConfig, keys_of
+from pdctl.config import DECLARED_SECTIONS, Deployment, WorkerConfig, file_keys, keys_of
 from pdctl.errors import ConfigError
 from pdctl.identity import WorkerIdentity, identity_problems
 from pdctl.modelinfo import ContextLength, context_length
@@ -690,14 +690,13 @@ def _plain(doc: str) -> str:
 
 
 _WORKER_KEY_USE: dict[str, KeyUse] = {
-    name: KeyUse(spec.use, _plain(spec.doc)) for name, spec in keys_of(WorkerConfig).items() if spec.in_file
+    name: KeyUse(spec.use, _plain(spec.doc)) for name, spec in file_keys(WorkerConfig).items()
 }
 _SECTION_KEY_USE: dict[str, KeyUse] = {
-    f"{table}.{spec.file_key(name)}": KeyUse(spec.use, _plain(spec.doc))
+    f"{table}.{name}": KeyUse(spec.use, _plain(spec.doc))
     for table, cls in DECLARED_SECTIONS.items()
-    for name, spec in keys_of(cls).items()
+    for name, spec in file_keys(cls).items()
 }
-_PREFIX_USE = {"gateway.": KeyUse("gateway", "gateway settings")}
 
 
 def describe_key(key: str) -> KeyUse:
@@ -707,7 +706,4 @@ def describe_key(key: str) -> KeyUse:
     head, _, leaf = key.partition(".")
     if re.fullmatch(r"(prefill|decode)(\[\d+\])?", head) and leaf.split(".")[0] in _WORKER_KEY_USE:
         return _WORKER_KEY_USE[leaf.split(".")[0]]
-    for prefix, use in _PREFIX_USE.items():
-        if key.startswith(prefix):
-            return use
     return KeyUse("not_applicable", "pdctl does not use this key")

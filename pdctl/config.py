@@ -77,7 +77,10 @@ class Key:
     where it ends up (``use``), and docs/config.md shows ``type``, ``default`` and ``doc``
     (tests/test_config_docs.py holds the two in step). ``emit`` False: the plan places the flag itself
     (``--model``, positional for ``vllm serve``). ``in_file`` False: a field with a flag but no key (the port
-    comes from routing's endpoint). ``name``: the key in the file when it is not the field's name.
+    comes from routing's endpoint). ``name``: the key in the file when it is not the field's name. ``into``:
+    the fields a checked tuple fills, in order (``gateway.listen`` → ``listen_host``, ``listen_port``).
+    ``beside_file``: a relative path is made relative to the folder of the file that sets it, when loaded.
+    A sub-table (``gateway.rate_limit``) is a field declared with :func:`section`.
 
     Declared as::
 
@@ -100,6 +103,8 @@ class Key:
     emit: bool = True
     in_file: bool = True
     name: str = ""
+    into: tuple[str, ...] = ()
+    beside_file: bool = False
 
     def file_key(self, field_name: str) -> str:
         """The key's name in the file."""
@@ -127,9 +132,27 @@ def key(
     return field(default=value, metadata=meta)
 
 
+def section(cls: type) -> Any:
+    """A dataclass field holding a sub-table whose keys ``cls`` declares (``gateway.rate_limit``)."""
+    return field(default_factory=cls, metadata={"section": cls})
+
+
 def keys_of(cls: type) -> dict[str, Key]:
     """The declared keys of a config dataclass, in field order."""
     return {f.name: f.metadata["key"] for f in fields(cls) if "key" in f.metadata}
+
+
+def sections_of(cls: type) -> dict[str, type]:
+    """The sub-tables of a config dataclass (fields declared with :func:`section`), by key."""
+    return {f.name: f.metadata["section"] for f in fields(cls) if "section" in f.metadata}
+
+
+def file_keys(cls: type) -> dict[str, Key]:
+    """The keys a file may set in a ``cls`` table, by dotted name (``rate_limit.max_concurrency``), in field order."""
+    out = {spec.file_key(name): spec for name, spec in keys_of(cls).items() if spec.in_file}
+    for name, sub in sections_of(cls).items():
+        out.update({f"{name}.{k}": spec for k, spec in file_keys(sub).items()})
+    return out
 
 
 def _toml_value(value: Any) -> str:
@@ -204,6 +227,20 @@ def _str_map(v: Any) -> dict[str, str] | None:
         else:
             return None
     return out
+
+
+def _listen(v: Any) -> tuple[str, int] | None:
+    try:
+        return parse_listen(v) if isinstance(v, str) else None
+    except ValueError:
+        return None
+
+
+def _http_url(v: Any) -> str | None:
+    if not isinstance(v, str):
+        return None
+    parts = urlsplit(v)
+    return v.rstrip("/") if parts.scheme in ("http", "https") and parts.hostname else None
 
 
 def _endpoints(v: Any) -> tuple[str, ...] | None:
@@ -521,35 +558,88 @@ class SimConfig:
 
 @dataclass(frozen=True, slots=True)
 class RateLimitConfig:
-    """``gateway.rate_limit`` (pdctl extension); ``None`` means unlimited."""
+    """``gateway.rate_limit`` (pdctl extension), and a key's own limits (:mod:`pdctl.gateway.keys`); None: unlimited."""
 
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    max_concurrency: int | None = None
+    # fmt: off
+    requests_per_minute: int | None = key(
+        None, _int(1), "an integer >= 1", use="gateway", type="integer", default="none",
+        doc="*extension*: 429 + Retry-After above it",
+    )
+    tokens_per_minute: int | None = key(
+        None, _int(1), "an integer >= 1", use="gateway", type="integer", default="none", doc="*extension*",
+    )
+    max_concurrency: int | None = key(
+        None, _int(1), "an integer >= 1", use="gateway", type="integer", default="none", doc="*extension*",
+    )
+    # fmt: on
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """``settings.json`` ``gateway``: the single entry point."""
 
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8000
-    upstream_base_url: str | None = None
-    api_key_env: str = "PDCTL_API_KEY"
-    upstream_api_key_env: str | None = None
-    request_timeout_s: float = 120.0
-    max_retries: int = 2
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    drain_timeout_s: float = 30.0
-    rate_limit: RateLimitConfig = field(default_factory=RateLimitConfig)
-    keys_file: str | None = None
-    """Per-user keys (:mod:`pdctl.gateway.keys`); relative paths are resolved against settings.json's folder."""
-    tls_certfile: str | None = None
-    tls_keyfile: str | None = None
-    metrics_public: bool = False
-    """Serve ``/metrics`` without a key even when the gateway listens beyond loopback."""
-    # issue 17 (agent routes): what serves a PD request when no prefill can.
-    fallback: Fallback = "none"
+    # fmt: off
+    listen_host: str = key(
+        "127.0.0.1", _listen, '"host:port" with a port 1-65535', name="listen", into=("listen_host", "listen_port"),
+        use="gateway", type='`"host:port"`', default='`"127.0.0.1:8000"`', doc="gateway bind address",
+    )
+    listen_port: int = 8000  # set with listen_host from the one key `listen` (its Key.into)
+    upstream_base_url: str | None = key(
+        None, _http_url, "an http(s) URL", use="gateway", type="URL", default="none",
+        doc="OpenAI-compatible API for models not served locally (docs/gateway.md)",
+    )
+    api_key_env: str = key(
+        "PDCTL_API_KEY", _str, "an environment variable name", use="gateway", type="env var name",
+        doc="the variable holding the one key (never the key itself, PD007)",
+    )
+    upstream_api_key_env: str | None = key(
+        None, _str, "an environment variable name", use="gateway", type="env var name", default="`api_key_env`",
+        doc="*extension*: a different key for the upstream (required with `keys_file` and an upstream; PD030 until "
+        "set)",
+    )
+    request_timeout_s: float = key(
+        120.0, _num(0), "a number of seconds > 0", use="gateway", type="number", doc="overall deadline of a request",
+    )
+    max_retries: int = key(
+        2, _int(0, 10), "an integer 0-10", use="gateway", type="integer",
+        doc="retries before the first byte reached the client: upstream calls, and PD pipelines (at most 3 there)",
+    )
+    max_body_bytes: int = key(
+        DEFAULT_MAX_BODY_BYTES, _int(1024), "an integer >= 1024", use="gateway", type="integer",
+        default="`268435456` (256 MiB)",
+        doc="*extension*: larger bodies get 413, counted while reading (long-context agents: docs/gateway.md)",
+    )
+    drain_timeout_s: float = key(
+        30.0, _num(-1), "a number of seconds >= 0", use="gateway", type="number",
+        doc="*extension*: how long in-flight streams may finish on shutdown",
+    )
+    rate_limit: RateLimitConfig = section(RateLimitConfig)
+    keys_file: str | None = key(
+        None, _str, "a path to a keys file (`pdctl keys add` makes one)", beside_file=True, use="gateway",
+        type="path", default="none",
+        doc="*extension*: per-user keys with their own limits (digests only; `pdctl keys add`); `$api_key_env` "
+        "becomes optional (when set, the operator's key `default`); relative to settings.json",
+    )
+    tls_certfile: str | None = key(
+        None, _str, "a path to a PEM certificate", beside_file=True, use="gateway", type="path", default="none",
+        doc="*extension*: PEM certificate, with `tls_keyfile` (both or neither): HTTPS only; checked at start "
+        "(exists, not expired, key matches); relative to settings.json",
+    )
+    tls_keyfile: str | None = key(
+        None, _str, "a path to a PEM private key", beside_file=True, use="gateway", type="path", default="none",
+        doc="*extension*: PEM private key of `tls_certfile`; relative to settings.json",
+    )
+    metrics_public: bool = key(
+        False, _bool, "true or false", use="gateway", type="bool",
+        doc="*extension*: `/metrics` without a key even when `listen` is not loopback",
+    )
+    fallback: Fallback = key(
+        "none", _choice("none", "decode", "upstream"), "none, decode or upstream", use="gateway",
+        type="`none` \\| `decode` \\| `upstream`",
+        doc="*extension*: where a PD request goes when no prefill can serve it: the error, decode computing the "
+        "prompt itself (`x-pd-path: fallback`), or the upstream",
+    )
+    # fmt: on
 
     @property
     def url(self) -> str:
@@ -648,18 +738,27 @@ def instance_name(role: Role, index: int, count: int) -> str:
     return role if count == 1 else f"{role}-{index}"
 
 
-#: The config.toml tables and settings.json objects whose keys are all declared with :func:`key`, by name.
-DECLARED_SECTIONS: dict[str, type] = {
+#: config.toml's tables, each with the dataclass declaring its keys (:func:`key`); ``prefill``/``decode`` may
+#: also be lists of tables (``[[decode]]``).
+CONFIG_SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
     "kv_transfer": KVTransferConfig,
-    "supervisor": SupervisorConfig,
-    "engine": EngineConfig,
-    "sim": SimConfig,
+    "prefill": WorkerConfig,
+    "decode": WorkerConfig,
     "connector": ConnectorConfig,
+    "supervisor": SupervisorConfig,
+    "sim": SimConfig,
+    "engine": EngineConfig,
+}
+#: settings.json's objects, each with the dataclass declaring its keys (the fields of :class:`Settings`).
+SETTINGS_SECTIONS: dict[str, type] = {
+    "gateway": GatewayConfig,
     "routing": RoutingConfig,
     "slo": SLOConfig,
     "logging": LoggingConfig,
 }
+#: Every table of both files, by name (the two files share no table name).
+DECLARED_SECTIONS: dict[str, type] = CONFIG_SECTIONS | SETTINGS_SECTIONS
 
 
 class SourceMap:
@@ -886,8 +985,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 # ------------------------------------------------------------------------------------------ loading
 
-CONFIG_TABLES = ("cluster", "kv_transfer", "prefill", "decode", "connector", "supervisor", "sim", "engine")
-WORKER_KEYS = tuple(name for name, spec in keys_of(WorkerConfig).items() if spec.in_file)
+WORKER_KEYS = tuple(file_keys(WorkerConfig))
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -960,7 +1058,7 @@ def load(config_path: str | Path = DEFAULT_CONFIG, settings_path: str | Path = D
     )
     cfile, sfile = str(cpath), str(spath)
     top = _Section(src, cfile, "", cdata)
-    top.finish(list(CONFIG_TABLES))
+    top.finish(list(CONFIG_SECTIONS))
 
     settings = _load_settings(src, sfile, sdata)
     gateway, routing = settings.gateway, settings.routing
@@ -1018,18 +1116,30 @@ def _declared(cls: type) -> dict[str, tuple[str, Key]]:
 
 
 def _read_keys(section: _Section, cls: type) -> dict[str, Any]:
-    """The keys ``cls`` declares that ``section`` sets, checked, by field name."""
-    declared = _declared(cls)
-    return {
-        attr: section.get(k, spec.check, spec.expected, None) for k, (attr, spec) in declared.items() if section.has(k)
-    }
+    """The keys ``cls`` declares that ``section`` sets, checked, by field name; its sub-tables, read whole."""
+    values: dict[str, Any] = {}
+    for k, (attr, spec) in _declared(cls).items():
+        if not section.has(k):
+            continue
+        value = section.get(k, spec.check, spec.expected, None)
+        if spec.beside_file:
+            value = _beside(section.file, value)
+        values.update(zip(spec.into, value, strict=True) if spec.into else [(attr, value)])
+    for attr, sub in sections_of(cls).items():
+        values[attr] = sub(**_read_section(section, attr, sub))
+    return values
+
+
+def _finish(section: _Section, cls: type) -> None:
+    """A key in ``section`` that ``cls`` does not declare is an error (with a did-you-mean)."""
+    section.finish([*_declared(cls), *sections_of(cls)])
 
 
 def _read_section(top: _Section, name: str, cls: type) -> dict[str, Any]:
     """Table ``name`` read by :func:`_read_keys`; a key ``cls`` does not declare is an error."""
     section = top.sub(name)
     values = _read_keys(section, cls)
-    section.finish(list(_declared(cls)))
+    _finish(section, cls)
     return values
 
 
@@ -1082,12 +1192,12 @@ def _load_workers(
     return tuple(out)
 
 
-def _beside(sfile: str, path: str | None) -> str | None:
-    """``path`` as given when absolute, else relative to the folder of settings.json."""
+def _beside(file: str, path: str | None) -> str | None:
+    """``path`` as given when absolute, else relative to the folder of ``file``."""
     if path is None:
         return None
     p = Path(path).expanduser()
-    return str(p if p.is_absolute() else Path(sfile).parent / p)
+    return str(p if p.is_absolute() else Path(file).parent / p)
 
 
 def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> Settings:
@@ -1100,52 +1210,15 @@ def load_settings(settings_path: str | Path = DEFAULT_SETTINGS) -> Settings:
 
 def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Settings:
     top = _Section(src, sfile, "", data)
-    top.finish(["gateway", "routing", "slo", "logging"])
+    top.finish(list(SETTINGS_SECTIONS))
 
     g = top.sub("gateway")
-    listen_host, listen_port = "127.0.0.1", 8000
-    listen = g.opt("listen", _str, 'a "host:port" address')
-    if listen is not None:
-        try:
-            listen_host, listen_port = parse_listen(listen)
-        except ValueError:
-            raise g.err("listen", f'expected "host:port" with a port 1-65535, got {_show(listen)}') from None
-    upstream = g.opt("upstream_base_url", _str, "an http(s) URL")
-    if upstream is not None:
-        parts = urlsplit(upstream)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise g.err("upstream_base_url", f"expected an http(s) URL, got {_show(upstream)}")
-    r = g.sub("rate_limit")
-    rate = RateLimitConfig(
-        requests_per_minute=r.opt("requests_per_minute", _int(1), "an integer >= 1"),
-        tokens_per_minute=r.opt("tokens_per_minute", _int(1), "an integer >= 1"),
-        max_concurrency=r.opt("max_concurrency", _int(1), "an integer >= 1"),
-    )
-    r.finish()
-    gateway = GatewayConfig(
-        listen_host=listen_host,
-        listen_port=listen_port,
-        upstream_base_url=upstream.rstrip("/") if upstream else None,
-        api_key_env=g.get("api_key_env", _str, "an environment variable name", "PDCTL_API_KEY"),
-        upstream_api_key_env=g.opt("upstream_api_key_env", _str, "an environment variable name"),
-        request_timeout_s=g.get("request_timeout_s", _num(0), "a number of seconds > 0", 120.0),
-        max_retries=g.get("max_retries", _int(0, 10), "an integer 0-10", 2),
-        max_body_bytes=g.get("max_body_bytes", _int(1024), "an integer >= 1024", DEFAULT_MAX_BODY_BYTES),
-        drain_timeout_s=g.get("drain_timeout_s", _num(-1), "a number of seconds >= 0", 30.0),
-        rate_limit=rate,
-        keys_file=_beside(sfile, g.opt("keys_file", _str, "a path to a keys file (`pdctl keys add` makes one)")),
-        tls_certfile=_beside(sfile, g.opt("tls_certfile", _str, "a path to a PEM certificate")),
-        tls_keyfile=_beside(sfile, g.opt("tls_keyfile", _str, "a path to a PEM private key")),
-        metrics_public=g.get("metrics_public", _bool, "true or false", False),
-        fallback=cast(
-            Fallback, g.get("fallback", _choice("none", "decode", "upstream"), "none, decode or upstream", "none")
-        ),
-    )
+    gateway = GatewayConfig(**_read_keys(g, GatewayConfig))
     if (gateway.tls_certfile is None) != (gateway.tls_keyfile is None):
         missing = "tls_keyfile" if gateway.tls_keyfile is None else "tls_certfile"
         raise g.err(missing, "TLS needs both tls_certfile and tls_keyfile",
                     hint="set both to PEM files, or neither to serve plain HTTP")  # fmt: skip
-    g.finish()
+    _finish(g, GatewayConfig)
 
     routing = RoutingConfig(**_read_section(top, "routing", RoutingConfig))
 

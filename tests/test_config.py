@@ -137,6 +137,18 @@ def test_unknown_key_suggests_the_nearest(recipe_files) -> None:  # type: ignore
         ),
         ({'"max_retries": 2': '"max_retrys": 2'}, "settings.json:7: gateway.max_retrys: unknown key"),
         (
+            {'"max_retries": 2\n': '"max_retries": 2,\n    "rate_limit": {"max_concurrency": 0}\n'},
+            "settings.json:8: gateway.rate_limit.max_concurrency: expected an integer >= 1, got 0",
+        ),
+        (
+            {'"max_retries": 2\n': '"max_retries": 2,\n    "rate_limit": {"max_concurency": 1}\n'},
+            "settings.json:8: gateway.rate_limit.max_concurency: unknown key",
+        ),
+        (
+            {'"max_retries": 2\n': '"max_retries": 2,\n    "fallback": "prefill"\n'},
+            'settings.json:8: gateway.fallback: expected none, decode or upstream, got "prefill"',
+        ),
+        (
             {'"listen": "0.0.0.0:8000"': '"listen": "0.0.0.0:9000"'},
             "config.toml:6: cluster.gateway_port: 0.0.0.0:8000 disagrees with gateway.listen 0.0.0.0:9000 in settings.json",
         ),
@@ -147,6 +159,44 @@ def test_settings_errors(recipe_files, edits: dict[str, str], expected: str) -> 
     with pytest.raises(ConfigError) as info:
         load(cpath, spath)
     assert str(info.value) == expected
+
+
+def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
+    """A settings.json setting each key `config.GatewayConfig` declares loads into the field the key names."""
+    (tmp_path / "certs").mkdir()
+    gateway = {
+        "listen": "0.0.0.0:9001",
+        "upstream_base_url": "https://api.example.com/v1/",
+        "api_key_env": "MY_KEY",
+        "upstream_api_key_env": "UP_KEY",
+        "request_timeout_s": 5,
+        "max_retries": 0,
+        "max_body_bytes": 2048,
+        "drain_timeout_s": 0,
+        "rate_limit": {"requests_per_minute": 60, "tokens_per_minute": 1000, "max_concurrency": 4},
+        "keys_file": "keys.json",
+        "tls_certfile": "certs/cert.pem",
+        "tls_keyfile": "/abs/key.pem",
+        "metrics_public": True,
+        "fallback": "decode",
+    }
+    set_keys = {f"{k}.{sub}" for k, v in gateway.items() if isinstance(v, dict) for sub in v}
+    set_keys |= {k for k, v in gateway.items() if not isinstance(v, dict)}
+    assert set_keys == set(config.file_keys(config.GatewayConfig)), "this test sets every declared key once"
+    spath = tmp_path / "settings.json"
+    spath.write_text(json.dumps({"gateway": gateway}, indent=2), encoding="utf-8")
+    g = config.load_settings(spath).gateway
+    assert (g.listen_host, g.listen_port, g.upstream_base_url) == ("0.0.0.0", 9001, "https://api.example.com/v1")
+    assert (g.api_key_env, g.upstream_api_key_env, g.request_timeout_s, g.max_retries) == ("MY_KEY", "UP_KEY", 5, 0)
+    assert (g.max_body_bytes, g.drain_timeout_s, g.metrics_public, g.fallback) == (2048, 0, True, "decode")
+    assert g.rate_limit == config.RateLimitConfig(60, 1000, 4)
+    # Relative paths are relative to settings.json's folder, wherever pdctl runs from.
+    assert (g.keys_file, g.tls_certfile, g.tls_keyfile) == (
+        str(tmp_path / "keys.json"),
+        str(tmp_path / "certs" / "cert.pem"),
+        "/abs/key.pem",
+    )
+    assert config.load_settings(RECIPE / "settings.json").gateway.rate_limit == config.RateLimitConfig()
 
 
 def test_toml_syntax_error_has_line_and_column(recipe_files) -> None:  # type: ignore[no-untyped-def]

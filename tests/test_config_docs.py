@@ -29,6 +29,7 @@ SECTIONS = [
     ("`[cluster]`", config.ClusterConfig, 4),
     ("`[kv_transfer]`", config.KVTransferConfig, 4),
     ("`[connector]`", config.ConnectorConfig, 4),
+    ("`gateway`", config.GatewayConfig, 4),
     ("`routing`", config.RoutingConfig, 4),
     ("`[prefill]` and `[decode]`", config.WorkerConfig, 4),
     ("`[supervisor]`", config.SupervisorConfig, 3),
@@ -42,11 +43,7 @@ SECTIONS = [
 @pytest.mark.parametrize(("heading", "cls", "columns"), SECTIONS, ids=[s[1].__name__ for s in SECTIONS])
 def test_docs_table_is_the_declaration(heading: str, cls: type, columns: int) -> None:
     documented = _table(heading)
-    declared = {
-        spec.file_key(name): _row(spec.file_key(name), spec, columns)
-        for name, spec in config.keys_of(cls).items()
-        if spec.in_file
-    }
+    declared = {name: _row(name, spec, columns) for name, spec in config.file_keys(cls).items()}
     assert sorted(documented) == sorted(declared), "docs/config.md lists other keys than the declarations"
     for name, row in declared.items():
         assert documented[name] == row, f"docs/config.md's row of {name!r} differs from its declaration"
@@ -56,11 +53,7 @@ def test_check_describes_every_declared_key() -> None:
     """`check`'s key table reads the declarations: every declared key has a use (none "not_applicable")."""
     from pdctl.check import describe_key
 
-    keys = [
-        f"{table}.{spec.file_key(name)}"
-        for table, cls in config.DECLARED_SECTIONS.items()
-        for name, spec in config.keys_of(cls).items()
-    ]
+    keys = [f"{table}.{name}" for table, cls in config.DECLARED_SECTIONS.items() for name in config.file_keys(cls)]
     keys += [f"decode[1].{name}" for name in config.WORKER_KEYS]
     for key in keys:
         use = describe_key(key)

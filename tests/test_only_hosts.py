@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from pdctl.testing import alive, free_port, kill_groups
-from tests.test_run_cli import KEY, KEY_VAR, env, pdctl
+from tests.cli.test_run_cmds import KEY, KEY_VAR, env, pdctl
 
 HOSTS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
 

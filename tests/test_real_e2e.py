@@ -30,7 +30,9 @@ import httpx
 import psutil
 import pytest
 
+from pdctl.eventstream import sse_events
 from pdctl.kvevents import request_matches
+from pdctl.recipe import CHAT, STREAM
 from pdctl.testing import port_free
 from tests.conftest import REPO
 
@@ -252,7 +254,7 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
 
         auth = {"Authorization": f"Bearer {nixl.api_key}"}
         # The recipe's first curl: non-stream chat through the gateway.
-        r = client.post("/v1/chat/completions", json=_chat("用一句话解释 KV Cache", 32, False), headers=auth)
+        r = client.post("/v1/chat/completions", json=CHAT.body("tiny"), headers=auth)
         assert r.status_code == 200, r.text
         assert r.headers["x-pd-path"] == "disagg"
         body = r.json()
@@ -260,15 +262,12 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
         assert body["usage"]["completion_tokens"] >= 1
 
         # The recipe's second curl: a stream of `data:` chunks that ends with [DONE].
-        data_lines: list[str] = []
-        with client.stream(
-            "POST", "/v1/chat/completions", json=_chat("写一段 200 字的自我介绍", 256, True), headers=auth
-        ) as s:
+        with client.stream("POST", "/v1/chat/completions", json=STREAM.body("tiny"), headers=auth) as s:
             assert s.status_code == 200
             assert s.headers["x-pd-path"] == "disagg"
-            data_lines = [line for line in s.iter_lines() if line.startswith("data:")]
-        assert data_lines[-1].strip() == "data: [DONE]"
-        chunks = [json.loads(line[5:]) for line in data_lines[:-1]]
+            events = sse_events(s.read())
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
         assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
 
         # No key: 401 in OpenAI's error shape.

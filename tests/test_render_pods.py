@@ -28,8 +28,8 @@ import yaml
 
 from pdctl import config
 from pdctl.k8s import CONFIG_MOUNT, dump_yaml, render
+from pdctl.probe import two_legs as probe_two_legs
 from pdctl.promtext import metric_value, samples
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.testing.ports import free_port
 from pdctl.testing.sim import SimProcess
 from tests.conftest import REPO
@@ -94,17 +94,12 @@ def wait_healthy(pod: SimProcess, url: str, timeout_s: float = 60.0) -> None:
 def two_legs(prefill_url: str, decode_url: str, model: str, prompt: str, side_port: int) -> float:
     """One request through both legs; asserts prefill advertised its pod IP. Returns decode's external tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    headers = {"X-Request-Id": f"render-pods-{time.monotonic_ns()}"}
     with httpx.Client(timeout=600.0) as client:
-        r1 = client.post(f"{prefill_url}/v1/completions", json=build_prefill_body(body), headers=headers)
-        assert r1.status_code == 200, r1.text
-        chk = check_kv_params(r1.json())
-        assert chk.usable, chk
-        assert chk.params is not None
-        assert (chk.params["remote_host"], chk.params["remote_port"]) == (POD_IPS["prefill"], side_port)
-        r2 = client.post(f"{decode_url}/v1/completions", json=build_decode_body(body, chk.params), headers=headers)
-        assert r2.status_code == 200, r2.text
-        assert r2.json()["choices"][0]["text"]
+        legs = probe_two_legs(client, prefill_url, decode_url, body, "params", f"render-pods-{time.monotonic_ns()}")
+        assert legs.error is None, legs.error
+        assert legs.params is not None and legs.params.params is not None
+        assert (legs.params.params["remote_host"], legs.params.params["remote_port"]) == (POD_IPS["prefill"], side_port)
+        assert legs.decode_body["choices"][0]["text"]
         metrics = client.get(f"{decode_url}/metrics").text
     parsed = samples(metrics, ["vllm:prompt_tokens_by_source"])
     return metric_value(parsed, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") or 0.0

@@ -23,8 +23,8 @@ from pdctl.process import ProcessExitedError
 from pdctl.supervisor import Event, ProcState, Run, Supervisor, SupervisorOptions, decide_restart
 from pdctl.testing import alive, free_port, kill_groups, port_free
 from pdctl.watchdog import Watchdog
+from tests.cli.test_run_cmds import KEY, KEY_VAR, recorded_pids, write_deployment
 from tests.fakes.helpers import fake_spec
-from tests.test_run_cli import KEY, KEY_VAR, recorded_pids, write_deployment
 
 OPTS = SupervisorOptions(
     SupervisorConfig(ready_timeout_s=60, stop_timeout_s=5, start_secs=30), backoff_base_s=0.2, poll_s=0.1

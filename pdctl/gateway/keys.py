@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdctl.config import RateLimitConfig
+from pdctl.config import Key, RateLimitConfig, file_keys
 from pdctl.errors import ConfigError, PdctlError
 from pdctl.gateway.ratelimit import RateLimiter
 
@@ -53,7 +53,7 @@ __all__ = [
 DEFAULT_NAME = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrency")
+_LIMITS = file_keys(RateLimitConfig)  # the same keys and checks as gateway.rate_limit
 _FIELDS = ("name", "sha256", "env", "models", "upstream", *_LIMITS)
 log = logging.getLogger("pdctl.gateway")
 
@@ -108,12 +108,13 @@ def _line(text: str, key: str) -> int | None:
     return text.count("\n", 0, at if at >= 0 else pos) + 1
 
 
-def _limit(path: Path, text: str, key: str, value: Any) -> int | None:
+def _limit(path: Path, text: str, key: str, spec: Key, value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _err(path, text, key, f"expected an integer >= 1, got {json.dumps(value)}", "or leave it out (unlimited)")
-    return value
+    checked: int | None = spec.check(value)
+    if checked is None:
+        raise _err(path, text, key, f"expected {spec.expected}, got {json.dumps(value)}", "or leave it out (unlimited)")
+    return checked
 
 
 def load_keys(path: Path, environ: Mapping[str, str] | None = None, need_env: bool = True) -> tuple[KeyEntry, ...]:
@@ -162,7 +163,9 @@ def load_keys(path: Path, environ: Mapping[str, str] | None = None, need_env: bo
         upstream = item.get("upstream", True)
         if not isinstance(upstream, bool):
             raise _err(path, text, f"{at}.upstream", f"expected true or false, got {json.dumps(upstream)}")
-        limits = RateLimitConfig(*(_limit(path, text, f"{at}.{k}", item.get(k)) for k in _LIMITS))
+        limits = RateLimitConfig(
+            **{k: _limit(path, text, f"{at}.{k}", spec, item.get(k)) for k, spec in _LIMITS.items()}
+        )
         out.append(KeyEntry(name, digest, limits, None if models is None else tuple(models), upstream))
     return tuple(out)
 
@@ -313,8 +316,7 @@ def add_key(path: Path, name: str, limits: RateLimitConfig, models: tuple[str, .
                          "another name")  # fmt: skip
     key = new_key()
     item: dict[str, Any] = {"name": name, "sha256": hash_key(key)}
-    item.update({k: v for k, v in zip(_LIMITS, (limits.requests_per_minute, limits.tokens_per_minute,
-                                                 limits.max_concurrency), strict=True) if v is not None})  # fmt: skip
+    item.update({k: v for k in _LIMITS if (v := getattr(limits, k)) is not None})
     if models is not None:
         item["models"] = list(models)
     if not upstream:

@@ -14,7 +14,7 @@ decides: ``none`` answers the error, ``decode`` has decode compute the prompt it
 counts each.
 
 The legs see the gateway only through a :class:`PdContext`, and the workers only through
-:class:`pdctl.gateway.workers.WorkerClient` (``tests/test_gateway_legs.py`` drives them on in-memory workers).
+:class:`pdctl.gateway.workers.WorkerClient` (``tests/gateway/test_legs.py`` drives them on in-memory workers).
 """
 
 from __future__ import annotations

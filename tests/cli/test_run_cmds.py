@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from pdctl.testing import alive, free_port, kill_groups, port_free
+from tests.conftest import REPO
 
 KEY_VAR = "PDCTL_H4_TEST_KEY"
 KEY = "sk-h4-never-in-argv-0123456789"
@@ -414,7 +415,7 @@ def test_docs_describe_every_flag() -> None:
 
     from pdctl.cli import app
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "lifecycle.md").read_text()
+    doc = (REPO / "docs" / "lifecycle.md").read_text()
     group = typer.main.get_command(app)
     for name in ("up", "down", "status", "logs"):
         cmd = group.commands[name]  # type: ignore[attr-defined]
@@ -534,7 +535,7 @@ def test_curl_commands_are_the_recipe_requests() -> None:
     from pdctl.config import load
     from pdctl.recipe import RECIPE_REQUESTS
 
-    data = Path(__file__).resolve().parent.parent / "pdctl" / "data"
+    data = REPO / "pdctl" / "data"
     dep = load(data / "config.toml", data / "settings.json")
     cmds = curl_commands(dep)
     assert [c.split()[1] for c in cmds] == ["-N" if r.stream else "-s" for r in RECIPE_REQUESTS]

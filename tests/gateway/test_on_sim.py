@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,12 +9,9 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import KEY, GatewayThread, make_settings, wait_for
-
 from pdctl.promtext import metric_value, samples
 from pdctl.testing import SimProcess, start_sim
+from tests.fakes.gateway_harness import KEY, GatewayThread, make_settings, wait_for
 
 ARGS = ["--max-model-len", "1024", "--sim-profile", "fast"]
 

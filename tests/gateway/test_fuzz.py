@@ -9,7 +9,7 @@ duplicate keys, huge numbers), content types; on chat, completions and the agent
 final event or one error event), no key in any body (N5). At the end the gateway's counters balance (N1) and
 the workers are idle (N2).
 
-``PDCTL_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_gateway.py`` runs a longer search (docs/reliability.md).
+``PDCTL_FUZZ_EXAMPLES=2000 pytest tests/gateway/test_fuzz.py`` runs a longer search (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ huge and malformed bodies answered in each API's own shape.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +16,10 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings, wait_for
-
 from pdctl.promtext import metric_value, samples
 from pdctl.protocol import build_prefill_body
 from pdctl.testing import SimProcess, start_sim
+from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings, wait_for
 
 ARGS = ["--max-model-len", "2048", "--sim-profile", "fast"]
 TOOLS = [

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pdctl.check import run_checks
 from pdctl.config import load
 from pdctl.model import SIZES
+from tests.conftest import REPO
 
-AB = Path(__file__).resolve().parent.parent / "examples" / "cpu-ab"
+AB = REPO / "examples" / "cpu-ab"
 
 
 @pytest.mark.parametrize("settings", ["settings.json", "settings-colocated.json"])

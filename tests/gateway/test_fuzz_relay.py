@@ -6,7 +6,7 @@ middle of an event. A spec-conformant SSE parser reads what the client got: its 
 worker's complete events, plus exactly one OpenAI-shaped error event (and no ``[DONE]``) when the worker
 did not finish (N1: no truncated success, no garbage event).
 
-``PDCTL_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz_sse.py`` runs a longer search (docs/reliability.md).
+``PDCTL_FUZZ_EXAMPLES=5000 pytest tests/gateway/test_fuzz_relay.py`` runs a longer search (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.testing import SimProcess, start_sim
+from tests.conftest import REPO
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-cpu"
+FIXTURES = REPO / "tests" / "fixtures" / "vllm-cpu"
 VLLM_LINE = re.compile(
     r"^\((APIServer|EngineCore|Worker) pid=\d+\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] "
 )

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings
-
 from pdctl.gateway.upstream import upstream_url
+from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings
 
 CHAT = {"model": "gpt-up", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 

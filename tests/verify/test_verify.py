@@ -28,10 +28,11 @@ from pdctl.config import Deployment
 from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
 from pdctl.testing import free_port, kill_groups
 from pdctl.verify import CheckResult, VerifyReport, link, metric_total, proof, run_verify
+from tests.conftest import REPO
 
 KEY_ENV = "PDCTL_VERIFY_TEST_KEY"
 KEY = "test-key-0123456789"
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-cpu"
+FIXTURES = REPO / "tests" / "fixtures" / "vllm-cpu"
 
 
 @dataclass
@@ -564,7 +565,7 @@ def test_real_decode_with_other_weights_fails_correctness_as_corruption(tmp_path
                 pytest.fail(f"PDCTL_REQUIRE_REAL is set but {dist} is not installed")
             pytest.skip(f"{dist} is not installed (scripts/install-cpu-engine.sh)")
     out = tmp_path / "broken.json"
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "verify_false_alarms.py"
+    script = REPO / "benchmarks" / "verify_false_alarms.py"
     proc = subprocess.Popen(
         [sys.executable, str(script), "--runs", "0", "--broken", "1", "--lock", "", "--models", str(tmp_path),
          "--out", str(out)],

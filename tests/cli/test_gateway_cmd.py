@@ -15,9 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import KEY, FakeProc, free_port, wait_for
+from pdctl.testing import stop_group
+from tests.fakes.gateway_harness import KEY, FakeProc, free_port, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 
@@ -59,14 +58,6 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PDCTL_TEST_KEY"}
     env.update(extra)
     return env
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
 
 
 @pytest.fixture
@@ -141,7 +132,7 @@ def test_process_secrets_log_lines_and_drain(tmp_path: Path, workers: tuple[Fake
         assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
         assert proc.wait(30) == 0
     finally:
-        _kill(proc)
+        stop_group(proc)
     text = out.read_text()
     assert KEY not in text
     lines = [ln for ln in text.splitlines() if "request_id=clireq1" in ln]
@@ -171,7 +162,7 @@ def test_config_toml_names_instances(tmp_path: Path, workers: tuple[FakeProc, Fa
         r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 600}, headers=headers, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     finally:
-        _kill(proc)
+        stop_group(proc)
 
 
 def _ok(url: str) -> bool:

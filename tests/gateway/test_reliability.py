@@ -6,20 +6,15 @@ Each test names the reliability case (../shared/reference/reliability-cases.md) 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import FakeProc, GatewayThread, make_settings, wait_for
-
 from pdctl.config import RateLimitConfig
+from tests.fakes.gateway_harness import FakeProc, GatewayThread, make_settings, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "fakes"))
-
-from gateway_harness import UPSTREAM_KEY, FakeProc, GatewayThread, make_settings, wait_for
 
 from pdctl.config import RateLimitConfig, SLOConfig
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.ratelimit import RateLimiter
+from tests.fakes.gateway_harness import UPSTREAM_KEY, FakeProc, GatewayThread, make_settings, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
 

@@ -34,6 +34,7 @@ from pdctl.gateway.tokens import TokenCounter, estimate_tokens
 from pdctl.rundir import gateway_counters
 from pdctl.testing import SimProcess, free_port
 from pdctl.transport import TransportError
+from tests.conftest import REPO
 from tests.fakes.gateway_harness import (
     UPSTREAM_KEY,
     FakeProc,
@@ -42,7 +43,7 @@ from tests.fakes.gateway_harness import (
     make_settings,
     wait_for,
 )
-from tests.test_gateway_sim import _pair
+from tests.gateway.test_on_sim import _pair
 
 CHAT = "/v1/chat/completions"
 NO_LIMITS = RateLimitConfig()
@@ -104,7 +105,7 @@ def test_operator_key_stays_beside_the_file_across_reloads(tmp_path: Path) -> No
 
 def test_keys_cli_add_list_revoke(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
 
     def pdctl(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "pdctl", "keys", *args, "--file", str(path)], env=env,
@@ -478,7 +479,7 @@ def _gateway_proc(tmp_path: Path, settings: dict[str, Any]) -> tuple[subprocess.
     port = free_port()
     settings["gateway"]["listen"] = f"127.0.0.1:{port}"
     (tmp_path / "settings.json").write_text(json.dumps(settings))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "pdctl", "gateway", "-s", "settings.json"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
