@@ -550,6 +550,8 @@ class GatewayConfig:
     """Serve ``/metrics`` without a key even when the gateway listens beyond loopback."""
     # issue 17 (agent routes): what serves a PD request when no prefill can.
     fallback: Fallback = "none"
+    # issue 19: gateway processes sharing the port (SO_REUSEPORT); 1 is the single-process gateway.
+    workers: int = 1
 
     @property
     def url(self) -> str:
@@ -1140,6 +1142,7 @@ def _load_settings(src: SourceMap, sfile: str, data: Mapping[str, Any]) -> Setti
         fallback=cast(
             Fallback, g.get("fallback", _choice("none", "decode", "upstream"), "none, decode or upstream", "none")
         ),
+        workers=g.get("workers", _int(1, 64), "an integer 1-64", 1),
     )
     if (gateway.tls_certfile is None) != (gateway.tls_keyfile is None):
         missing = "tls_keyfile" if gateway.tls_keyfile is None else "tls_certfile"

@@ -91,12 +91,16 @@ class Gateway:
         self.discovery = Discovery(self.pool)
         g = settings.gateway
         if keys is None:
-            keys = KeyRing.from_file(Path(g.keys_file), api_key) if g.keys_file else KeyRing.single(api_key or "")
+            keys = (
+                KeyRing.from_file(Path(g.keys_file), api_key, settings.process)
+                if g.keys_file
+                else KeyRing.single(api_key or "")
+            )
         self.keys = keys
         self.tokens = TokenCounter()
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
         self.metrics_need_key = not g.metrics_public and g.listen_host not in ("127.0.0.1", "localhost", "::1")
-        self.limiter = RateLimiter(settings.gateway.rate_limit)
+        self.limiter = RateLimiter(settings.gateway.rate_limit, share=settings.process)
         self.admission = Admission(settings.slo)
         if g.upstream_base_url and not upstream_key and keys.per_user:
             raise ConfigError("settings.json", "gateway.upstream_api_key_env",

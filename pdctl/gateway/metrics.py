@@ -1,8 +1,17 @@
-"""The gateway's Prometheus metrics (``pdctl_`` prefix), in a registry of its own (no module globals)."""
+"""The gateway's Prometheus metrics (``pdctl_`` prefix), in a registry of its own (no module globals).
+
+With ``gateway.workers > 1`` every gateway process runs in ``prometheus_client``'s multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR`` set by the parent before the process starts): each process writes its values
+to files there and ``/metrics``, whichever process answers it, sums them (counters, histograms, the in-flight
+gauges of live processes; a state gauge shows the largest value of the live processes).
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
@@ -69,20 +78,28 @@ class GatewayMetrics:
             "pdctl_request_duration_seconds", "Whole request duration.", ["path"], buckets=_LATENCY_BUCKETS,
             registry=r,
         )  # fmt: skip
-        self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r)
+        self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r,
+                               multiprocess_mode="livesum")  # fmt: skip
         self.healthy = Gauge("pdctl_instance_healthy", "1 when the instance is in the pool.", ["instance", "role"],
-                             registry=r)  # fmt: skip
+                             registry=r, multiprocess_mode="livemax")  # fmt: skip
         self.instances = Gauge(
             "pdctl_instances", "Worker instances in the pool, by role and state (warming, serving, draining).",
-            ["role", "state"], registry=r,
+            ["role", "state"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
-        self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r)
+        self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r,
+                                       multiprocess_mode="livesum")  # fmt: skip
         self.accepted = Counter(
             "pdctl_accepted", "Completion requests received; each ends in one pdctl_requests_total.", registry=r
         )
-        self.tasks = Gauge("pdctl_asyncio_tasks", "asyncio tasks alive in the gateway's loop when scraped.", registry=r)
-        self.ready = Gauge("pdctl_ready", "1 when /ready answers 200.", registry=r)
+        self.tasks = Gauge("pdctl_asyncio_tasks", "asyncio tasks alive in the gateway's loop when scraped.",
+                           registry=r, multiprocess_mode="livesum")  # fmt: skip
+        self.ready = Gauge("pdctl_ready", "1 when /ready answers 200.", registry=r, multiprocess_mode="livemax")
+        self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
     def render(self) -> bytes:
-        """The Prometheus text exposition."""
+        """The Prometheus text exposition (every gateway process's values, in multiprocess mode)."""
+        if self._multiprocess_dir:
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged, self._multiprocess_dir)  # type: ignore[no-untyped-call]
+            return generate_latest(merged)
         return generate_latest(self.registry)
