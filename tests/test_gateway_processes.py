@@ -158,9 +158,12 @@ def test_a_keys_limit_holds_across_two_processes(
     assert _total(text, "pdctl_key_requests_total", key="alice", status="429") == 16
 
 
-def test_sigterm_to_the_parent_drains_every_process_mid_stream(
-    pair: tuple[SimProcess, SimProcess], tmp_path: Path, gateways: list[Gateway]
+@pytest.mark.parametrize("to", ["parent", "group"])
+def test_sigterm_drains_every_process_mid_stream(
+    to: str, pair: tuple[SimProcess, SimProcess], tmp_path: Path, gateways: list[Gateway]
 ) -> None:
+    """SIGTERM to the parent (``kill``, Kubernetes) or to the whole group (``pdctl down``): one drain each,
+    every stream ends with ``[DONE]``, every process is gone."""
     gw = Gateway(tmp_path, pair)
     gateways.append(gw)
     bodies: list[bytes] = []
@@ -182,7 +185,10 @@ def test_sigterm_to_the_parent_drains_every_process_mid_stream(
         t.start()
     for _ in threads:
         assert started.acquire(timeout=30)
-    gw.proc.send_signal(signal.SIGTERM)
+    if to == "parent":
+        gw.proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(gw.proc.pid, signal.SIGTERM)
     assert gw.proc.wait(timeout=60) == 0
     for t in threads:
         t.join(timeout=30)

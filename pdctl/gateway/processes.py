@@ -15,9 +15,11 @@ SLO predictor); what must hold across them:
 * **metrics**: ``prometheus_client``'s multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR`` = :func:`metrics_dir`
   (emptied before the children start); any process's ``/metrics`` sums them all.
 
-Signals: SIGTERM/SIGINT are forwarded to every child, each drains as a single gateway does
-(:mod:`pdctl.gateway.server`); a second one is forwarded too (the children stop at once); after
-``stop_timeout_s`` the rest get SIGKILL. SIGHUP (reload keys) is forwarded. The children stay in the parent's
+Signals: the parent passes its first SIGTERM/SIGINT on as :data:`STOP_SIGNAL` (each child drains as a single
+gateway does, :mod:`pdctl.gateway.server`) and any later one as :data:`FORCE_SIGNAL` (the children stop at
+once); after ``stop_timeout_s`` the rest get SIGKILL. Signals of their own, because a SIGTERM sent to the whole
+group (``pdctl down``, Ctrl-C) reaches the children too: with the parent's copy that would be two SIGTERMs,
+which a gateway reads as "stop now". SIGHUP (reload keys) is forwarded. The children stay in the parent's
 process group, so ``pdctl up``'s group signals (SIGCONT releasing a held start, SIGTERM, SIGKILL) reach them;
 a child whose parent is gone (even by SIGKILL) drains and exits on its own. A child that exits while the parent
 is not stopping stops the others and the parent exits 1 (fail-fast: ``pdctl up``'s restart policy restarts the
@@ -43,11 +45,25 @@ from types import FrameType
 
 from pdctl.errors import LaunchError
 
-__all__ = ["METRICS_DIR_ENV", "PROCESS_ENV", "listener", "listener_for", "metrics_dir", "process_slot", "supervise"]
+__all__ = [
+    "FORCE_SIGNAL",
+    "METRICS_DIR_ENV",
+    "PROCESS_ENV",
+    "STOP_SIGNAL",
+    "listener",
+    "listener_for",
+    "metrics_dir",
+    "process_slot",
+    "supervise",
+]
 
 PROCESS_ENV = "PDCTL_GATEWAY_PROCESS"
 """Set by the parent in each child: ``index/count/parent pid``."""
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STOP_SIGNAL = signal.SIGUSR1
+"""Parent -> children: drain and exit (once draining, a no-op)."""
+FORCE_SIGNAL = signal.SIGUSR2
+"""Parent -> children: exit now."""
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -142,6 +158,7 @@ def _watch(
     from prometheus_client.multiprocess import mark_process_dead
 
     deadline: float | None = None
+    stops = 0
     status = 0
     live = list(children)
     while live:
@@ -153,11 +170,13 @@ def _watch(
         signals, received[:] = list(received), []
         for sig in signals:
             if sig in (signal.SIGTERM, signal.SIGINT):
+                forward = STOP_SIGNAL if stops == 0 else FORCE_SIGNAL
+                stops += 1
                 if deadline is None:
                     deadline = time.monotonic() + stop_timeout_s
                     log.info("stopping %d gateway process(es)", len(live))
                 for c in live:
-                    _signal(c, signal.SIGTERM)
+                    _signal(c, forward)
             elif sig == signal.SIGHUP:
                 for c in live:
                     _signal(c, signal.SIGHUP)
@@ -170,7 +189,7 @@ def _watch(
                     status = 1
                     deadline = time.monotonic() + stop_timeout_s
                     for other in live:
-                        _signal(other, signal.SIGTERM)
+                        _signal(other, STOP_SIGNAL)
         if deadline is not None and time.monotonic() >= deadline:
             for c in live:
                 log.warning("gateway process %d did not stop within %.0fs: SIGKILL", c.pid, stop_timeout_s)

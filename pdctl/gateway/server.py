@@ -38,6 +38,7 @@ import uvicorn
 from pdctl.config import GatewayConfig
 from pdctl.errors import ConfigError
 from pdctl.gateway.app import Gateway
+from pdctl.gateway.processes import FORCE_SIGNAL, STOP_SIGNAL
 
 __all__ = [
     "HOLD_POLL_S",
@@ -65,38 +66,55 @@ class DrainingServer(uvicorn.Server):
         self.parent_pid = parent_pid
         self._exit_at: float | None = None
         self._reload = False
+        self._exit_signals = 0
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        previous = signal.signal(signal.SIGHUP, self._on_sighup)
+        handlers = {signal.SIGHUP: self._on_sighup, STOP_SIGNAL: self._on_stop, FORCE_SIGNAL: self._on_force}
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()}
         try:
             with super().capture_signals():
                 yield
         finally:
-            signal.signal(signal.SIGHUP, previous)
+            for s, h in previous.items():
+                signal.signal(s, h)
 
     def _on_sighup(self, sig: int, frame: FrameType | None) -> None:
         self._reload = True  # acted on in on_tick, outside the signal handler
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.gateway.draining:
-            self.gateway.draining = True
-            grace = min(READY_GRACE_S, self.gateway.settings.gateway.drain_timeout_s)
-            self._exit_at = time.monotonic() + grace
-            logging.getLogger("pdctl.gateway").info(
-                "draining: /ready is false, %d request(s) in flight, up to %.0fs",
-                self.gateway.in_flight, self.gateway.settings.gateway.drain_timeout_s,
-            )  # fmt: skip
-            return
+    def _on_stop(self, sig: int, frame: FrameType | None) -> None:
+        self._drain()  # the parent passes its first SIGTERM/SIGINT on: a drain, never a forced exit
+
+    def _on_force(self, sig: int, frame: FrameType | None) -> None:
         self.should_exit = True
         self.force_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Counted apart from the parent's STOP_SIGNAL: a signal to the whole process group reaches this process
+        # and the parent, which passes it on; the two together are one request to stop, not two.
+        self._exit_signals += 1
+        if self._exit_signals == 1:
+            self._drain()
+        else:
+            self._on_force(sig, frame)
+
+    def _drain(self) -> None:
+        if self.gateway.draining:
+            return
+        self.gateway.draining = True
+        grace = min(READY_GRACE_S, self.gateway.settings.gateway.drain_timeout_s)
+        self._exit_at = time.monotonic() + grace
+        logging.getLogger("pdctl.gateway").info(
+            "draining: /ready is false, %d request(s) in flight, up to %.0fs",
+            self.gateway.in_flight, self.gateway.settings.gateway.drain_timeout_s,
+        )  # fmt: skip
 
     async def on_tick(self, counter: int) -> bool:
         if self._reload:
             self._reload = False
             self.gateway.reload_keys()
         if self.parent_pid is not None and not self.gateway.draining and os.getppid() != self.parent_pid:
-            self.handle_exit(signal.SIGTERM, None)  # the parent is gone: nothing would ever stop this process
+            self._drain()  # the parent is gone: nothing else would ever stop this process
         if self._exit_at is not None and time.monotonic() >= self._exit_at:
             self.should_exit = True
         return await super().on_tick(counter)
@@ -214,7 +232,7 @@ def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
     hand). Not a fast poll: each wake-up costs CPU for the whole engine load (docs/performance.md, "Cutting
     pdctl's own share").
     """
-    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGCONT}
+    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGCONT, STOP_SIGNAL, FORCE_SIGNAL}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         while not go_file.exists():
