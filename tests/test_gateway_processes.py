@@ -23,6 +23,7 @@ import pytest
 from pdctl.config import RateLimitConfig
 from pdctl.gateway.keys import add_key
 from pdctl.gateway.ratelimit import share_of
+from pdctl.invariants import check_n1, gateway_outcomes
 from pdctl.promtext import metric_value, samples
 from pdctl.testing import SimProcess, free_port, start_sim
 from tests.fakes.gateway_harness import wait_for
@@ -134,6 +135,8 @@ def test_two_processes_serve_one_port_and_metrics_total_both(
     assert _total(text, "pdctl_requests_total", path="disagg", status="200") == 30
     assert _total(text, "pdctl_accepted_total") == 30
     assert _total(text, "pdctl_key_requests_total", key="default", status="200") == 30
+    n1 = check_n1(gateway_outcomes(text))  # accepted = answered, nothing in flight, over both processes
+    assert n1.ok, n1.detail
     # Both processes served: each access line names its process.
     pids = {line.split("pdctl.gateway.access[")[1].split("]")[0] for line in gw.log.read_text().splitlines()
             if "pdctl.gateway.access[" in line}  # fmt: skip
