@@ -298,7 +298,7 @@ class Gateway:
             limiter.charge(tokens)
             self.limiter.charge(tokens)
             key_limiter = limiter
-            self.metrics.key_tokens.labels(key_name).inc(tokens)
+            self.metrics.child(self.metrics.key_tokens, key_name).inc(tokens)
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream)
             if route == "upstream":
@@ -348,11 +348,12 @@ class Gateway:
     def _finish(self, ex: Exchange, key_name: str) -> None:
         duration = time.monotonic() - ex.started
         status_label = ex.outcome()
-        self.metrics.requests.labels(ex.path, status_label).inc()
-        self.metrics.key_requests.labels(key_name, status_label).inc()
-        self.metrics.duration.labels(ex.path).observe(duration)
+        m = self.metrics
+        m.child(m.requests, ex.path, status_label).inc()
+        m.child(m.key_requests, key_name, status_label).inc()
+        m.child(m.duration, ex.path).observe(duration)
         if ex.ttft_s is not None:
-            self.metrics.ttft.labels(ex.path).observe(ex.ttft_s)
+            m.child(m.ttft, ex.path).observe(ex.ttft_s)
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:

@@ -9,13 +9,17 @@ gauges of live processes; a state gauge shows the largest value of the live proc
 from __future__ import annotations
 
 import os
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -95,6 +99,16 @@ class GatewayMetrics:
                            registry=r, multiprocess_mode="livesum")  # fmt: skip
         self.ready = Gauge("pdctl_ready", "1 when /ready answers 200.", registry=r, multiprocess_mode="livemax")
         self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: M, *values: str) -> M:
+        """``metric.labels(*values)``, remembered: on every request's path a dict lookup instead of
+        ``labels()``'s validation and lock (3 µs → 0.5 µs each, docs/performance.md §9)."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         """The Prometheus text exposition (every gateway process's values, in multiprocess mode)."""
