@@ -210,3 +210,16 @@ def test_processes_stop_when_their_parent_is_killed(
     gw.proc.wait(timeout=10)
     _, alive = psutil.wait_procs(gw.children, timeout=30)
     assert not alive
+
+
+def test_a_process_that_dies_stops_the_others_and_the_parent_fails(
+    pair: tuple[SimProcess, SimProcess], tmp_path: Path, gateways: list[Gateway]
+) -> None:
+    """Fail-fast, as a single gateway that dies: ``pdctl up``'s restart policy then restarts the whole gateway."""
+    gw = Gateway(tmp_path, pair, drain_timeout_s=2)
+    gateways.append(gw)
+    dead, other = gw.children
+    dead.kill()
+    assert gw.proc.wait(timeout=30) == 1
+    other.wait(timeout=10)
+    assert f"gateway process {dead.pid} exited" in gw.log.read_text()
