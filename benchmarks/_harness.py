@@ -143,10 +143,13 @@ def start_sim(name: str, role: str, log_dir: str, speed: float, extra: Sequence[
     return start(name, argv, port, log_dir, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
 
 
-def write_settings(path: Path, prefill: str, decode: str, strategy: str, port: int, level: str = "info") -> Path:
-    """A gateway settings.json pointing at the simulator workers."""
+def write_settings(
+    path: Path, prefill: str, decode: str, strategy: str, port: int, level: str = "info", workers: int = 1
+) -> Path:
+    """A gateway settings.json pointing at the simulator workers (``workers``: gateway processes)."""
     settings = {
-        "gateway": {"listen": f"127.0.0.1:{port}", "api_key_env": "PDBENCH_API_KEY", "request_timeout_s": 300},
+        "gateway": {"listen": f"127.0.0.1:{port}", "api_key_env": "PDBENCH_API_KEY", "request_timeout_s": 300,
+                    "workers": workers},
         "routing": {"prefill_endpoint": prefill, "decode_endpoint": decode, "strategy": strategy,
                     "kv_connector": "NixlConnector"},
         # Admission off: under a deliberately saturating load it would (rightly) turn requests away, and the
@@ -159,11 +162,19 @@ def write_settings(path: Path, prefill: str, decode: str, strategy: str, port: i
 
 
 def start_pdctl_gateway(
-    name: str, log_dir: str, prefill: str, decode: str, strategy: str, level: str = "info", tree: str | None = None
+    name: str,
+    log_dir: str,
+    prefill: str,
+    decode: str,
+    strategy: str,
+    level: str = "info",
+    tree: str | None = None,
+    workers: int = 1,
 ) -> Proc:
-    """``python -m pdctl gateway -s settings.json`` as users run it (``tree``: another checkout's pdctl)."""
+    """``python -m pdctl gateway -s settings.json`` as users run it (``tree``: another checkout's pdctl;
+    ``workers``: gateway processes, whose CPU :meth:`Proc.cpu_s` counts with the parent's)."""
     port = free_port()
-    settings = write_settings(Path(log_dir) / f"{name}.settings.json", prefill, decode, strategy, port, level)
+    settings = write_settings(Path(log_dir) / f"{name}.settings.json", prefill, decode, strategy, port, level, workers)
     argv = [PY, "-m", "pdctl", "gateway", "-s", str(settings)]
     env = {"PDBENCH_API_KEY": KEY}
     if tree:

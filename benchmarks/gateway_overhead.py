@@ -5,8 +5,8 @@ Two groups of arms, each with its own no-proxy baseline, measured side by side i
 * colocated (one hop):  ``direct`` (client -> decode worker) | ``pdctl-colocated`` | ``vllm-router`` and
   ``sglang-router`` in their plain (non-PD) modes.
 * PD (two legs):        ``direct-pd`` (the client itself runs leg 1 on prefill and leg 2 on decode with
-  :mod:`pdctl.protocol`: the protocol's floor) | ``pdctl-pd`` | ``vllm-router-pd`` (``--vllm-pd-disaggregation``) |
-  ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
+  :mod:`pdctl.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``pdctl-pd-w4``
+  (``gateway.workers`` = 2 / 4) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``) | ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
   SGLang's protocol sends the whole request to prefill and decode at once, so the prefill simulator generates
   too and there is no KV hand-over: its numbers are not a like-for-like PD comparison) | ``proto-*`` (minimal
   two-leg proxies per library pair, from ``proto_proxy.py``).
@@ -54,7 +54,7 @@ PEER_VENVS = {
     "toy": (VENV_ROOT / "pdbench-toy-proxy", ["fastapi", "uvicorn[standard]", "httpx"], "python"),
 }
 COLOCATED = ["direct", "pdctl-colocated", "vllm-router", "sglang-router"]
-PD = ["direct-pd", "pdctl-pd", "vllm-router-pd", "toy-proxy-pd", "sglang-router-pd"]
+PD = ["direct-pd", "pdctl-pd", "pdctl-pd-w2", "pdctl-pd-w4", "vllm-router-pd", "toy-proxy-pd", "sglang-router-pd"]
 PROTO = ["proto-uvicorn-httpx", "proto-uvicorn-aiohttp", "proto-aiohttp"]
 # Another checkout's gateway (e.g. before a change), as arms pdctl-colocated-alt / pdctl-pd-alt.
 ALT_TREE = os.environ.get("PDBENCH_ALT_TREE")
@@ -104,7 +104,9 @@ def start_arm(arm: str, s: Setup) -> tuple[H.Proc | None, int, int | None]:
             # Both roles on the decode worker, so the gateway routes exactly where `direct` sends.
             proc = H.start_pdctl_gateway(arm, logs, d.url, d.url, "colocated", tree=tree)
         else:
-            proc = H.start_pdctl_gateway(arm, logs, p.url, d.url, "pd_disagg", tree=tree)
+            # pdctl-pd-wN: gateway.workers = N (N gateway processes on one port)
+            workers = int(arm.rpartition("-w")[2]) if "-w" in arm else 1
+            proc = H.start_pdctl_gateway(arm, logs, p.url, d.url, "pd_disagg", tree=tree, workers=workers)
         return proc, proc.port, None
     port = free_port()
     # Both routers export Prometheus on port 29000 by default: each instance gets its own free port.

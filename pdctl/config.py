@@ -639,6 +639,11 @@ class GatewayConfig:
         doc="*extension*: where a PD request goes when no prefill can serve it: the error, decode computing the "
         "prompt itself (`x-pd-path: fallback`), or the upstream",
     )
+    workers: int = key(
+        1, _int(1, 64), "an integer 1-64", use="gateway", type="integer 1-64",
+        doc="*extension*: gateway processes on the one port (SO_REUSEPORT); each enforces its share of every rate "
+        "limit (docs/gateway.md, \"Several gateway processes\")",
+    )
     # fmt: on
 
     @property

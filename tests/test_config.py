@@ -179,6 +179,7 @@ def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
         "tls_keyfile": "/abs/key.pem",
         "metrics_public": True,
         "fallback": "decode",
+        "workers": 3,
     }
     set_keys = {f"{k}.{sub}" for k, v in gateway.items() if isinstance(v, dict) for sub in v}
     set_keys |= {k for k, v in gateway.items() if not isinstance(v, dict)}
@@ -189,6 +190,7 @@ def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
     assert (g.listen_host, g.listen_port, g.upstream_base_url) == ("0.0.0.0", 9001, "https://api.example.com/v1")
     assert (g.api_key_env, g.upstream_api_key_env, g.request_timeout_s, g.max_retries) == ("MY_KEY", "UP_KEY", 5, 0)
     assert (g.max_body_bytes, g.drain_timeout_s, g.metrics_public, g.fallback) == (2048, 0, True, "decode")
+    assert g.workers == 3
     assert g.rate_limit == config.RateLimitConfig(60, 1000, 4)
     # Relative paths are relative to settings.json's folder, wherever pdctl runs from.
     assert (g.keys_file, g.tls_certfile, g.tls_keyfile) == (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -27,36 +28,53 @@ def gateway(
     """Run the OpenAI-compatible gateway (keys: gateway.keys_file, else the variable named by gateway.api_key_env).
 
     With PDCTL_GATEWAY_HOLD=FILE set (as `pdctl up` does) it sets everything up, then waits for FILE to exist
-    before it listens.
+    before it listens. With gateway.workers > 1 it starts that many gateway processes on the port and watches them.
     """
     from pdctl.gateway.app import create_app
     from pdctl.gateway.auth import read_key
-    from pdctl.gateway.server import configure_logging, make_server, run, wait_for_release
+    from pdctl.gateway.processes import listener_for, metrics_dir, process_slot, supervise
+    from pdctl.gateway.server import configure_logging, make_server, run, stop_timeout_s, tls_files, wait_for_release
     from pdctl.gateway.settings import from_deployment, from_settings
 
-    if config is not None:
-        gw_settings = from_deployment(load(config, settings))
-    else:
-        gw_settings = from_settings(load_settings(settings))
+    dep = load(config, settings) if config is not None else None
+    gw_settings = from_deployment(dep) if dep is not None else from_settings(load_settings(settings))
     if host is not None:
         gw_settings = replace(gw_settings, gateway=replace(gw_settings.gateway, listen_host=host))
     g = gw_settings.gateway
+    slot = process_slot(os.environ)
     # With a keys file, $api_key_env is optional: the operator's key (verify, bench), named "default".
     key = os.environ.get(g.api_key_env) or None if g.keys_file else read_key(g.api_key_env, "gateway.api_key_env")
     upstream_key = None
     if g.upstream_api_key_env:
         upstream_key = read_key(g.upstream_api_key_env, "gateway.upstream_api_key_env")
-    configure_logging(gw_settings.logging.level)
     listen_host = host or g.listen_host
     listen_port = port if port is not None else g.listen_port
-    server = make_server(create_app(gw_settings, key, upstream_key), listen_host, listen_port)
     where = f"{'https' if g.tls_certfile else 'http'}://{listen_host}:{listen_port}"
+    configure_logging(gw_settings.logging.level, with_pid=slot is not None)
+    if g.workers > 1 and slot is None:
+        tls_files(g)  # a bad TLS file is reported once, here, not by every process
+        console.print(f"pdctl gateway on {where}: {g.workers} processes (gateway.workers)", markup=False)
+        argv = [sys.executable, "-m", "pdctl", "gateway", "-s", str(settings)]
+        argv += ["-c", str(config)] if config is not None else []
+        argv += ["--host", host] if host is not None else []
+        argv += ["--port", str(port)] if port is not None else []
+        code = supervise(argv, g.workers, metrics_dir(dep.run_dir if dep else None), stop_timeout_s(g), dep is None)
+        if code:
+            raise typer.Exit(code)
+        return
+    if slot is not None:
+        gw_settings = replace(gw_settings, process=slot[:2])
+    app_ = create_app(gw_settings, key, upstream_key)
+    server = make_server(app_, listen_host, listen_port, slot[2] if slot is not None else None)
     hold = os.environ.get(GATEWAY_HOLD_ENV)
     if hold and not Path(hold).exists():  # a restart under `up` finds the file: it must not hold
         console.print(f"pdctl gateway: set up; held until {hold} exists before listening on {where}", markup=False)
         if not wait_for_release(Path(hold)):
             console.print("pdctl gateway: stopped while held (never listened)")
             return
+    if slot is not None:
+        run(server, listener_for(listen_host, listen_port))
+        return
     console.print(
         f"pdctl gateway on {where} ({gw_settings.routing.strategy}, "
         f"{len(gw_settings.prefill)} prefill, {len(gw_settings.decode)} decode"

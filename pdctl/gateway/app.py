@@ -91,12 +91,16 @@ class Gateway:
         self.discovery = Discovery(self.pool)
         g = settings.gateway
         if keys is None:
-            keys = KeyRing.from_file(Path(g.keys_file), api_key) if g.keys_file else KeyRing.single(api_key or "")
+            keys = (
+                KeyRing.from_file(Path(g.keys_file), api_key, settings.process)
+                if g.keys_file
+                else KeyRing.single(api_key or "")
+            )
         self.keys = keys
         self.tokens = TokenCounter()
         self.secrets = tuple(k for k in (api_key, upstream_key) if k)
         self.metrics_need_key = not g.metrics_public and g.listen_host not in ("127.0.0.1", "localhost", "::1")
-        self.limiter = RateLimiter(settings.gateway.rate_limit)
+        self.limiter = RateLimiter(settings.gateway.rate_limit, share=settings.process)
         self.admission = Admission(settings.slo)
         if g.upstream_base_url and not upstream_key and keys.per_user:
             raise ConfigError("settings.json", "gateway.upstream_api_key_env",
@@ -294,7 +298,7 @@ class Gateway:
             limiter.charge(tokens)
             self.limiter.charge(tokens)
             key_limiter = limiter
-            self.metrics.key_tokens.labels(key_name).inc(tokens)
+            self.metrics.child(self.metrics.key_tokens, key_name).inc(tokens)
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream)
             if route == "upstream":
@@ -344,11 +348,12 @@ class Gateway:
     def _finish(self, ex: Exchange, key_name: str) -> None:
         duration = time.monotonic() - ex.started
         status_label = ex.outcome()
-        self.metrics.requests.labels(ex.path, status_label).inc()
-        self.metrics.key_requests.labels(key_name, status_label).inc()
-        self.metrics.duration.labels(ex.path).observe(duration)
+        m = self.metrics
+        m.child(m.requests, ex.path, status_label).inc()
+        m.child(m.key_requests, key_name, status_label).inc()
+        m.child(m.duration, ex.path).observe(duration)
         if ex.ttft_s is not None:
-            self.metrics.ttft.labels(ex.path).observe(ex.ttft_s)
+            m.child(m.ttft, ex.path).observe(ex.ttft_s)
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:

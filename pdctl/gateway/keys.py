@@ -194,7 +194,8 @@ def _digest(path: Path, text: str, at: str, item: Mapping[str, Any], env: Mappin
 class KeyRing:
     """The keys the gateway accepts and each key's limiter; ``path`` None: a fixed set (one key, or tests).
 
-    ``fixed``: entries kept across reloads (the ``default`` key from the environment).
+    ``fixed``: entries kept across reloads (the ``default`` key from the environment). ``share``: this gateway
+    process's index and the number of processes (``gateway.workers``); each limiter enforces its share.
     """
 
     def __init__(
@@ -203,10 +204,12 @@ class KeyRing:
         path: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         fixed: tuple[KeyEntry, ...] = (),
+        share: tuple[int, int] = (0, 1),
     ) -> None:
         self.path = path
         self.clock = clock
         self.fixed = fixed
+        self.share = share
         self.entries: tuple[KeyEntry, ...] = ()
         self.limiters: dict[str, RateLimiter] = {}
         self._mtime = self._stat()
@@ -218,9 +221,9 @@ class KeyRing:
         return cls((), fixed=(_default(key),))
 
     @classmethod
-    def from_file(cls, path: Path, default_key: str | None = None) -> KeyRing:
+    def from_file(cls, path: Path, default_key: str | None = None, share: tuple[int, int] = (0, 1)) -> KeyRing:
         """The keys of ``path``, reloadable, plus ``default_key`` (named :data:`DEFAULT_NAME`) when given."""
-        return cls(load_keys(path), path, fixed=(_default(default_key),) if default_key else ())
+        return cls(load_keys(path), path, fixed=(_default(default_key),) if default_key else (), share=share)
 
     @property
     def per_user(self) -> bool:
@@ -234,7 +237,9 @@ class KeyRing:
         for e in entries:
             kept = self.limiters.get(e.name)
             limiters[e.name] = (
-                kept if kept is not None and old[e.name].limits == e.limits else RateLimiter(e.limits, self.clock)
+                kept
+                if kept is not None and old[e.name].limits == e.limits
+                else RateLimiter(e.limits, self.clock, self.share)
             )
         self.entries = entries
         self.limiters = limiters

@@ -7,7 +7,8 @@ For tests (``create_app(settings, key, clients=workers)``)::
     workers["decode"].script(MemoryReply.sse([b'data: {...}\\n\\n', 0.05, TransportError("broken", "cut")]))
     app = create_app(settings, key, clients=workers)
 
-A :class:`MemoryWorker` answers ``GET /health`` (200 while ``healthy``, a ``connect`` failure otherwise) and
+A :class:`MemoryWorker` answers ``GET /health`` (200 while ``healthy``, a ``connect`` failure otherwise, a
+``timeout`` with ``health_times_out``) and
 ``GET /v1/models``; every other call takes the next scripted reply, or :attr:`MemoryWorker.default` once
 the script is used up. A reply is a :class:`MemoryReply` or a :class:`~pdctl.transport.TransportError` to
 raise instead of answering. A reply's body parts are bytes (sent), floats (a pause in seconds) or a
@@ -121,6 +122,8 @@ class MemoryWorker:
     models: tuple[Mapping[str, Any], ...] = ({"id": "tiny", "object": "model", "max_model_len": 2048},)
     default: MemoryReply | TransportError = field(default_factory=lambda: MemoryReply(500, (b"no reply scripted",)))
     healthy: bool = True
+    health_times_out: bool = False
+    """``/health`` fails as a timeout (a worker too busy to answer it in time), whatever ``healthy`` says."""
     calls: list[MemoryCall] = field(default_factory=list)
     _script: deque[MemoryReply | TransportError] = field(default_factory=deque)
 
@@ -134,6 +137,8 @@ class MemoryWorker:
         return [c for c in self.calls if c.path not in ("/health", "/v1/models")]
 
     def _reply(self, path: str) -> MemoryReply | TransportError:
+        if path == "/health" and self.health_times_out:
+            return TransportError("timeout", f"{self.name} did not answer /health in time")
         if path == "/health":
             return MemoryReply(200) if self.healthy else TransportError("connect", f"{self.name} is down")
         if path == "/v1/models":

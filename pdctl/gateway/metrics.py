@@ -1,12 +1,25 @@
-"""The gateway's Prometheus metrics (``pdctl_`` prefix), in a registry of its own (no module globals)."""
+"""The gateway's Prometheus metrics (``pdctl_`` prefix), in a registry of its own (no module globals).
+
+With ``gateway.workers > 1`` every gateway process runs in ``prometheus_client``'s multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR`` set by the parent before the process starts): each process writes its values
+to files there and ``/metrics``, whichever process answers it, sums them (counters, histograms, the in-flight
+gauges of live processes; a state gauge shows the largest value of the live processes).
+"""
 
 from __future__ import annotations
 
+import os
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -69,20 +82,38 @@ class GatewayMetrics:
             "pdctl_request_duration_seconds", "Whole request duration.", ["path"], buckets=_LATENCY_BUCKETS,
             registry=r,
         )  # fmt: skip
-        self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r)
+        self.in_flight = Gauge("pdctl_in_flight", "Requests in flight per instance.", ["instance", "role"], registry=r,
+                               multiprocess_mode="livesum")  # fmt: skip
         self.healthy = Gauge("pdctl_instance_healthy", "1 when the instance is in the pool.", ["instance", "role"],
-                             registry=r)  # fmt: skip
+                             registry=r, multiprocess_mode="livemax")  # fmt: skip
         self.instances = Gauge(
             "pdctl_instances", "Worker instances in the pool, by role and state (warming, serving, draining).",
-            ["role", "state"], registry=r,
+            ["role", "state"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
-        self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r)
+        self.gateway_in_flight = Gauge("pdctl_gateway_in_flight", "Client requests in flight.", registry=r,
+                                       multiprocess_mode="livesum")  # fmt: skip
         self.accepted = Counter(
             "pdctl_accepted", "Completion requests received; each ends in one pdctl_requests_total.", registry=r
         )
-        self.tasks = Gauge("pdctl_asyncio_tasks", "asyncio tasks alive in the gateway's loop when scraped.", registry=r)
-        self.ready = Gauge("pdctl_ready", "1 when /ready answers 200.", registry=r)
+        self.tasks = Gauge("pdctl_asyncio_tasks", "asyncio tasks alive in the gateway's loop when scraped.",
+                           registry=r, multiprocess_mode="livesum")  # fmt: skip
+        self.ready = Gauge("pdctl_ready", "1 when /ready answers 200.", registry=r, multiprocess_mode="livemax")
+        self._multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: M, *values: str) -> M:
+        """``metric.labels(*values)``, remembered: on every request's path a dict lookup instead of
+        ``labels()``'s validation and lock (3 µs → 0.5 µs each, docs/performance.md §9)."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
-        """The Prometheus text exposition."""
+        """The Prometheus text exposition (every gateway process's values, in multiprocess mode)."""
+        if self._multiprocess_dir:
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged, self._multiprocess_dir)  # type: ignore[no-untyped-call]
+            return generate_latest(merged)
         return generate_latest(self.registry)

@@ -230,7 +230,7 @@ async def _leg1(
         raise
     if leg.reply is not None:
         ctx.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
-        ctx.metrics.leg.labels("prefill").observe(leg.elapsed_s)
+        ctx.metrics.child(ctx.metrics.leg, "prefill").observe(leg.elapsed_s)
         ex.prefill = inst.name
         ex.prefill_ms = leg.elapsed_s * 1000.0
         usage = leg.reply.get("usage")
@@ -322,7 +322,7 @@ async def _decode(
             raise _DecodeFailed(502, f"{what} {inst.name} failed: {_what(exc)}", code="decode_unavailable") from None
         try:
             headers_at = time.monotonic()
-            ctx.metrics.leg.labels("handoff").observe(headers_at - sent)
+            ctx.metrics.child(ctx.metrics.leg, "handoff").observe(headers_at - sent)
             if resp.status != 200:
                 try:
                     err_body = await resp.read()
@@ -347,13 +347,13 @@ async def _decode(
     ex.tokens = result.completion_tokens
     # Only a stream's first chunk is a first token; a non-streamed body arrives when decode is done.
     if stream and result.first_chunk_at is not None:
-        ctx.metrics.leg.labels("first_chunk").observe(result.first_chunk_at - headers_at)
+        ctx.metrics.child(ctx.metrics.leg, "first_chunk").observe(result.first_chunk_at - headers_at)
         ctx.admission.observe_handoff(result.first_chunk_at - sent)
         ex.ttft_s = result.first_chunk_at - ex.started
         n = result.completion_tokens
         if n and n > 1 and result.last_chunk_at is not None:
             tpot = (result.last_chunk_at - result.first_chunk_at) / (n - 1)
-            ctx.metrics.tpot.labels(ex.path).observe(tpot)
+            ctx.metrics.child(ctx.metrics.tpot, ex.path).observe(tpot)
             ctx.admission.observe_itl(tpot, max(1, concurrency + 1))
     if result.prompt_tokens is not None and ex.prompt_tokens is None:
         ex.prompt_tokens = result.prompt_tokens

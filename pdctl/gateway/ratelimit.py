@@ -2,6 +2,11 @@
 
 All three are checked before any is charged, so a request refused by one limit consumes none of the
 others (LiteLLM#39309). Windows slide over the last 60 s.
+
+With ``gateway.workers = N`` each gateway process enforces its **share** of every limit (:func:`share_of`:
+the limit split by N, the remainder to the first processes), so the sum over the processes is the limit and
+it holds whatever process a connection lands on, with no state shared between them. The price: one client
+whose connections all land on one process is refused at that process's share (docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -9,20 +14,45 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from pdctl.config import RateLimitConfig
 from pdctl.gateway.errors import ApiError
 
-__all__ = ["RateLimiter"]
+__all__ = ["RateLimiter", "share_of"]
 
 WINDOW_S = 60.0
 
 
-class RateLimiter:
-    """Admit or refuse one request; ``release()`` when an admitted request ends."""
+def share_of(config: RateLimitConfig, share: tuple[int, int]) -> RateLimitConfig:
+    """Process ``index``'s part of each limit, for ``share = (index, processes)``; the parts sum to the limit."""
+    index, n = share
+    if n == 1:
+        return config
 
-    def __init__(self, config: RateLimitConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
+    def part(limit: int | None) -> int | None:
+        return None if limit is None else limit // n + (1 if index < limit % n else 0)
+
+    return replace(
+        config,
+        requests_per_minute=part(config.requests_per_minute),
+        tokens_per_minute=part(config.tokens_per_minute),
+        max_concurrency=part(config.max_concurrency),
+    )
+
+
+class RateLimiter:
+    """Admit or refuse one request; ``release()`` when an admitted request ends.
+
+    ``share = (index, processes)``: this gateway process's share of ``config`` (:func:`share_of`).
+    """
+
+    def __init__(
+        self, config: RateLimitConfig, clock: Callable[[], float] = time.monotonic, share: tuple[int, int] = (0, 1)
+    ) -> None:
+        self.config = share_of(config, share)
+        self.configured = config
+        self.processes = share[1]
         self.clock = clock
         self.active = 0
         self._requests: deque[float] = deque()
@@ -50,6 +80,8 @@ class RateLimiter:
         now = self.clock()
         self._expire(now)
         of = f" for key {who!r}" if who else ""
+        if self.processes > 1:
+            of += f" (this gateway process's share; gateway.workers = {self.processes} split each limit)"
         if c.max_concurrency is not None and self.active >= c.max_concurrency:
             raise ApiError(
                 429, f"too many concurrent requests{of} (max_concurrency = {c.max_concurrency})",

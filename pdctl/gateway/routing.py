@@ -6,6 +6,11 @@ makes them ``serving`` after their warm-up and ``draining`` when their address g
 :meth:`Pool.serve`, :meth:`Pool.retire`, :meth:`Pool.remove`). The
 breaker opens after ``breaker_threshold`` consecutive failed calls, for ``cooldown x times_opened``
 seconds; after that a successful probe closes it half-way (one more failure reopens it).
+
+A probe that *timed out* does not take out an instance that answered a call since the previous probe round:
+it is alive and busy (a loaded worker, or this gateway's own event loop late under a thousand streams, answer
+``/health`` slowly while streams flow), and ejecting the only decode would turn load into 503s. A refused
+connection, or a timeout with no success since the last round, takes it out as before.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class Instance:
         self.failures = 0
         self.times_opened = 0
         self.open_until = 0.0
+        self.last_success = -1e9
+        """``time.monotonic()`` of the last successful call."""
         self.models: list[dict[str, Any]] = []
         self._gauge = metrics.in_flight.labels(spec.name, spec.role)
         self._health_gauge = metrics.healthy.labels(spec.name, spec.role)
@@ -162,6 +169,7 @@ class Pool:
     def record_success(self, inst: Instance) -> None:
         """A call succeeded: reset the failure count and close the breaker."""
         inst.failures = 0
+        inst.last_success = time.monotonic()
         # Also after a half-open close by the probe: else every later incident ejects it for longer.
         inst.times_opened = 0
         if inst.breaker_open:
@@ -186,16 +194,19 @@ class Pool:
 
     async def probe(self, inst: Instance) -> None:
         """One ``/health`` probe; a half-open breaker whose cooldown passed closes on success."""
+        timeout_s = min(5.0, self.settings.health_interval_s + 1)
+        started = time.monotonic()
         try:
-            resp = await inst.client.request(
-                "GET", "/health", total_timeout_s=min(5.0, self.settings.health_interval_s + 1)
-            )
+            resp = await inst.client.request("GET", "/health", total_timeout_s=timeout_s)
             try:
                 await resp.read()
             finally:
                 resp.close()
             ok = resp.status == 200
-        except TransportError:
+        except TransportError as exc:
+            busy = started - inst.last_success < self.settings.health_interval_s + timeout_s
+            if exc.kind in ("timeout", "connect_timeout") and busy:
+                return  # alive and busy (module docstring): keep what the last probe said
             ok = False
         if ok and inst.breaker_open and time.monotonic() >= inst.open_until:
             inst.open_until = 0.0

@@ -12,6 +12,9 @@ end the wait; the process exits 0 without ever listening.
 TLS: ``gateway.tls_certfile``/``tls_keyfile`` go to uvicorn's ``ssl_certfile``/``ssl_keyfile`` after
 :func:`tls_files` checked them (present, readable, a certificate that is not expired, a key that matches).
 SIGHUP re-reads the keys file (:meth:`pdctl.gateway.app.Gateway.reload_keys`) between ticks.
+
+One of several processes (``gateway.workers``, :mod:`pdctl.gateway.processes`): :func:`run` serves on the
+process's own SO_REUSEPORT listener, and a server given ``parent_pid`` drains by itself when its parent is gone.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import os
 import signal
+import socket
 import ssl
 import sys
 import time
@@ -33,6 +38,7 @@ import uvicorn
 from pdctl.config import GatewayConfig
 from pdctl.errors import ConfigError
 from pdctl.gateway.app import Gateway
+from pdctl.gateway.processes import FORCE_SIGNAL, STOP_SIGNAL
 
 __all__ = [
     "HOLD_POLL_S",
@@ -42,6 +48,7 @@ __all__ = [
     "make_server",
     "run",
     "serve",
+    "stop_timeout_s",
     "tls_files",
     "wait_for_release",
 ]
@@ -53,50 +60,77 @@ HOLD_POLL_S = 0.25
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first exit signal first marks the gateway as draining."""
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, parent_pid: int | None = None) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.parent_pid = parent_pid
         self._exit_at: float | None = None
         self._reload = False
+        self._exit_signals = 0
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        previous = signal.signal(signal.SIGHUP, self._on_sighup)
+        handlers = {signal.SIGHUP: self._on_sighup, STOP_SIGNAL: self._on_stop, FORCE_SIGNAL: self._on_force}
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()}
         try:
             with super().capture_signals():
                 yield
         finally:
-            signal.signal(signal.SIGHUP, previous)
+            for s, h in previous.items():
+                signal.signal(s, h)
 
     def _on_sighup(self, sig: int, frame: FrameType | None) -> None:
         self._reload = True  # acted on in on_tick, outside the signal handler
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.gateway.draining:
-            self.gateway.draining = True
-            grace = min(READY_GRACE_S, self.gateway.settings.gateway.drain_timeout_s)
-            self._exit_at = time.monotonic() + grace
-            logging.getLogger("pdctl.gateway").info(
-                "draining: /ready is false, %d request(s) in flight, up to %.0fs",
-                self.gateway.in_flight, self.gateway.settings.gateway.drain_timeout_s,
-            )  # fmt: skip
-            return
+    def _on_stop(self, sig: int, frame: FrameType | None) -> None:
+        self._drain()  # the parent passes its first SIGTERM/SIGINT on: a drain, never a forced exit
+
+    def _on_force(self, sig: int, frame: FrameType | None) -> None:
         self.should_exit = True
         self.force_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Counted apart from the parent's STOP_SIGNAL: a signal to the whole process group reaches this process
+        # and the parent, which passes it on; the two together are one request to stop, not two.
+        self._exit_signals += 1
+        if self._exit_signals == 1:
+            self._drain()
+        else:
+            self._on_force(sig, frame)
+
+    def _drain(self) -> None:
+        if self.gateway.draining:
+            return
+        self.gateway.draining = True
+        grace = min(READY_GRACE_S, self.gateway.settings.gateway.drain_timeout_s)
+        self._exit_at = time.monotonic() + grace
+        logging.getLogger("pdctl.gateway").info(
+            "draining: /ready is false, %d request(s) in flight, up to %.0fs",
+            self.gateway.in_flight, self.gateway.settings.gateway.drain_timeout_s,
+        )  # fmt: skip
 
     async def on_tick(self, counter: int) -> bool:
         if self._reload:
             self._reload = False
             self.gateway.reload_keys()
+        if self.parent_pid is not None and not self.gateway.draining and os.getppid() != self.parent_pid:
+            self._drain()  # the parent is gone: nothing else would ever stop this process
         if self._exit_at is not None and time.monotonic() >= self._exit_at:
             self.should_exit = True
         return await super().on_tick(counter)
 
 
-def configure_logging(level: str) -> None:
-    """One line per event on stdout: ``HH:MM:SS LEVEL pdctl.gateway message``."""
+def stop_timeout_s(g: GatewayConfig) -> float:
+    """How long a gateway process may take to stop after SIGTERM: the grace, the drain, and 5 s to close."""
+    return READY_GRACE_S + max(0.0, g.drain_timeout_s) + 5.0
+
+
+def configure_logging(level: str, with_pid: bool = False) -> None:
+    """One line per event on stdout: ``HH:MM:SS LEVEL pdctl.gateway message`` (``pdctl.gateway[pid]`` with
+    ``with_pid``, when several gateway processes share the log)."""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s", "%H:%M:%S"))
+    name = "%(name)s[%(process)d]" if with_pid else "%(name)s"
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(message)s", "%H:%M:%S"))
     root = logging.getLogger("pdctl.gateway")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -108,8 +142,10 @@ def serve(gateway: Gateway, host: str, port: int) -> None:
     run(make_server(gateway, host, port))
 
 
-def make_server(gateway: Gateway, host: str, port: int) -> DrainingServer:
-    """The server, its config loaded (protocol classes imported, app wrapped); nothing is bound yet."""
+def make_server(gateway: Gateway, host: str, port: int, parent_pid: int | None = None) -> DrainingServer:
+    """The server, its config loaded (protocol classes imported, app wrapped); nothing is bound yet.
+
+    ``parent_pid``: one of several gateway processes, which stops when that parent is gone."""
     g = gateway.settings.gateway
     try:
         import uvloop  # noqa: F401
@@ -136,7 +172,7 @@ def make_server(gateway: Gateway, host: str, port: int) -> DrainingServer:
         ssl_keyfile=tls[1] if tls else None,
     )
     config.load()
-    return DrainingServer(config, gateway)
+    return DrainingServer(config, gateway, parent_pid)
 
 
 def tls_files(g: GatewayConfig) -> tuple[str, str] | None:
@@ -182,9 +218,10 @@ def tls_files(g: GatewayConfig) -> tuple[str, str] | None:
     return g.tls_certfile, g.tls_keyfile
 
 
-def run(server: DrainingServer) -> None:
-    """Bind, serve until a signal, drain; returns after the drain."""
-    asyncio.run(server.serve()) if server.config.loop == "asyncio" else uvloop_run(server)
+def run(server: DrainingServer, sock: socket.socket | None = None) -> None:
+    """Bind (or serve on ``sock``), serve until a signal, drain; returns after the drain."""
+    sockets = [sock] if sock is not None else None
+    asyncio.run(server.serve(sockets)) if server.config.loop == "asyncio" else uvloop_run(server, sockets)
 
 
 def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
@@ -195,7 +232,7 @@ def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
     hand). Not a fast poll: each wake-up costs CPU for the whole engine load (docs/performance.md, "Cutting
     pdctl's own share").
     """
-    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGCONT}
+    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGCONT, STOP_SIGNAL, FORCE_SIGNAL}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         while not go_file.exists():
@@ -207,8 +244,8 @@ def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def uvloop_run(server: uvicorn.Server) -> None:
+def uvloop_run(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
     """Run the server on uvloop."""
     import uvloop
 
-    uvloop.run(server.serve())
+    uvloop.run(server.serve(sockets))

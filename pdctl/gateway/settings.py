@@ -50,6 +50,8 @@ class GatewaySettings:
     breaker_cooldown_s: float = 5.0
     connect_timeout_s: float = 5.0
     max_nesting: int = 64
+    process: tuple[int, int] = (0, 1)
+    """This gateway process's index and the number of processes (``gateway.workers``), for the limits' shares."""
 
     @property
     def instances(self) -> tuple[InstanceSpec, ...]:

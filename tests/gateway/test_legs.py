@@ -319,3 +319,32 @@ def test_mid_stream_failures_end_in_each_apis_error_event() -> None:
     assert json.loads(tail.split(b"data: ", 1)[1])["type"] == "error"
     leg1 = [json.loads(c.body) for c in workers["prefill"].completions()]
     assert leg1[0]["max_tokens"] == 1 and leg1[1]["max_output_tokens"] == 1 and leg1[1]["store"] is False
+
+
+def test_a_probe_timeout_keeps_a_busy_decode_and_ejects_a_silent_one() -> None:
+    """Under a thousand streams ``/health`` can time out while decode streams on: a decode that answered a call
+    since the last probe round stays in the pool; one that answered nothing is taken out; a refused
+    connection takes it out at once."""
+    workers = MemoryWorkers()
+    workers["prefill"].default = _prefill()
+    workers["decode"].default = MemoryReply.sse([_event("hi"), DONE])
+
+    async def test(app: Gateway) -> None:
+        decode = next(i for i in app.pool.instances if i.role == "decode")
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "stream": True}
+        workers["decode"].health_times_out = True
+        await app.pool.probe(decode)
+        assert not decode.available()  # silent: no call answered yet
+        workers["decode"].health_times_out = False
+        await app.pool.probe(decode)
+        assert decode.available()
+        assert (await asgi_request(app, "/v1/completions", body)).status == 200
+        workers["decode"].health_times_out = True
+        await app.pool.probe(decode)
+        assert decode.available()  # busy: it has just streamed a request
+        workers["decode"].healthy = False
+        workers["decode"].health_times_out = False
+        await app.pool.probe(decode)
+        assert not decode.available()  # refused: out at once, however recent its last answer
+
+    _run(workers, 1, test)
