@@ -20,8 +20,8 @@ from rich.text import Text
 
 from pdctl import config
 from pdctl.bench.metrics import SLO, Summary, parse_goodput
-from pdctl.bench.report import compare
-from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult, kv_summary
+from pdctl.bench.report import best_swept_rate, compare
+from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult, engine_summary, kv_summary
 from pdctl.bench.workload import WorkloadSpec
 from pdctl.cli._app import console, err_console
 
@@ -196,6 +196,10 @@ def _summary_rows(s: Summary) -> list[tuple[str, str]]:
             pct = " / ".join(_fmt(v) for v in (st.median, st.percentiles.get(90.0), st.percentiles.get(99.0)))
             rows.append((f"[{kind}] {name.upper()} p50 / p90 / p99 (ms)", pct))
         rows.append((f"[{kind}] ITL max (ms)", _fmt(d["itl"].max if d["itl"].count else None)))
+        sp = s.spikes_by_kind[kind]
+        rows.append((f"[{kind}] ITL spikes > {sp.threshold_ms:.0f} ms (gaps / requests)", f"{sp.gaps} / {sp.requests}"))
+    sp = s.itl_spikes
+    rows.append((f"ITL spikes > {sp.threshold_ms:.0f} ms (gaps / requests)", f"{sp.gaps} / {sp.requests}"))
     return rows
 
 
@@ -221,8 +225,20 @@ def render_runs(runs: Sequence[RunResult]) -> None:
                         f"{kv['kv_failed_transfers']:.0f} failed, {kv['external_kv_tokens']:.0f} external KV tokens"
                     )
                 )
+        for url, e in engine_summary(run.metric_deltas).items():
+            means = ", ".join(f"{k.removesuffix('_ms').upper()} {v:.1f}" for k, v in e.items() if k.endswith("_ms"))
+            console.print(
+                Text(
+                    f"vLLM ({_run_name(run).replace(chr(10), ' ')}, {url}): {e['requests']:.0f} requests, "
+                    f"mean ms {means}"
+                )
+            )
         for warning in run.warnings:
             err_console.print(Text(f"warning: {warning}", style="yellow"))
+    swept = best_swept_rate(runs) if len({r.shape.rate for r in runs}) > 1 else {}
+    for side, rate in swept.items():
+        best = "none of the swept rates" if rate is None else f"{rate:g} req/s"
+        console.print(Text(f"highest swept rate within the SLOs{' (' + side + ')' if side else ''}: {best}"))
 
 
 def render_compare(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: str) -> None:
