@@ -172,6 +172,7 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
         assert kv == (6 if run["label"] == "pd" else 0)
     page = (out / "report.html").read_text()
     assert "own view (vLLM /metrics)" in page and "Highest swept rate within the SLOs" in page
+    assert "<td>prefill</td>" in page and "<td>decode</td>" in page
     plots = {p.name for p in (out / "plots").iterdir()}
     assert {"goodput-vs-rate.svg", "ttft-cdf-4-req-s.svg", "tpot-over-time-8-req-s.svg"} <= plots
     for when in ("before", "after"):

@@ -429,8 +429,9 @@ def _engine_table(runs: Sequence[RunResult], with_side: bool) -> str:
             def gauge(key: str, g: dict[str, float] = g) -> str:
                 return f"{g[key]:.1f}" if key in g else "-"
 
+            seen_by = run.target.metrics_names.get(url) or _endpoint(url)
             rows.append([
-                *_who(run, with_side), _endpoint(url), f"{e.get('requests', 0):.0f}", ms("ttft_ms"), ms("tpot_ms"),
+                *_who(run, with_side), seen_by, f"{e.get('requests', 0):.0f}", ms("ttft_ms"), ms("tpot_ms"),
                 ms("itl_ms"), ms("e2el_ms"), ms("queue_ms"), ms("prefill_ms"),
                 gauge("running_mean") + " / " + gauge("running_max"), gauge("waiting_max"),
             ])  # fmt: skip

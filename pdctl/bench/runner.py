@@ -104,6 +104,8 @@ class BenchTarget:
     label: str = ""
     timeout_s: float = 600.0
     metrics_urls: tuple[str, ...] = ()
+    # What each metrics URL is, for the report (``prefill``, ``decode``, ``gateway``); unnamed ones show host:port.
+    metrics_names: dict[str, str] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
     # A test seam (httpx.MockTransport); None = real network.
     transport: httpx.AsyncBaseTransport | None = field(default=None, compare=False, repr=False)

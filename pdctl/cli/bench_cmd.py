@@ -194,6 +194,8 @@ def bench(
             # The other side of a comparison: the same workers (shared, or not: then their deltas are 0) and its
             # own gateway's /metrics instead of this one's.
             metrics_urls=urls if with_metrics else tuple(dict.fromkeys([*(u for u in urls if u != main_gw), *own])),
+            metrics_names={u: n for u, n in cx.metrics_names.items() if u != main_gw or with_metrics}
+            | dict.fromkeys(own, f"{name} gateway"),
         )
 
     main_gw = f"{base_url.rstrip('/')}/metrics"

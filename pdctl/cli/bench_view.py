@@ -45,6 +45,7 @@ class BenchContext:
     api_key_env: str
     slo: SLO | None
     metrics_urls: tuple[str, ...]
+    metrics_names: dict[str, str]
 
 
 def load_context(config_path: Path | None, settings_path: Path | None, attainment: float | None) -> BenchContext:
@@ -53,13 +54,14 @@ def load_context(config_path: Path | None, settings_path: Path | None, attainmen
     if cpath.exists() and spath.exists():
         dep = config.load(cpath, spath)
         slo = dep.slo
-        urls = (*(f"{w.url}/metrics" for w in dep.workers), f"{dep.gateway.url}/metrics")
+        names = {f"{w.url}/metrics": w.name for w in dep.workers} | {f"{dep.gateway.url}/metrics": "gateway"}
         return BenchContext(
             dep.gateway.url,
             dep.decode[0].model_name,
             dep.gateway.api_key_env,
             SLO(slo.ttft_ms, slo.tpot_ms, None, attainment or (0.9 if slo.p90 else 0.99)),
-            urls,
+            tuple(names),
+            names,
         )
     if config_path is not None and not cpath.exists():
         raise BenchError(f"{cpath}: no such file", hint="give -c config.toml, or --gateway URL alone")
@@ -72,10 +74,11 @@ def load_context(config_path: Path | None, settings_path: Path | None, attainmen
             gateway.api_key_env,
             SLO(slo.ttft_ms, slo.tpot_ms, None, attainment or (0.9 if slo.p90 else 0.99)),
             (f"{gateway.url}/metrics",),
+            {f"{gateway.url}/metrics": "gateway"},
         )
     if settings_path is not None:
         raise BenchError(f"{spath}: no such file", hint="give -s settings.json, or --gateway URL alone")
-    return BenchContext(None, None, "PDCTL_API_KEY", None, ())
+    return BenchContext(None, None, "PDCTL_API_KEY", None, (), {})
 
 
 def workload_spec(name: str, seed: int, unique: bool, **params: Any) -> WorkloadSpec:
@@ -229,7 +232,8 @@ def render_runs(runs: Sequence[RunResult]) -> None:
             means = ", ".join(f"{k.removesuffix('_ms').upper()} {v:.1f}" for k, v in e.items() if k.endswith("_ms"))
             console.print(
                 Text(
-                    f"vLLM ({_run_name(run).replace(chr(10), ' ')}, {url}): {e['requests']:.0f} requests, "
+                    f"vLLM ({_run_name(run).replace(chr(10), ' ')}, {run.target.metrics_names.get(url, url)}): "
+                    f"{e['requests']:.0f} requests, "
                     f"mean ms {means}"
                 )
             )
