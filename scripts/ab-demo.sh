@@ -29,6 +29,7 @@ DURATION=""
 ENGINE=vllm
 INSTALL=1
 PNG=1
+SLO_SCALE=3
 PORT=8000
 OUT=""
 BENCH_EXTRA=()
@@ -36,11 +37,14 @@ BENCH_EXTRA=()
 usage() {
     cat <<EOF
 usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --duration S] [--engine vllm|sim]
-                          [--no-install] [--no-png] [--port P] [--out DIR] [-- pdctl bench options]
+                          [--slo-scale S] [--no-install] [--no-png] [--port P] [--out DIR]
+                          [-- pdctl bench options]
   --size      model preset of \`pdctl model tiny\` (default small; tiny for a smoke run)
   --rates     request rates of the sweep, req/s (default 0.5,1,2)
   -n          requests per run and side (default 60); --duration S instead: seconds per run
   --engine    vllm (default) or sim (pdctl's simulator: the same flow in seconds, no vLLM)
+  --slo-scale SLOs = S x the unloaded latency measured first: TTFT of a long prompt, TPOT of a short request
+              (default 3; \`-- --goodput ttft:MS tpot:MS\` sets them instead)
   --no-install  use \$VENV as it is (default: scripts/install-cpu-engine.sh into it first, with vllm)
   --no-png    SVG plots only (default: also PNG, with rsvg-convert or headless Chromium)
   --port      PD gateway port; the colocated gateway gets P+1, prefill P+100, decode P+200 (default 8000)
@@ -57,6 +61,7 @@ while [[ $# -gt 0 ]]; do
         --engine) ENGINE="$2"; shift 2 ;;
         --no-install) INSTALL=0; shift ;;
         --no-png) PNG=0; shift ;;
+        --slo-scale) SLO_SCALE="$2"; shift 2 ;;
         --port) PORT="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
@@ -66,6 +71,8 @@ while [[ $# -gt 0 ]]; do
 done
 case "$SIZE" in tiny|small|medium) ;; *) echo "error: --size: expected tiny, small or medium, got '$SIZE'" >&2; exit 2 ;; esac
 case "$ENGINE" in vllm|sim) ;; *) echo "error: --engine: expected vllm or sim, got '$ENGINE'" >&2; exit 2 ;; esac
+[[ "$SLO_SCALE" =~ ^[0-9]+([.][0-9]+)?$ ]] \
+    || { echo "error: --slo-scale: expected a positive number, got '$SLO_SCALE'" >&2; exit 2; }
 [[ "$PORT" =~ ^[0-9]+$ ]] && (( PORT >= 1024 && PORT <= 65000 )) \
     || { echo "error: --port: expected a port in 1024-65000, got '$PORT'" >&2; exit 2; }
 
@@ -106,7 +113,7 @@ if [[ -z "${PDCTL_API_KEY:-}" ]]; then
     echo "PDCTL_API_KEY is not set: using a random key for this run (the gateways listen on 127.0.0.1 only)"
 fi
 
-step 1/6 "engine and model"
+step 1/7 "engine and model"
 if [[ "$ENGINE" == vllm ]]; then
     if [[ "$INSTALL" == 1 ]]; then VENV="$VENV" scripts/install-cpu-engine.sh; fi
     MODEL_DIR="$ROOT/models/$SIZE-qwen3"
@@ -116,7 +123,7 @@ else
     echo "engine sim: no model files needed (the simulator serves '$MODEL_DIR')"
 fi
 
-step 2/6 "deployment files in $DEPLOY (from examples/cpu-ab/)"
+step 2/7 "deployment files in $DEPLOY (from examples/cpu-ab/)"
 "$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -159,10 +166,10 @@ machine() {
 }
 machine "before" > "$OUT/machine.txt"
 
-step 3/6 "start prefill (core 0), decode (core 1) and the PD gateway (:$PORT)"
+step 3/7 "start prefill (core 0), decode (core 1) and the PD gateway (:$PORT)"
 "$PDCTL" up -d "${CONFIG[@]}"
 
-step 4/6 "start the colocated gateway (:$((PORT + 1))) over the same two engines"
+step 4/7 "start the colocated gateway (:$((PORT + 1))) over the same two engines"
 setsid "$PDCTL" gateway -c "$DEPLOY/config.toml" -s "$DEPLOY/settings-colocated.json" \
     > "$OUT/colocated-gateway.log" 2>&1 < /dev/null &
 COLOCATED_PID=$!
@@ -184,22 +191,38 @@ scrape() {
     done
 }
 
-step 5/6 "bench: mixed workload at $RATES req/s, PD and colocated in turn at each rate"
 LONG_LEN=2048
 # The tiny preset's tokenizer splits bench words into several tokens: stay far below its 4096 positions.
 if [[ "$SIZE" == tiny ]]; then LONG_LEN=512; fi
+WORKLOAD=(-w mixed --short-len 128 --output-len 64 --long-len "$LONG_LEN" --long-output-len 8 --timeout 600
+          --no-progress)
+
+step 5/7 "SLOs scaled to this machine: $SLO_SCALE x the unloaded latencies, one request at a time on one engine"
+"$PDCTL" bench --gateway "http://127.0.0.1:$((PORT + 1))" --model "$SIZE" "${WORKLOAD[@]}" --long-fraction 0.5 \
+    --concurrency 1 -n 8 --no-slo --no-metrics -o "$OUT/unloaded.json" > "$OUT/unloaded.txt"
+read -r TTFT_SLO TPOT_SLO < <("$PY" - "$OUT/unloaded.json" "$SLO_SCALE" <<'EOF'
+import json, math, sys
+run, scale = json.load(open(sys.argv[1])), float(sys.argv[2])
+kinds = run["pdctl"]["by_kind"]
+ttft = kinds.get("long", {}).get("ttft", {}).get("median") or run["median_ttft_ms"]
+tpot = kinds.get("short", {}).get("tpot", {}).get("median") or run["median_tpot_ms"]
+print(math.ceil(scale * ttft / 10) * 10, math.ceil(scale * tpot))
+EOF
+)
+echo "unloaded latencies in $OUT/unloaded.txt; SLOs: TTFT <= $TTFT_SLO ms, TPOT <= $TPOT_SLO ms"
+
+step 6/7 "bench: mixed workload at $RATES req/s, PD and colocated in turn at each rate"
 BOUND=(-n "$REQUESTS")
 if [[ -n "$DURATION" ]]; then BOUND=(--duration "$DURATION"); fi
 scrape before
-"$PDCTL" bench "${CONFIG[@]}" -w mixed --short-len 128 --output-len 64 --long-len "$LONG_LEN" \
-    --long-output-len 8 --long-fraction 0.2 --rate "$RATES" "${BOUND[@]}" --timeout 600 --no-progress \
-    --ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" \
+"$PDCTL" bench "${CONFIG[@]}" "${WORKLOAD[@]}" --long-fraction 0.2 --rate "$RATES" "${BOUND[@]}" \
+    --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" --ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" \
     -o "$OUT/ab.json" --html "$OUT/report.html" --plots "$OUT/plots" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
     | tee "$OUT/bench.txt"
 scrape after
 machine "after" >> "$OUT/machine.txt"
 
-step 6/6 "stop everything, then the plots as PNG"
+step 7/7 "stop everything, then the plots as PNG"
 stop_all
 # PNG beside each SVG when a renderer is at hand: rsvg-convert, else a headless Chromium screenshot.
 CHROMIUM="$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)"

@@ -181,6 +181,13 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
     machine = (out / "machine.txt").read_text()
     assert "== before" in machine and "== after" in machine and "load average" in machine
     assert "[long] TTFT p50 / p90 / p99" in (out / "bench.txt").read_text()
+    # the SLOs: 3 x the unloaded long-prompt TTFT and short-request TPOT, measured first on the colocated side
+    unloaded = json.loads((out / "unloaded.json").read_text())
+    assert unloaded["max_concurrency"] == 1 and unloaded["completed"] == 8
+    slo = runs[0]["goodput"]
+    assert slo == runs[-1]["goodput"]
+    assert slo["ttft"] >= 3 * unloaded["pdctl"]["by_kind"]["long"]["ttft"]["median"]
+    assert slo["tpot"] >= 3 * unloaded["pdctl"]["by_kind"]["short"]["tpot"]["median"]
     _nothing_left(out, port)
 
 
@@ -191,9 +198,9 @@ def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     seen = ""
     deadline = time.monotonic() + 180
     try:
-        while "[5/6]" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        while "[6/7]" not in seen and time.monotonic() < deadline and proc.poll() is None:
             seen += proc.stdout.readline()
-        assert "[5/6]" in seen, seen
+        assert "[6/7]" in seen, seen
         time.sleep(2)  # the bench is running
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
         rest, _ = proc.communicate(timeout=90)
