@@ -208,6 +208,13 @@ def test_engine_view_histogram_means_and_gauges_sampled_during_the_run() -> None
     assert "own view (vLLM /metrics)" in page and "<td>fake</td>" in page and "http://fake" not in page
 
 
+def test_engine_view_leaves_out_the_tpot_of_one_token_legs() -> None:
+    # vLLM 0.32 on PD's prefill: every request finishes after one token and is observed with a TPOT of 0
+    tpot, e2e = "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"
+    deltas = {"P": {f"{tpot}_count": 6.0, f"{tpot}_sum": 0.0, f"{e2e}_count": 6.0, f"{e2e}_sum": 0.3}}
+    assert engine_summary(deltas) == {"P": {"e2el_ms": pytest.approx(50.0), "requests": 6.0}}
+
+
 def test_parse_metrics_drops_engine_labels_and_buckets() -> None:
     parsed = parse_metrics(METRICS_TEMPLATE.format(n=2, xfer=0.5, bytes=10, tokens=4, itls=0, itl_sum=0, e2e=0))
     assert parsed["vllm:nixl_xfer_time_seconds_count"] == 2

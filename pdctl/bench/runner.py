@@ -267,9 +267,10 @@ def engine_summary(deltas: dict[str, dict[str, float]]) -> dict[str, dict[str, f
     for url, d in deltas.items():
         row: dict[str, float] = {}
         for short, name in ENGINE_HISTOGRAMS.items():
-            count = d.get(f"{name}_count", 0.0)
-            if count > 0:
-                row[f"{short}_ms"] = 1000.0 * d.get(f"{name}_sum", 0.0) / count
+            count, total = d.get(f"{name}_count", 0.0), d.get(f"{name}_sum", 0.0)
+            # vLLM observes a TPOT of 0 for a one-token output (PD's prefill leg): no decode step, no mean.
+            if count > 0 and (total > 0 or short not in ("tpot", "itl")):
+                row[f"{short}_ms"] = 1000.0 * total / count
         if row:
             row["requests"] = d.get(f"{ENGINE_HISTOGRAMS['e2el']}_count", 0.0)
             out[url] = row
