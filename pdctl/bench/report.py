@@ -443,7 +443,8 @@ def _engine_table(runs: Sequence[RunResult], with_side: bool) -> str:
         "<h2>The engines' own view (vLLM /metrics) against the client's</h2>"
         "<p>Means in ms from the deltas of vLLM's histograms over the run; running/waiting requests sampled "
         "every second while it ran. On PD, prefill's TTFT is its whole leg and decode's starts when decode "
-        "received the request, so only the client's TTFT includes both.</p>" + _table(heads, rows)
+        "received the request, so only the client's TTFT includes both. The workers keep their config names on a "
+        "colocated side too, where each serves whole requests.</p>" + _table(heads, rows)
     )
 
 
