@@ -71,7 +71,7 @@ while [[ $# -gt 0 ]]; do
 done
 case "$SIZE" in tiny|small|medium) ;; *) echo "error: --size: expected tiny, small or medium, got '$SIZE'" >&2; exit 2 ;; esac
 case "$ENGINE" in vllm|sim) ;; *) echo "error: --engine: expected vllm or sim, got '$ENGINE'" >&2; exit 2 ;; esac
-[[ "$SLO_SCALE" =~ ^[0-9]+([.][0-9]+)?$ ]] \
+[[ "$SLO_SCALE" =~ ^[0-9]+([.][0-9]+)?$ && ! "$SLO_SCALE" =~ ^0*([.]0*)?$ ]] \
     || { echo "error: --slo-scale: expected a positive number, got '$SLO_SCALE'" >&2; exit 2; }
 [[ "$PORT" =~ ^[0-9]+$ ]] && (( PORT >= 1024 && PORT <= 65000 )) \
     || { echo "error: --port: expected a port in 1024-65000, got '$PORT'" >&2; exit 2; }
