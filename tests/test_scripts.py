@@ -146,6 +146,25 @@ def _nothing_left(out: Path, port: int) -> None:
     raise AssertionError(f"left running: {mine}, ports {[p for p in ports if not port_free(p)]}")
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "huge"], "--size: expected tiny, small or medium, got 'huge'"),
+        (["--engine", "tgi"], "--engine: expected vllm or sim"),
+        (["--slo-scale", "0"], "--slo-scale: expected a positive number"),
+        (["--port", "80"], "--port: expected a port in 1024-65000"),
+        (["--rate", "2"], "unknown option --rate"),
+    ],
+)
+def test_ab_demo_refuses_bad_options_before_starting_anything(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "ab-demo.sh"), *args, "--out", str(tmp_path / "ab")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "ab").exists()
+
+
 def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
     """The one command's whole flow with simulated engines: files, both sides measured, everything stopped."""
     out, port = tmp_path / "ab", _ab_port_base()
