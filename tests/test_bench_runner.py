@@ -205,6 +205,8 @@ def test_engine_view_histogram_means_and_gauges_sampled_during_the_run() -> None
     assert obj["pdctl"]["engine"]["http://fake/metrics"]["itl_ms"] == pytest.approx(2.0)
     assert obj["pdctl"]["engine_gauges"]["http://fake/metrics"]["series"][0][1:] == [3.0, 1.0]
     page = render_html([run])
+    running = _svgs(page)["Requests running on each engine, 20 req/s"]
+    assert ">fake<" in running and "requests running" in running
     assert "own view (vLLM /metrics)" in page and "<td>fake</td>" in page and "http://fake" not in page
 
 

@@ -576,7 +576,24 @@ def plot_groups(runs: Sequence[RunResult]) -> list[tuple[str, list[tuple[str, st
         times = [(f"tpot-over-time-{_slug(run_name(r))}", _over_time({run_load(r): r}, colours,
                   f"TPOT over time, {run_load(r)}")) for r in runs]  # fmt: skip
     out.append(("TPOT over time", times))
+    running = [_running(group, f"Requests running on each engine, {load}", f"running-{_slug(load)}")
+               for load in loads if (group := [r for r in runs if run_load(r) == load and r.gauges])]  # fmt: skip
+    if running:
+        out.append(("Requests running on each engine (vllm:num_requests_running, sampled every second)", running))
     return out
+
+
+def _running(runs: Sequence[RunResult], title: str, stem: str) -> tuple[str, str]:
+    """One line per side and engine: the requests in its batch over the run (the gauges sampled while it ran)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for run in runs:
+        for url, g in run.gauges.items():
+            engine = run.target.metrics_names.get(url) or _endpoint(url)
+            name = f"{run.target.label} · {engine}" if run.target.label else engine
+            series[name] = [(t, r) for t, r, _ in g.samples]
+    colours = _colours(list(series))
+    return stem, svg.lines(title, "time since the run started (s)", "requests running", series, colours,
+                           size=_TIME_SIZE)  # fmt: skip
 
 
 def write_plots(folder: str | Path, runs: Sequence[RunResult]) -> list[Path]:
