@@ -249,6 +249,7 @@ cat <<EOF
 Results in $OUT:
   report.html    tables and plots (open it in a browser)
   ab.json        every run, PD and colocated, vLLM bench serve's keys plus pdctl's (pdctl.engine, pdctl.by_kind)
-  plots/         goodput vs rate, latency CDFs per rate (sides overlaid), TPOT over time with long-prompt arrivals
+  plots/         goodput vs rate, latency CDFs per rate (sides overlaid), TPOT over time with long-prompt arrivals,
+                 requests running on each engine
   bench.txt      the tables as printed; metrics/ raw /metrics of both engines before and after; machine.txt
 EOF
