@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -62,6 +63,7 @@ __all__ = [
     "run_async",
     "run_once",
     "run_sweep",
+    "search_each",
     "search_max_goodput_rate",
 ]
 
@@ -580,6 +582,24 @@ async def search_max_goodput_rate(
         else:
             hi = mid
     return SearchResult(lo, runs, slo.attainment)
+
+
+async def search_each(
+    targets: Sequence[BenchTarget],
+    shape: LoadShape,
+    *,
+    start_rate: float = 1.0,
+    max_rate: float = 1024.0,
+    on_start: Callable[[str, float], LiveStats] | None = None,
+) -> dict[str, SearchResult]:
+    """:func:`search_max_goodput_rate` on each target in turn (``--ab --max-goodput``), by the targets' labels."""
+    out: dict[str, SearchResult] = {}
+    for target in targets:
+        started = functools.partial(on_start, target.label) if on_start is not None else None
+        out[target.label] = await search_max_goodput_rate(
+            target, shape, start_rate=start_rate, max_rate=max_rate, on_start=started
+        )
+    return out
 
 
 async def run_ab(

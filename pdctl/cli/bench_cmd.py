@@ -103,7 +103,6 @@ def bench(
     from pdctl.bench.runner import (
         BenchError,
         BenchTarget,
-        LiveStats,
         LoadShape,
         RunResult,
         SearchResult,
@@ -111,6 +110,7 @@ def bench(
         run_ab,
         run_async,
         run_sweep,
+        search_each,
         search_max_goodput_rate,
     )
     from pdctl.bench.workload import make_workload
@@ -220,17 +220,10 @@ def bench(
                 other = target_for(other_url, "admission off", with_metrics=False)
                 names = ("admission off", main.label)
             if ab and max_goodput:
-                for side_target in (other, main):
-                    side_label = side_target.label
-
-                    def started(r: float, lab: str = side_label) -> LiveStats:
-                        return prog.start(lab, r)
-
-                    searches[side_label] = run_async(
-                        search_max_goodput_rate(
-                            side_target, shape, start_rate=search_start, max_rate=search_max, on_start=started
-                        )
-                    )
+                searches = run_async(
+                    search_each([other, main], shape, start_rate=search_start, max_rate=search_max,
+                                on_start=lambda lab, r: prog.start(lab, r))
+                )  # fmt: skip
                 runs = sorted((r for found in searches.values() for r in found.runs), key=lambda r: r.shape.rate)
             else:
                 pair = run_async(run_ab(other, main, shape, rates, on_start=lambda lab, r: prog.start(lab, r)))
@@ -247,9 +240,7 @@ def bench(
             runs = run_async(run_sweep(main, shape, rates, on_start=lambda r: prog.start(main.label, r)))
 
     render_runs(runs)
-    if searches:
-        search = None
-    elif ab or admission_off_gateway:
+    if (ab or admission_off_gateway) and not searches:
         names_t = names
         if admission_off_gateway and not ab:
             render_pairs(pair, names_t[0], names_t[1], "Admission control under load: goodput with SLO rejection")
