@@ -3,18 +3,29 @@
 The stubs stand in for the installer, ``pdctl``, ruff, mypy and pytest, so each test runs in a second and
 checks only the scripts' own logic: demo.sh never shows a traceback whatever ``status --json`` prints, and
 test.sh runs every stage even when one fails, then exits non-zero naming the failed ones.
+
+ab-demo.sh runs for real with simulated engines (``--engine sim``): its whole flow, its files, and that nothing
+it started survives it, Ctrl-C included.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from pdctl.testing import port_free
+from tests.test_real_e2e import _engine_missing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,3 +110,158 @@ def test_test_sh_names_every_failed_stage_and_passes_when_all_pass(tmp_path: Pat
     (tmp_path / "b").mkdir()
     ok = _test_sh(tmp_path / "b", fast_rc=0, real_rc=0)
     assert ok.returncode == 0 and "all stages passed" in ok.stdout
+
+
+# ------------------------------------------------------------------------------------ ab-demo.sh on the simulator
+
+
+def _ab_port_base() -> int:
+    """A base port whose six derived ports (gateways, workers, NIXL side channels) are all free."""
+    for _ in range(200):
+        base = random.randrange(20000, 40000)
+        if all(port_free(p) for p in (base, base + 1, base + 100, base + 200, base - 2400, base - 2300)):
+            return base
+    raise AssertionError("no free port range")
+
+
+def _ab_demo(out: Path, port: int, *extra: str, engine: str = "sim") -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VENV": str(Path(sys.executable).parent.parent)}
+    env.pop("PDCTL_API_KEY", None)
+    args = ["bash", str(REPO / "scripts" / "ab-demo.sh"), "--engine", engine, "--no-install",
+            "--size", "tiny", "--port", str(port), "--out", str(out), *extra]  # fmt: skip
+    return subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _nothing_left(out: Path, port: int) -> None:
+    """No process of the run remains: every port it used is free and none runs from its folder."""
+    deadline = time.monotonic() + 30
+    ports = (port, port + 1, port + 100, port + 200)
+    while time.monotonic() < deadline:
+        mine = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+        if not mine and all(port_free(p) for p in ports):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"left running: {mine}, ports {[p for p in ports if not port_free(p)]}")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "huge"], "--size: expected tiny, small or medium, got 'huge'"),
+        (["--engine", "tgi"], "--engine: expected vllm or sim"),
+        (["--slo-scale", "0"], "--slo-scale: expected a positive number"),
+        (["--port", "80"], "--port: expected a port in 1024-65000"),
+        (["--rate", "2"], "unknown option --rate"),
+    ],
+)
+def test_ab_demo_refuses_bad_options_before_starting_anything(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "ab-demo.sh"), *args, "--out", str(tmp_path / "ab")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "ab").exists()
+
+
+def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
+    """The one command's whole flow with simulated engines: files, both sides measured, everything stopped."""
+    out, port = tmp_path / "ab", _ab_port_base()
+    proc = _ab_demo(out, port, "--rates", "4,8", "-n", "6", "--no-png")
+    try:
+        stdout, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout
+    assert f"Results in {out}" in stdout and "Traceback" not in stdout
+    runs = json.loads((out / "ab.json").read_text())
+    assert [(r["label"], r["request_rate"]) for r in runs] == [
+        ("colocated", 4.0), ("pd", 4.0), ("colocated", 8.0), ("pd", 8.0),
+    ]  # fmt: skip
+    assert all(r["completed"] == 6 and r["failed"] == 0 for r in runs)
+    assert all(set(r["pdctl"]["by_kind"]) == {"short", "long"} for r in runs)
+    for run in runs:
+        engines = run["pdctl"]["engine"]
+        # both engines seen on both sides: PD sends every request through both, colocated spreads them
+        assert sum(e["requests"] for e in engines.values()) == (12 if run["label"] == "pd" else 6), engines
+        assert run["pdctl"]["engine_gauges"], run["label"]
+        kv = run["pdctl"]["kv_transfer"]["kv_transfers"]
+        assert kv == (6 if run["label"] == "pd" else 0)
+    page = (out / "report.html").read_text()
+    assert "own view (vLLM /metrics)" in page and "Highest swept rate within the SLOs" in page
+    assert "<td>prefill</td>" in page and "<td>decode</td>" in page
+    plots = {p.name for p in (out / "plots").iterdir()}
+    assert {"goodput-vs-rate.svg", "ttft-cdf-4-req-s.svg", "tpot-over-time-8-req-s.svg", "running-8-req-s.svg"} <= plots
+    for when in ("before", "after"):
+        for role in ("prefill", "decode"):
+            assert "vllm:num_requests_running" in (out / "metrics" / f"{when}-{role}.txt").read_text()
+    machine = (out / "machine.txt").read_text()
+    assert "== before" in machine and "== after" in machine and "load average" in machine
+    assert "[long] TTFT p50 / p90 / p99" in (out / "bench.txt").read_text()
+    # the SLOs: 3 x the unloaded long-prompt TTFT and short-request TPOT, measured first on the colocated side
+    unloaded = json.loads((out / "unloaded.json").read_text())
+    assert unloaded["max_concurrency"] == 1 and unloaded["completed"] == 8
+    slo = runs[0]["goodput"]
+    assert slo == runs[-1]["goodput"]
+    assert slo["ttft"] >= 3 * unloaded["pdctl"]["by_kind"]["long"]["ttft"]["median"]
+    assert slo["tpot"] >= 3 * unloaded["pdctl"]["by_kind"]["short"]["tpot"]["median"]
+    _nothing_left(out, port)
+
+
+def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    out, port = tmp_path / "ab", _ab_port_base()
+    proc = _ab_demo(out, port, "--rates", "1", "-n", "200", "--no-png")
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 180
+    try:
+        while "[6/7]" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stdout.readline()
+        assert "[6/7]" in seen, seen
+        time.sleep(2)  # the bench is running
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, seen + rest
+    assert "Traceback" not in seen + rest
+    _nothing_left(out, port)
+
+
+@pytest.mark.real
+@pytest.mark.timeout(1500)
+def test_ab_demo_smoke_on_real_vllm(tmp_path: Path) -> None:
+    """The one command on real vLLM CPU engines, tiny model, two short rates: it runs, measures both sides
+    through both engines, writes the report and the plots (PNG too where Chromium is installed), stops all."""
+    missing = _engine_missing()
+    if missing is not None:
+        if os.environ.get("PDCTL_REQUIRE_REAL"):
+            pytest.fail(f"PDCTL_REQUIRE_REAL is set but {missing}")
+        pytest.skip(missing)
+    out, port = tmp_path / "ab", _ab_port_base()
+    proc = _ab_demo(out, port, "--rates", "1,2", "-n", "6", engine="vllm")
+    try:
+        stdout, _ = proc.communicate(timeout=1400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout[-6000:]
+    runs = json.loads((out / "ab.json").read_text())
+    assert [r["label"] for r in runs] == ["colocated", "pd", "colocated", "pd"]
+    assert all(r["completed"] == 6 for r in runs), [r["pdctl"]["error_counts"] for r in runs]
+    for run in runs:
+        engines = run["pdctl"]["engine"]
+        assert sum(e["requests"] for e in engines.values()) == (12 if run["label"] == "pd" else 6), engines
+        # vLLM's own TPOT and the client's agree to the order of magnitude (same decode steps, other clocks)
+        decode_tpots = [e["tpot_ms"] for e in engines.values() if "tpot_ms" in e]
+        assert decode_tpots and all(0.2 < t / run["mean_tpot_ms"] < 5 for t in decode_tpots), (engines, run)
+    pd_kv = [r["pdctl"]["kv_transfer"] for r in runs if r["label"] == "pd"]
+    assert all(k["external_kv_tokens"] > 0 and k["kv_failed_transfers"] == 0 for k in pd_kv), pd_kv
+    assert (out / "plots" / "goodput-vs-rate.svg").is_file()
+    if shutil.which("chromium") or shutil.which("rsvg-convert"):
+        assert (out / "plots" / "goodput-vs-rate.png").stat().st_size > 1000
+    _nothing_left(out, port)

@@ -5,6 +5,9 @@
   one-token outputs have no TPOT sample (and pass a TPOT SLO, as in vLLM).
 * ITL: every gap between content chunks, pooled over all completed requests before the statistics.
 * Throughput: completed requests, output tokens, input + output tokens, each over the run's duration.
+* ITL spikes: gaps between content chunks longer than a threshold (the TPOT SLO when there is one, the same
+  on both sides of an A/B; else :data:`SPIKE_FACTOR` times the run's ITL median): decode stalls a reader sees,
+  which a TPOT average spreads over the whole stream.
 * Goodput: completed requests meeting every given SLO (``ttft``, ``tpot``, ``e2el``; ``<=``), over the duration.
 * SLO attainment: good requests / all measured requests. Failed and rejected requests count against it: a
   request the server refused did not meet its SLO. ``slo_met`` is attainment >= the target (DistServe: 90 %).
@@ -25,17 +28,21 @@ from pdctl.bench.client import RequestResult
 
 __all__ = [
     "SLO",
+    "SPIKE_FACTOR",
+    "Spikes",
     "Stats",
     "Summary",
     "meets_slo",
     "parse_goodput",
     "percentile",
+    "spikes",
     "stats",
     "summarize",
     "tpot_s",
 ]
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
+SPIKE_FACTOR = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +79,16 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class Spikes:
+    """ITL gaps above ``threshold_ms``: how many, their share of all gaps, and the requests with at least one."""
+
+    threshold_ms: float = 0.0
+    gaps: int = 0
+    share: float = 0.0
+    requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Summary:
     """The metrics of one run (one rate or concurrency level)."""
 
@@ -105,6 +122,8 @@ class Summary:
     ttft_after_prefill: Stats
     by_kind: dict[str, dict[str, Stats]]
     percentiles: tuple[float, ...]
+    itl_spikes: Spikes = field(default_factory=Spikes)
+    spikes_by_kind: dict[str, Spikes] = field(default_factory=dict)
 
 
 def percentile(values: Sequence[float], p: float, empty: float = 0.0) -> float:
@@ -174,6 +193,15 @@ def parse_goodput(items: Iterable[str], attainment: float = 0.9) -> SLO:
                 raise ValueError(f"--goodput: {key}: expected milliseconds > 0, got {value!r}")
             values[key] = number
     return SLO(values.get("ttft"), values.get("tpot"), values.get("e2el"), attainment)
+
+
+def spikes(results: Sequence[RequestResult], threshold_ms: float) -> Spikes:
+    """The ITL gaps of ``results`` (completed ones) longer than ``threshold_ms``."""
+    done = [r for r in results if r.success]
+    gaps = [g * 1000.0 for r in done for g in r.itl_s]
+    over = sum(1 for g in gaps if g > threshold_ms)
+    hit = sum(1 for r in done if any(g * 1000.0 > threshold_ms for g in r.itl_s))
+    return Spikes(threshold_ms, over, over / len(gaps) if gaps else 0.0, hit)
 
 
 def _max_tokens_per_s(done: Sequence[RequestResult]) -> float:
@@ -248,8 +276,11 @@ def summarize(
     )
     paths: Counter[str] = Counter(r.pd_path or "unknown" for r in measured)
     with_prefill = [r for r in done if r.pd_prefill_ms is not None]
+    itl_ms = st(_ms(itls))
+    threshold = slo.tpot_ms if slo is not None and slo.tpot_ms is not None else SPIKE_FACTOR * itl_ms.median
     kinds = sorted({r.kind for r in done})
     by_kind: dict[str, dict[str, Stats]] = {}
+    spikes_by_kind: dict[str, Spikes] = {}
     if len(kinds) > 1:
         for kind in kinds:
             sub = [r for r in done if r.kind == kind]
@@ -258,6 +289,7 @@ def summarize(
                 "tpot": st(_ms(t for r in sub if (t := tpot_s(r)) is not None)),
                 "itl": st(_ms(g for r in sub for g in r.itl_s)),
             }
+            spikes_by_kind[kind] = spikes(sub, threshold)
 
     return Summary(
         completed=len(done),
@@ -273,7 +305,7 @@ def summarize(
         max_concurrent_requests=_max_concurrency(measured),
         ttft=st(_ms(ttfts)),
         tpot=st(_ms(tpots)),
-        itl=st(_ms(itls)),
+        itl=itl_ms,
         e2el=st(_ms(e2els)),
         lag=st(_ms(r.lag_s for r in measured)),
         queue=st(_ms(r.queue_s for r in measured)),
@@ -292,4 +324,6 @@ def summarize(
         ),
         by_kind=by_kind,
         percentiles=pcts,
+        itl_spikes=spikes(done, threshold),
+        spikes_by_kind=spikes_by_kind,
     )

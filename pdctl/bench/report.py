@@ -22,21 +22,24 @@ from typing import Any
 
 from pdctl import __version__
 from pdctl.bench import svg
-from pdctl.bench.metrics import Stats, Summary, tpot_s
-from pdctl.bench.runner import RunResult, SearchResult, kv_summary
+from pdctl.bench.metrics import SPIKE_FACTOR, Spikes, Stats, Summary, tpot_s
+from pdctl.bench.runner import RunResult, SearchResult, engine_summary, kv_summary
 from pdctl.errors import PdctlError
 
 __all__ = [
     "COMPARE_KEYS",
     "CompareRow",
     "ReportError",
+    "best_swept_rate",
     "compare",
     "load_results",
     "percentile_key",
+    "plot_groups",
     "render_html",
     "result_json",
     "run_load",
     "run_name",
+    "write_plots",
     "write_results",
 ]
 
@@ -89,6 +92,10 @@ def _stats_dict(s: Stats) -> dict[str, Any]:
     for p, v in s.percentiles.items():
         d[f"p{int(p) if float(p).is_integer() else p:g}"] = v
     return d
+
+
+def _spikes_dict(s: Spikes) -> dict[str, Any]:
+    return {"threshold_ms": s.threshold_ms, "gaps": s.gaps, "share": s.share, "requests": s.requests}
 
 
 def _rate(value: float) -> float | str:
@@ -169,8 +176,14 @@ def result_json(run: RunResult) -> dict[str, Any]:
             "prefill_leg_ms": _stats_dict(s.prefill_leg),
             "after_prefill_ms": _stats_dict(s.ttft_after_prefill),
         },
-        "by_kind": {k: {m: _stats_dict(v) for m, v in d.items()} for k, d in s.by_kind.items()},
+        "by_kind": {
+            k: {**{m: _stats_dict(v) for m, v in d.items()}, "itl_spikes": _spikes_dict(s.spikes_by_kind[k])}
+            for k, d in s.by_kind.items()
+        },
+        "itl_spikes": _spikes_dict(s.itl_spikes),
         "kv_transfer": kv,
+        "engine": engine_summary(run.metric_deltas),
+        "engine_gauges": {url: {**g.stats(), "series": [list(x) for x in g.samples]} for url, g in run.gauges.items()},
         "metric_deltas": run.metric_deltas,
         "warnings": run.warnings,
         "requests": {
@@ -204,12 +217,19 @@ def _workload_params(run: RunResult) -> dict[str, Any]:
     return {}
 
 
-def write_results(path: str | Path, runs: Sequence[RunResult], search: SearchResult | None = None) -> None:
-    """Write one result object (one run) or a list of them (several runs) as JSON."""
+def write_results(
+    path: str | Path,
+    runs: Sequence[RunResult],
+    search: SearchResult | None = None,
+    searches: Mapping[str, SearchResult] | None = None,
+) -> None:
+    """Write one result object (one run) or a list of them (several runs) as JSON; a search's best rate goes
+    into every run's ``pdctl.max_goodput_rate`` (with ``searches``, one per side: that side's)."""
     objs = [result_json(r) for r in runs]
-    if search is not None:
-        for obj in objs:
-            obj["pdctl"]["max_goodput_rate"] = search.best_rate
+    for run, obj in zip(runs, objs, strict=True):
+        found = (searches or {}).get(run.target.label, search)
+        if found is not None:
+            obj["pdctl"]["max_goodput_rate"] = found.best_rate
     data: Any = objs[0] if len(objs) == 1 else objs
     try:
         Path(path).write_text(json.dumps(data, indent=2, allow_nan=False, default=_json_default) + "\n")
@@ -341,7 +361,8 @@ def _who(run: RunResult, with_side: bool) -> list[str]:
 
 def _summary_table(runs: Sequence[RunResult], with_side: bool) -> str:
     heads = [*(["side"] if with_side else []), "load", "completed", "failed", "req/s", "goodput", "SLO att.",
-             "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "paths"]  # fmt: skip
+             "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "ITL spikes",
+             "paths"]  # fmt: skip
     rows = []
     for run in runs:
         s = run.summary
@@ -351,9 +372,13 @@ def _summary_table(runs: Sequence[RunResult], with_side: bool) -> str:
             "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%",
             _cell(s.ttft, 50.0), _cell(s.ttft, 90.0), _cell(s.ttft, 99.0),
             _cell(s.tpot, 50.0), _cell(s.tpot, 90.0), _cell(s.tpot, 99.0), _cell(s.itl, 99.0),
-            ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items())),
+            _spike_cell(s.itl_spikes), ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items())),
         ])  # fmt: skip
     return _table(heads, rows)
+
+
+def _spike_cell(sp: Spikes) -> str:
+    return f"{sp.gaps} in {sp.requests} req" if sp.gaps else "0"
 
 
 def _kind_table(runs: Sequence[RunResult], with_side: bool) -> str:
@@ -361,7 +386,7 @@ def _kind_table(runs: Sequence[RunResult], with_side: bool) -> str:
     if not any(run.summary.by_kind for run in runs):
         return ""
     heads = [*(["side"] if with_side else []), "load", "kind", "requests", "TTFT p50", "TTFT p90", "TTFT p99",
-             "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "ITL max"]  # fmt: skip
+             "TPOT p50", "TPOT p90", "TPOT p99", "ITL p99", "ITL max", "ITL spikes"]  # fmt: skip
     rows = []
     for run in runs:
         for kind, d in sorted(run.summary.by_kind.items(), key=lambda kv: kv[0] != "short"):
@@ -369,9 +394,81 @@ def _kind_table(runs: Sequence[RunResult], with_side: bool) -> str:
             rows.append([
                 *_who(run, with_side), kind, str(ttft.count), _cell(ttft, 50.0), _cell(ttft, 90.0),
                 _cell(ttft, 99.0), _cell(tpot, 50.0), _cell(tpot, 90.0), _cell(tpot, 99.0), _cell(itl, 99.0),
-                f"{itl.max:.1f}" if itl.count else "-",
+                f"{itl.max:.1f}" if itl.count else "-", _spike_cell(run.summary.spikes_by_kind[kind]),
             ])  # fmt: skip
-    return "<h2>By request kind</h2>" + _table(heads, rows)
+    threshold = next(r.summary.itl_spikes.threshold_ms for r in runs if r.summary.by_kind)
+    return (
+        "<h2>By request kind</h2>"
+        f"<p>ITL spikes: gaps between chunks over {threshold:.0f} ms (the TPOT SLO, else {SPIKE_WORDS}), and in "
+        "how many requests.</p>" + _table(heads, rows)
+    )
+
+
+SPIKE_WORDS = f"{SPIKE_FACTOR:g}× the run's ITL median"
+
+
+def _engine_table(runs: Sequence[RunResult], with_side: bool) -> str:
+    """vLLM's own view of each run, per endpoint: its latency histograms' means and its batch gauges, beside the
+    client's means, so the two can be cross-checked."""
+    rows = []
+    for run in runs:
+        engines = engine_summary(run.metric_deltas)
+        s = run.summary
+        client = ["client", f"{s.completed}", f"{s.ttft.mean:.1f}", f"{s.tpot.mean:.1f}", f"{s.itl.mean:.1f}",
+                  f"{s.e2el.mean:.1f}", "-", "-", "-", "-"]  # fmt: skip
+        if not engines and not run.gauges:
+            continue
+        rows.append([*_who(run, with_side), *client])
+        for url in dict.fromkeys([*engines, *run.gauges]):
+            e = engines.get(url, {})
+            g = run.gauges[url].stats() if url in run.gauges else {}
+
+            def ms(key: str, e: dict[str, float] = e) -> str:
+                return f"{e[key]:.1f}" if key in e else "-"
+
+            def gauge(key: str, g: dict[str, float] = g) -> str:
+                return f"{g[key]:.1f}" if key in g else "-"
+
+            seen_by = run.target.metrics_names.get(url) or _endpoint(url)
+            rows.append([
+                *_who(run, with_side), seen_by, f"{e.get('requests', 0):.0f}", ms("ttft_ms"), ms("tpot_ms"),
+                ms("itl_ms"), ms("e2el_ms"), ms("queue_ms"), ms("prefill_ms"),
+                gauge("running_mean") + " / " + gauge("running_max"), gauge("waiting_max"),
+            ])  # fmt: skip
+    if not rows:
+        return ""
+    heads = [*(["side"] if with_side else []), "load", "seen by", "requests", "TTFT mean", "TPOT mean", "ITL mean",
+             "E2EL mean", "queue mean", "prefill mean", "running mean / max", "waiting max"]  # fmt: skip
+    return (
+        "<h2>The engines' own view (vLLM /metrics) against the client's</h2>"
+        "<p>Means in ms from the deltas of vLLM's histograms over the run; running/waiting requests sampled "
+        "every second while it ran. On PD, prefill's TTFT is its whole leg and decode's starts when decode "
+        "received the request, so only the client's TTFT includes both. The workers keep their config names on a "
+        "colocated side too, where each serves whole requests.</p>" + _table(heads, rows)
+    )
+
+
+def _endpoint(url: str) -> str:
+    """``http://127.0.0.1:8100/metrics`` -> ``127.0.0.1:8100``: which worker, without the scheme and path."""
+    return url.split("://", 1)[-1].removesuffix("/metrics")
+
+
+def best_swept_rate(runs: Sequence[RunResult]) -> dict[str, float | None]:
+    """Per side, the highest swept rate whose run met the SLO attainment target (None: none did).
+
+    A lower bound of the max-goodput rate from a sweep; ``--max-goodput`` searches for the rate itself.
+    """
+    out: dict[str, float | None] = {}
+    for run in runs:
+        side = run.target.label
+        if run.summary.slo_met is None or not math.isfinite(run.shape.rate):
+            continue
+        best = out.get(side)
+        if run.summary.slo_met and (best is None or run.shape.rate > best):
+            out[side] = run.shape.rate
+        else:
+            out.setdefault(side, None)
+    return out
 
 
 def _kv_table(runs: Sequence[RunResult], with_side: bool) -> str:
@@ -410,7 +507,7 @@ def _over_time(run_by_name: Mapping[str, RunResult], colours: Mapping[str, str],
     return svg.spans(title, ylabel, series, colours, markers, size=_TIME_SIZE)
 
 
-def _against_rate(runs: Sequence[RunResult], sides: Sequence[str], colours: Mapping[str, str]) -> list[str]:
+def _against_rate(runs: Sequence[RunResult], sides: Sequence[str], colours: Mapping[str, str]) -> list[tuple[str, str]]:
     rated = [r for r in runs if math.isfinite(r.shape.rate) and not r.target.workload.timed]
     if len({r.shape.rate for r in rated}) < 2:
         return []
@@ -425,65 +522,126 @@ def _against_rate(runs: Sequence[RunResult], sides: Sequence[str], colours: Mapp
 
     plots = []
     if any(r.summary.slo is not None for r in rated):
-        plots.append(svg.lines("Goodput vs request rate", "request rate (req/s)", "goodput (req/s)",
-                               per_side(lambda r: r.summary.request_goodput or 0.0), named,
-                               diagonal="goodput = rate", size=_RATE_SIZE))  # fmt: skip
-        plots.append(svg.lines("SLO attainment vs request rate", "request rate (req/s)", "attainment (%)",
-                               per_side(lambda r: 100 * (r.summary.slo_attainment or 0.0)), named, ymax=100.0,
-                               size=_RATE_SIZE))  # fmt: skip
+        plots.append(("goodput-vs-rate", svg.lines("Goodput vs request rate", "request rate (req/s)",
+                      "goodput (req/s)", per_side(lambda r: r.summary.request_goodput or 0.0), named,
+                      diagonal="goodput = rate", size=_RATE_SIZE)))  # fmt: skip
+        plots.append(("attainment-vs-rate", svg.lines("SLO attainment vs request rate", "request rate (req/s)",
+                      "attainment (%)", per_side(lambda r: 100 * (r.summary.slo_attainment or 0.0)), named,
+                      ymax=100.0, size=_RATE_SIZE)))  # fmt: skip
     else:
-        plots.append(svg.lines("Throughput vs request rate", "request rate (req/s)", "completed (req/s)",
-                               per_side(lambda r: r.summary.request_throughput), named,
-                               diagonal="throughput = rate", size=_RATE_SIZE))  # fmt: skip
-    plots.append(svg.lines("TTFT p90 vs request rate", "request rate (req/s)", "TTFT p90 (ms)",
-                           per_side(lambda r: p90(r.summary.ttft)), named, size=_RATE_SIZE))  # fmt: skip
-    plots.append(svg.lines("TPOT p90 vs request rate", "request rate (req/s)", "TPOT p90 (ms)",
-                           per_side(lambda r: p90(r.summary.tpot)), named, size=_RATE_SIZE))  # fmt: skip
+        plots.append(("throughput-vs-rate", svg.lines("Throughput vs request rate", "request rate (req/s)",
+                      "completed (req/s)", per_side(lambda r: r.summary.request_throughput), named,
+                      diagonal="throughput = rate", size=_RATE_SIZE)))  # fmt: skip
+    plots.append(("ttft-p90-vs-rate", svg.lines("TTFT p90 vs request rate", "request rate (req/s)",
+                  "TTFT p90 (ms)", per_side(lambda r: p90(r.summary.ttft)), named, size=_RATE_SIZE)))  # fmt: skip
+    plots.append(("tpot-p90-vs-rate", svg.lines("TPOT p90 vs request rate", "request rate (req/s)",
+                  "TPOT p90 (ms)", per_side(lambda r: p90(r.summary.tpot)), named, size=_RATE_SIZE)))  # fmt: skip
     return plots
 
 
-def _sections(runs: Sequence[RunResult]) -> str:
-    """The plots: against the rate, then latency CDFs and TPOT over time for every load of every side."""
+def _slug(text: str) -> str:
+    return "-".join("".join(c if c.isalnum() or c == "." else " " for c in text.lower()).split())
+
+
+def plot_groups(runs: Sequence[RunResult]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The report's plots as ``(heading, [(file stem, svg)])``: against the rate, then latency CDFs and TPOT over
+    time for every load of every side. The stems name the files of ``pdctl bench --plots DIR``."""
     sides = list(dict.fromkeys(r.target.label for r in runs))
     loads = list(dict.fromkeys(run_load(r) for r in runs))
-    out: list[str] = []
+    out: list[tuple[str, list[tuple[str, str]]]] = []
     rate_plots = _against_rate(runs, sides, _colours(sides))
     if rate_plots:
-        out.append(f"<h2>Against the request rate</h2><div class='plots'>{''.join(rate_plots)}</div>")
+        out.append(("Against the request rate", rate_plots))
     if len(sides) > 1:
         # A/B: one row per load, the sides overlaid in each plot, each side in the same colour everywhere.
         colours = _colours(sides)
-        out.append("<h2>Latency CDFs, sides overlaid, one row per load</h2>")
         for load in loads:
             by_side = {r.target.label: r for r in runs if run_load(r) == load}
-            cdfs = [svg.cdf(f"{metric.upper()} CDF, {load}", label,
-                            {side: _latencies_ms(run, metric) for side, run in by_side.items()}, colours,
-                            ylabel="fraction of gaps" if metric == "itl" else "fraction of requests",
-                            size=_CDF_SIZE) for metric, label in _LATENCIES]  # fmt: skip
-            out.append(f"<div class='plots'>{''.join(cdfs)}</div>")
-        times = [_over_time({r.target.label: r for r in runs if run_load(r) == load}, colours,
-                            f"TPOT over time, {load}") for load in loads]  # fmt: skip
+            cdfs = [(f"{metric}-cdf-{_slug(load)}", svg.cdf(f"{metric.upper()} CDF, {load}", label,
+                     {side: _latencies_ms(run, metric) for side, run in by_side.items()}, colours,
+                     ylabel="fraction of gaps" if metric == "itl" else "fraction of requests",
+                     size=_CDF_SIZE)) for metric, label in _LATENCIES]  # fmt: skip
+            out.append((f"Latency CDFs at {load}, sides overlaid", cdfs))
+        times = [(f"tpot-over-time-{_slug(load)}",
+                  _over_time({r.target.label: r for r in runs if run_load(r) == load}, colours,
+                             f"TPOT over time, {load}")) for load in loads]  # fmt: skip
     else:
         # One deployment: every load overlaid in each CDF.
         colours = _colours(loads)
-        cdfs = [svg.cdf(f"{metric.upper()} CDF", label, {run_load(r): _latencies_ms(r, metric) for r in runs},
-                        colours, ylabel="fraction of gaps" if metric == "itl" else "fraction of requests",
-                        size=_CDF_SIZE) for metric, label in _LATENCIES]  # fmt: skip
-        out.append(f"<h2>Latency CDFs, one curve per load</h2><div class='plots'>{''.join(cdfs)}</div>")
-        times = [_over_time({run_load(r): r}, colours, f"TPOT over time, {run_load(r)}") for r in runs]
-    out.append(f"<h2>TPOT over time</h2><div class='plots'>{''.join(times)}</div>")
-    return "".join(out)
+        cdfs = [(f"{metric}-cdf", svg.cdf(f"{metric.upper()} CDF", label,
+                 {run_load(r): _latencies_ms(r, metric) for r in runs}, colours,
+                 ylabel="fraction of gaps" if metric == "itl" else "fraction of requests",
+                 size=_CDF_SIZE)) for metric, label in _LATENCIES]  # fmt: skip
+        out.append(("Latency CDFs, one curve per load", cdfs))
+        times = [(f"tpot-over-time-{_slug(run_name(r))}", _over_time({run_load(r): r}, colours,
+                  f"TPOT over time, {run_load(r)}")) for r in runs]  # fmt: skip
+    out.append(("TPOT over time", times))
+    running = [_running(group, f"Requests running on each engine, {load}", f"running-{_slug(load)}")
+               for load in loads if (group := [r for r in runs if run_load(r) == load and r.gauges])]  # fmt: skip
+    if running:
+        out.append(("Requests running on each engine (vllm:num_requests_running, sampled every second)", running))
+    return out
 
 
-def render_html(runs: Sequence[RunResult], *, title: str = "pdctl bench", search: SearchResult | None = None) -> str:
-    """A self-contained HTML report of ``runs``: tables, then the plots of :func:`_sections`."""
+def _running(runs: Sequence[RunResult], title: str, stem: str) -> tuple[str, str]:
+    """One line per side and engine: the requests in its batch over the run (the gauges sampled while it ran)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for run in runs:
+        for url, g in run.gauges.items():
+            engine = run.target.metrics_names.get(url) or _endpoint(url)
+            name = f"{run.target.label} · {engine}" if run.target.label else engine
+            series[name] = [(t, r) for t, r, _ in g.samples]
+    colours = _colours(list(series))
+    return stem, svg.lines(title, "time since the run started (s)", "requests running", series, colours,
+                           size=_TIME_SIZE)  # fmt: skip
+
+
+def write_plots(folder: str | Path, runs: Sequence[RunResult]) -> list[Path]:
+    """Every plot of the report as ``folder/STEM.svg`` (the folder is created); returns the paths written."""
+    root = Path(folder)
+    written: list[Path] = []
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for _, plots in plot_groups(runs):
+            for stem, image in plots:
+                path = root / f"{stem}.svg"
+                path.write_text(image, encoding="utf-8")
+                written.append(path)
+    except OSError as exc:
+        raise ReportError(f"{root}: cannot write the plots: {exc.strerror or exc}") from None
+    return written
+
+
+def _sections(runs: Sequence[RunResult]) -> str:
+    return "".join(
+        f"<h2>{html.escape(head)}</h2><div class='plots'>{''.join(image for _, image in plots)}</div>"
+        for head, plots in plot_groups(runs)
+    )
+
+
+def render_html(
+    runs: Sequence[RunResult],
+    *,
+    title: str = "pdctl bench",
+    search: SearchResult | None = None,
+    searches: Mapping[str, SearchResult] | None = None,
+) -> str:
+    """A self-contained HTML report of ``runs``: tables, then the plots of :func:`plot_groups`. ``searches``: one
+    max-goodput search per side (``--ab --max-goodput``)."""
     with_side = any(r.target.label for r in runs)
     notes: list[str] = []
-    if search is not None:
-        best = "none of the probed rates" if search.best_rate is None else f"{search.best_rate:.3g} req/s"
+    for side, found in ([("", search)] if search is not None else []) + list((searches or {}).items()):
+        best = "none of the probed rates" if found.best_rate is None else f"{found.best_rate:.3g} req/s"
         notes.append(
-            f"<p><b>Max goodput rate</b> (≥ {100 * search.attainment_target:.0f}% of requests within every SLO): "
-            f"{html.escape(best)}</p>"
+            f"<p><b>Max goodput rate{html.escape(' of ' + side if side else '')}</b> "
+            f"(≥ {100 * found.attainment_target:.0f}% of requests within every SLO): {html.escape(best)}</p>"
+        )
+    swept = best_swept_rate(runs) if len({r.shape.rate for r in runs}) > 1 else {}
+    for side, rate in swept.items():
+        text = "none of the swept rates" if rate is None else f"{rate:g} req/s"
+        notes.append(
+            f"<p><b>Highest swept rate within the SLOs</b>{' (' + html.escape(side) + ')' if side else ''}: "
+            f"{html.escape(text)}</p>"
         )
     for run in runs:
         for w in run.warnings:
@@ -505,6 +663,7 @@ def render_html(runs: Sequence[RunResult], *, title: str = "pdctl bench", search
         + _summary_table(runs, with_side)
         + _kind_table(runs, with_side)
         + _kv_table(runs, with_side)
+        + _engine_table(runs, with_side)
         + _sections(runs)
         + f"<p style='color:#888'>pdctl {html.escape(__version__)}</p></body></html>"
     )

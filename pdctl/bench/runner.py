@@ -8,7 +8,10 @@ One run = warm-up requests (sent one by one, excluded), then the measured reques
 * a trace replays its own timestamps.
 
 A run is bounded by ``num_requests`` or ``duration_s``. Around it, the workers' and the gateway's ``/metrics``
-are scraped before and after, and the KV-transfer counters' deltas are reported.
+are scraped before and after: the deltas of the KV-transfer counters (:func:`kv_summary`) and of vLLM's own
+latency histograms (:func:`engine_summary`, to cross-check the client's TTFT/TPOT/ITL against the engines').
+While it runs, the engines' batch gauges (``vllm:num_requests_running``/``_waiting``) are sampled every
+:data:`GAUGE_INTERVAL_S` (:class:`GaugeSeries`): a gauge read only before and after would show two idle engines.
 
 Every run (each rate of a sweep, each side of an A/B, each probe of the search) draws a fresh run id for its
 prompt tags (:func:`pdctl.bench.workload.new_run_id`), so no run finds an earlier run's prompts in a prefix
@@ -24,6 +27,8 @@ every SLO, found by doubling the rate until a run misses, then bisecting until t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -43,12 +48,14 @@ from pdctl.promtext import samples
 __all__ = [
     "BenchError",
     "BenchTarget",
+    "GaugeSeries",
     "LiveStats",
     "LoadShape",
     "PairResult",
     "RunResult",
     "SearchResult",
     "discover_model",
+    "engine_summary",
     "kv_summary",
     "metric_deltas",
     "parse_metrics",
@@ -56,13 +63,29 @@ __all__ = [
     "run_async",
     "run_once",
     "run_sweep",
+    "search_each",
     "search_max_goodput_rate",
 ]
 
 T = TypeVar("T")
 
-# Counters whose deltas tell what the KV link and the gateway did during a run.
-_METRIC_PREFIXES = ("vllm:nixl_", "vllm:prompt_tokens_by_source", "vllm:num_preemptions", "pdctl_")
+# vLLM 0.32's per-request latency histograms (vllm/v1/metrics/loggers.py), by what pdctl calls them. There is
+# no ``vllm:time_per_output_token_seconds`` in 0.32: the per-request TPOT is ``request_time_per_output_token``.
+ENGINE_HISTOGRAMS: dict[str, str] = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "e2el": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+}
+# Counters (and histogram sums/counts) whose deltas tell what the KV link, the engines and the gateway did.
+_METRIC_PREFIXES = (
+    "vllm:nixl_", "vllm:prompt_tokens_by_source", "vllm:num_preemptions", "pdctl_", *ENGINE_HISTOGRAMS.values()
+)  # fmt: skip
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+GAUGE_INTERVAL_S = 1.0
 _IGNORED_LABELS = ("engine", "model_name", "le")
 LAG_WARN_MS = 20.0
 
@@ -83,6 +106,8 @@ class BenchTarget:
     label: str = ""
     timeout_s: float = 600.0
     metrics_urls: tuple[str, ...] = ()
+    # What each metrics URL is, for the report (``prefill``, ``decode``, ``gateway``); unnamed ones show host:port.
+    metrics_names: dict[str, str] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
     # A test seam (httpx.MockTransport); None = real network.
     transport: httpx.AsyncBaseTransport | None = field(default=None, compare=False, repr=False)
@@ -138,6 +163,27 @@ class LiveStats:
 
 
 @dataclass(slots=True)
+class GaugeSeries:
+    """One endpoint's batch gauges sampled during a run: ``(seconds since the run started, running, waiting)``."""
+
+    samples: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def stats(self) -> dict[str, float]:
+        """Mean and max of the running and waiting requests over the samples (empty without samples)."""
+        if not self.samples:
+            return {}
+        running = [s[1] for s in self.samples]
+        waiting = [s[2] for s in self.samples]
+        return {
+            "samples": float(len(self.samples)),
+            "running_mean": sum(running) / len(running),
+            "running_max": max(running),
+            "waiting_mean": sum(waiting) / len(waiting),
+            "waiting_max": max(waiting),
+        }
+
+
+@dataclass(slots=True)
 class RunResult:
     """One run's inputs, per-request results, summary, metric deltas and warnings."""
 
@@ -150,6 +196,7 @@ class RunResult:
     warmups: int = 0
     metric_deltas: dict[str, dict[str, float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    gauges: dict[str, GaugeSeries] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -212,6 +259,48 @@ def kv_summary(deltas: dict[str, dict[str, float]]) -> dict[str, float]:
     }
     out["kv_xfer_ms_mean"] = 1000.0 * total("vllm:nixl_xfer_time_seconds_sum") / count if count else 0.0
     return out
+
+
+def engine_summary(deltas: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per endpoint that served requests during the run: how many (``requests``, vLLM's e2e count) and the
+    mean of each of :data:`ENGINE_HISTOGRAMS` in ms (``ttft_ms``, ``tpot_ms``, ...), from the sums' and
+    counts' deltas. On PD, prefill's TTFT is its whole leg and decode's starts when decode got the request."""
+    out: dict[str, dict[str, float]] = {}
+    for url, d in deltas.items():
+        row: dict[str, float] = {}
+        for short, name in ENGINE_HISTOGRAMS.items():
+            count, total = d.get(f"{name}_count", 0.0), d.get(f"{name}_sum", 0.0)
+            # vLLM observes a TPOT of 0 for a one-token output (PD's prefill leg): no decode step, no mean.
+            if count > 0 and (total > 0 or short not in ("tpot", "itl")):
+                row[f"{short}_ms"] = 1000.0 * total / count
+        if row:
+            row["requests"] = d.get(f"{ENGINE_HISTOGRAMS['e2el']}_count", 0.0)
+            out[url] = row
+    return out
+
+
+async def _sample_gauges(
+    client: httpx.AsyncClient, urls: Sequence[str], t0: float, into: dict[str, GaugeSeries]
+) -> None:
+    """Append each URL's batch gauges to ``into`` every :data:`GAUGE_INTERVAL_S` until cancelled; an endpoint
+    without them (a gateway, a server that is not vLLM) gets no series."""
+
+    async def one(url: str) -> None:
+        try:
+            resp = await client.get(url, timeout=GAUGE_INTERVAL_S * 5)
+        except httpx.HTTPError:
+            return
+        if resp.status_code != 200:
+            return
+        parsed = samples(resp.text, _GAUGES)
+        if parsed:
+            running = sum(v for n, _, v in parsed if n == _GAUGES[0])
+            waiting = sum(v for n, _, v in parsed if n == _GAUGES[1])
+            into.setdefault(url, GaugeSeries()).samples.append((time.perf_counter() - t0, running, waiting))
+
+    while True:
+        await asyncio.gather(*(one(u) for u in urls))
+        await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
 async def _scrape(
@@ -332,6 +421,8 @@ async def run_once(
         live.phase = "running"
         sem = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
         t0 = time.perf_counter()
+        gauges: dict[str, GaugeSeries] = {}
+        sampler = asyncio.create_task(_sample_gauges(scraper, target.metrics_urls, t0, gauges))
 
         async def one(index: int, scheduled: float) -> None:
             req = wl.request(index, run_id)
@@ -377,6 +468,9 @@ async def run_once(
 
             await asyncio.gather(*(worker() for _ in range(shape.concurrency or 1)))
         duration = time.perf_counter() - t0
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
         live.phase = "collecting"
         after = await _scrape(scraper, target.metrics_urls, target)
 
@@ -394,7 +488,7 @@ async def run_once(
         warnings.append(f"{len(warm_failures)} of {shape.warmup} warm-up request(s) failed: {warm_failures[0]}")
     warnings.extend(_warnings(summary, deltas))
     live.phase = "done"
-    return RunResult(target, shape, results, summary, date, run_id, shape.warmup, deltas, warnings)
+    return RunResult(target, shape, results, summary, date, run_id, shape.warmup, deltas, warnings, gauges)
 
 
 def _warnings(summary: Summary, deltas: dict[str, dict[str, float]]) -> list[str]:
@@ -488,6 +582,24 @@ async def search_max_goodput_rate(
         else:
             hi = mid
     return SearchResult(lo, runs, slo.attainment)
+
+
+async def search_each(
+    targets: Sequence[BenchTarget],
+    shape: LoadShape,
+    *,
+    start_rate: float = 1.0,
+    max_rate: float = 1024.0,
+    on_start: Callable[[str, float], LiveStats] | None = None,
+) -> dict[str, SearchResult]:
+    """:func:`search_max_goodput_rate` on each target in turn (``--ab --max-goodput``), by the targets' labels."""
+    out: dict[str, SearchResult] = {}
+    for target in targets:
+        started = functools.partial(on_start, target.label) if on_start is not None else None
+        out[target.label] = await search_max_goodput_rate(
+            target, shape, start_rate=start_rate, max_rate=max_rate, on_start=started
+        )
+    return out
 
 
 async def run_ab(

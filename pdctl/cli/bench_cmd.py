@@ -61,6 +61,9 @@ def bench(
     percentiles: Annotated[str, typer.Option("--percentiles", help="e.g. 50,90,99.")] = "50,90,99",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write results JSON here.")] = None,
     html: Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report here.")] = None,
+    plots: Annotated[
+        Path | None, typer.Option("--plots", help="Write the report's plots as SVG files into this folder.")
+    ] = None,
     compare_files: Annotated[
         list[Path] | None, typer.Option("--compare", help="A results file (twice: compare two files, no run).")
     ] = None,
@@ -73,7 +76,10 @@ def bench(
         typer.Option("--admission-off-gateway", help="Gateway with slo.admission=false: compare goodput on/off."),
     ] = None,
     max_goodput: Annotated[
-        bool, typer.Option("--max-goodput", help="Search the highest rate meeting the SLOs (DistServe).")
+        bool,
+        typer.Option(
+            "--max-goodput", help="Search the highest rate meeting the SLOs (DistServe); each side with --ab."
+        ),
     ] = False,
     search_start: Annotated[float, typer.Option("--search-start", help="First rate of the search.")] = 1.0,
     search_max: Annotated[float, typer.Option("--search-max", help="Highest rate the search tries.")] = 256.0,
@@ -93,7 +99,7 @@ def bench(
     """
     # The bench machinery (aiohttp, httpx) is imported here, not at the top: every other command pays nothing for it.
     from pdctl.bench.arrivals import parse_rates
-    from pdctl.bench.report import load_results, render_html, result_json, write_results
+    from pdctl.bench.report import load_results, render_html, result_json, write_plots, write_results
     from pdctl.bench.runner import (
         BenchError,
         BenchTarget,
@@ -104,6 +110,7 @@ def bench(
         run_ab,
         run_async,
         run_sweep,
+        search_each,
         search_max_goodput_rate,
     )
     from pdctl.bench.workload import make_workload
@@ -175,6 +182,7 @@ def bench(
         urls = tuple(u for u in urls if u != f"{cx.gateway_url}/metrics")
 
     def target_for(url: str, name: str, with_metrics: bool = True) -> BenchTarget:
+        own = (f"{url.rstrip('/')}/metrics",) if not with_metrics and not no_metrics else ()
         return BenchTarget(
             base_url=url.rstrip("/"),
             model=model or cx.model or discover_model(url, api_key),
@@ -183,12 +191,18 @@ def bench(
             endpoint="chat" if endpoint == "chat" else "completions",
             label=name,
             timeout_s=timeout,
-            metrics_urls=urls if with_metrics else (),
+            # The other side of a comparison: the same workers (shared, or not: then their deltas are 0) and its
+            # own gateway's /metrics instead of this one's.
+            metrics_urls=urls if with_metrics else tuple(dict.fromkeys([*(u for u in urls if u != main_gw), *own])),
+            metrics_names={u: n for u, n in cx.metrics_names.items() if u != main_gw or with_metrics}
+            | dict.fromkeys(own, f"{name} gateway"),
         )
 
+    main_gw = f"{base_url.rstrip('/')}/metrics"
     prog = Progress(progress)
     runs: list[RunResult] = []
     search: SearchResult | None = None
+    searches: dict[str, SearchResult] = {}
     main = target_for(base_url, label or ("pd" if ab else ""))
     with prog.show():
         if ab or admission_off_gateway:
@@ -205,8 +219,15 @@ def bench(
                 main = replace(main, label=label or "admission on")
                 other = target_for(other_url, "admission off", with_metrics=False)
                 names = ("admission off", main.label)
-            pair = run_async(run_ab(other, main, shape, rates, on_start=lambda lab, r: prog.start(lab, r)))
-            runs = [x for pr in zip(pair.a, pair.b, strict=True) for x in pr]
+            if ab and max_goodput:
+                searches = run_async(
+                    search_each([other, main], shape, start_rate=search_start, max_rate=search_max,
+                                on_start=lambda lab, r: prog.start(lab, r))
+                )  # fmt: skip
+                runs = sorted((r for found in searches.values() for r in found.runs), key=lambda r: r.shape.rate)
+            else:
+                pair = run_async(run_ab(other, main, shape, rates, on_start=lambda lab, r: prog.start(lab, r)))
+                runs = [x for pr in zip(pair.a, pair.b, strict=True) for x in pr]
         elif max_goodput:
             search = run_async(
                 search_max_goodput_rate(
@@ -219,26 +240,33 @@ def bench(
             runs = run_async(run_sweep(main, shape, rates, on_start=lambda r: prog.start(main.label, r)))
 
     render_runs(runs)
-    if ab or admission_off_gateway:
+    if (ab or admission_off_gateway) and not searches:
         names_t = names
         if admission_off_gateway and not ab:
             render_pairs(pair, names_t[0], names_t[1], "Admission control under load: goodput with SLO rejection")
         else:
             for ra, rb in zip(pair.a, pair.b, strict=True):
                 render_compare(result_json(ra), result_json(rb), names_t[0], names_t[1])
-    if search is not None:
-        best = "none of the probed rates" if search.best_rate is None else f"{search.best_rate:.3g} req/s"
+    for side_name, found in ([("", search)] if search is not None else []) + list(searches.items()):
+        best = "none of the probed rates" if found.best_rate is None else f"{found.best_rate:.3g} req/s"
         console.print(
-            Text(f"max goodput rate (≥ {100 * search.attainment_target:.0f}% within SLOs): {best}", style="bold")
+            Text(
+                f"max goodput rate{' of ' + side_name if side_name else ''} "
+                f"(≥ {100 * found.attainment_target:.0f}% within SLOs): {best}",
+                style="bold",
+            )
         )
     if len(files) == 1:
         render_compare(load_results(files[0])[-1], result_json(runs[-1]), files[0].name, "this run")
     if output is not None:
-        write_results(output, runs, search)
+        write_results(output, runs, search, searches)
         console.print(f"wrote {output}")
     if html is not None:
         try:
-            html.write_text(render_html(runs, search=search), encoding="utf-8")
+            html.write_text(render_html(runs, search=search, searches=searches), encoding="utf-8")
         except OSError as exc:
             raise BenchError(f"{html}: cannot write the report: {exc.strerror or exc}") from None
         console.print(f"wrote {html}")
+    if plots is not None:
+        written = write_plots(plots, runs)
+        console.print(f"wrote {len(written)} plots (SVG) into {plots}")

@@ -20,8 +20,8 @@ from rich.text import Text
 
 from pdctl import config
 from pdctl.bench.metrics import SLO, Summary, parse_goodput
-from pdctl.bench.report import compare
-from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult, kv_summary
+from pdctl.bench.report import best_swept_rate, compare
+from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult, engine_summary, kv_summary
 from pdctl.bench.workload import WorkloadSpec
 from pdctl.cli._app import console, err_console
 
@@ -45,6 +45,7 @@ class BenchContext:
     api_key_env: str
     slo: SLO | None
     metrics_urls: tuple[str, ...]
+    metrics_names: dict[str, str]
 
 
 def load_context(config_path: Path | None, settings_path: Path | None, attainment: float | None) -> BenchContext:
@@ -53,13 +54,14 @@ def load_context(config_path: Path | None, settings_path: Path | None, attainmen
     if cpath.exists() and spath.exists():
         dep = config.load(cpath, spath)
         slo = dep.slo
-        urls = (*(f"{w.url}/metrics" for w in dep.workers), f"{dep.gateway.url}/metrics")
+        names = {f"{w.url}/metrics": w.name for w in dep.workers} | {f"{dep.gateway.url}/metrics": "gateway"}
         return BenchContext(
             dep.gateway.url,
             dep.decode[0].model_name,
             dep.gateway.api_key_env,
             SLO(slo.ttft_ms, slo.tpot_ms, None, attainment or (0.9 if slo.p90 else 0.99)),
-            urls,
+            tuple(names),
+            names,
         )
     if config_path is not None and not cpath.exists():
         raise BenchError(f"{cpath}: no such file", hint="give -c config.toml, or --gateway URL alone")
@@ -72,10 +74,11 @@ def load_context(config_path: Path | None, settings_path: Path | None, attainmen
             gateway.api_key_env,
             SLO(slo.ttft_ms, slo.tpot_ms, None, attainment or (0.9 if slo.p90 else 0.99)),
             (f"{gateway.url}/metrics",),
+            {f"{gateway.url}/metrics": "gateway"},
         )
     if settings_path is not None:
         raise BenchError(f"{spath}: no such file", hint="give -s settings.json, or --gateway URL alone")
-    return BenchContext(None, None, "PDCTL_API_KEY", None, ())
+    return BenchContext(None, None, "PDCTL_API_KEY", None, (), {})
 
 
 def workload_spec(name: str, seed: int, unique: bool, **params: Any) -> WorkloadSpec:
@@ -196,6 +199,10 @@ def _summary_rows(s: Summary) -> list[tuple[str, str]]:
             pct = " / ".join(_fmt(v) for v in (st.median, st.percentiles.get(90.0), st.percentiles.get(99.0)))
             rows.append((f"[{kind}] {name.upper()} p50 / p90 / p99 (ms)", pct))
         rows.append((f"[{kind}] ITL max (ms)", _fmt(d["itl"].max if d["itl"].count else None)))
+        sp = s.spikes_by_kind[kind]
+        rows.append((f"[{kind}] ITL spikes > {sp.threshold_ms:.0f} ms (gaps / requests)", f"{sp.gaps} / {sp.requests}"))
+    sp = s.itl_spikes
+    rows.append((f"ITL spikes > {sp.threshold_ms:.0f} ms (gaps / requests)", f"{sp.gaps} / {sp.requests}"))
     return rows
 
 
@@ -221,8 +228,21 @@ def render_runs(runs: Sequence[RunResult]) -> None:
                         f"{kv['kv_failed_transfers']:.0f} failed, {kv['external_kv_tokens']:.0f} external KV tokens"
                     )
                 )
+        for url, e in engine_summary(run.metric_deltas).items():
+            means = ", ".join(f"{k.removesuffix('_ms').upper()} {v:.1f}" for k, v in e.items() if k.endswith("_ms"))
+            console.print(
+                Text(
+                    f"vLLM ({_run_name(run).replace(chr(10), ' ')}, {run.target.metrics_names.get(url, url)}): "
+                    f"{e['requests']:.0f} requests, "
+                    f"mean ms {means}"
+                )
+            )
         for warning in run.warnings:
             err_console.print(Text(f"warning: {warning}", style="yellow"))
+    swept = best_swept_rate(runs) if len({r.shape.rate for r in runs}) > 1 else {}
+    for side, rate in swept.items():
+        best = "none of the swept rates" if rate is None else f"{rate:g} req/s"
+        console.print(Text(f"highest swept rate within the SLOs{' (' + side + ')' if side else ''}: {best}"))
 
 
 def render_compare(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: str) -> None:

@@ -158,3 +158,19 @@ def test_parse_goodput() -> None:
     for bad in (["ttft"], ["foo:1"], ["tpot:x"], ["ttft:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_itl_spikes_use_the_tpot_slo_else_a_multiple_of_the_median() -> None:
+    short = ok(0, 0.1, 0.5, 5, [0.02, 0.3, 0.02, 0.02], 10)  # one 300 ms stall
+    steady = ok(1, 0.1, 0.3, 5, [0.02, 0.02, 0.02, 0.02], 10)
+    long = ok(2, 1.0, 1.2, 3, [0.15, 0.05], 900)
+    long.kind = "long"
+    s = summarize([short, steady, long], 2.0, slo=SLO(tpot_ms=100))
+    # threshold = the TPOT SLO: the 300 ms and the 150 ms gaps, in two requests, out of 10 gaps
+    assert (s.itl_spikes.threshold_ms, s.itl_spikes.gaps, s.itl_spikes.requests) == (100, 2, 2)
+    assert s.itl_spikes.share == pytest.approx(0.2)
+    assert s.spikes_by_kind["random"].gaps == 1 and s.spikes_by_kind["random"].requests == 1
+    assert s.spikes_by_kind["long"].gaps == 1
+    # no TPOT SLO: 5 x the ITL median (20 ms) = 100 ms, the same two gaps
+    plain = summarize([short, steady, long], 2.0)
+    assert plain.itl_spikes.threshold_ms == pytest.approx(100.0) and plain.itl_spikes.gaps == 2

@@ -273,3 +273,26 @@ def test_cli_max_goodput_search(sims: Callable[..., SimProcess], tmp_path: Path,
     runs = json.loads(out.read_text())
     assert [r["request_rate"] for r in runs] == [10.0, 20.0, 40.0]
     assert all(r["pdctl"]["max_goodput_rate"] == 40.0 for r in runs)
+
+
+def test_cli_ab_max_goodput_searches_each_side(
+    sims: Callable[..., SimProcess], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    a = sims(["--sim-profile", "fast"], "pd")
+    b = sims(["--sim-profile", "fast"], "colocated")
+    out, html = tmp_path / "s.json", tmp_path / "s.html"
+    result = cli(
+        "bench", "--gateway", a.url, "--ab", "--ab-gateway", b.url, "-w", "random", "--input-len", "16",
+        "--output-len", "4", "-n", "4", "--max-goodput", "--search-start", "10", "--search-max", "20",
+        "--goodput", "ttft:10000", "--no-progress", "-o", str(out), "--html", str(html),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "max goodput rate of colocated" in result.output and "max goodput rate of pd" in result.output
+    runs = json.loads(out.read_text())
+    assert sorted((r["label"], r["request_rate"]) for r in runs) == [
+        ("colocated", 10.0), ("colocated", 20.0), ("pd", 10.0), ("pd", 20.0),
+    ]  # fmt: skip
+    assert all(r["pdctl"]["max_goodput_rate"] == 20.0 for r in runs)
+    # the colocated side is scraped too: its own /metrics (the simulator's vLLM histograms)
+    assert all(r["pdctl"]["engine"] for r in runs if r["label"] == "colocated")
+    assert "Max goodput rate of colocated" in html.read_text()

@@ -13,13 +13,23 @@ import httpx
 import pytest
 
 from pdctl.bench.metrics import SLO
-from pdctl.bench.report import compare, load_results, percentile_key, render_html, result_json, write_results
+from pdctl.bench.report import (
+    best_swept_rate,
+    compare,
+    load_results,
+    percentile_key,
+    render_html,
+    result_json,
+    write_plots,
+    write_results,
+)
 from pdctl.bench.runner import (
     BenchError,
     BenchTarget,
     LiveStats,
     LoadShape,
     discover_model,
+    engine_summary,
     kv_summary,
     metric_deltas,
     parse_metrics,
@@ -43,6 +53,15 @@ vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="external_k
 vllm:prompt_tokens_by_source_total{{engine="0",model_name="m",source="local_compute"}} 0
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{engine="0",model_name="m"}} 3
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 1
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {itls}
+vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {itls}
+vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {itl_sum}
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_count{{engine="0",model_name="m"}} {n}
+vllm:e2e_request_latency_seconds_sum{{engine="0",model_name="m"}} {e2e}
 """
 
 
@@ -64,7 +83,9 @@ class FakeServer:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/metrics":
             n = self.served
-            text = METRICS_TEMPLATE.format(n=n, xfer=0.005 * n, bytes=1000 * n, tokens=10 * n)
+            text = METRICS_TEMPLATE.format(
+                n=n, xfer=0.005 * n, bytes=1000 * n, tokens=10 * n, itls=3 * n, itl_sum=0.006 * n, e2e=0.25 * n
+            )
             return httpx.Response(200, text=text)
         body = json.loads(request.content)
         self.requests.append(body)
@@ -171,8 +192,33 @@ def test_metric_deltas_and_kv_summary() -> None:
     assert not any("vllm:num_requests_running" in k for d in run.metric_deltas.values() for k in d)
 
 
+def test_engine_view_histogram_means_and_gauges_sampled_during_the_run() -> None:
+    server = FakeServer()
+    run = run_async(run_once(target(server, metrics=True), LoadShape(rate=20.0, num_requests=8, warmup=1)))
+    engine = engine_summary(run.metric_deltas)["http://fake/metrics"]
+    # the fake engine reports 3 gaps of 2 ms and 250 ms end to end per request: only the 8 measured ones
+    assert engine["requests"] == 8
+    assert engine["itl_ms"] == pytest.approx(2.0) and engine["e2el_ms"] == pytest.approx(250.0)
+    gauges = run.gauges["http://fake/metrics"].stats()
+    assert gauges["samples"] >= 1 and gauges["running_max"] == 3 and gauges["waiting_max"] == 1
+    obj = result_json(run)
+    assert obj["pdctl"]["engine"]["http://fake/metrics"]["itl_ms"] == pytest.approx(2.0)
+    assert obj["pdctl"]["engine_gauges"]["http://fake/metrics"]["series"][0][1:] == [3.0, 1.0]
+    page = render_html([run])
+    running = _svgs(page)["Requests running on each engine, 20 req/s"]
+    assert ">fake<" in running and "requests running" in running
+    assert "own view (vLLM /metrics)" in page and "<td>fake</td>" in page and "http://fake" not in page
+
+
+def test_engine_view_leaves_out_the_tpot_of_one_token_legs() -> None:
+    # vLLM 0.32 on PD's prefill: every request finishes after one token and is observed with a TPOT of 0
+    tpot, e2e = "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"
+    deltas = {"P": {f"{tpot}_count": 6.0, f"{tpot}_sum": 0.0, f"{e2e}_count": 6.0, f"{e2e}_sum": 0.3}}
+    assert engine_summary(deltas) == {"P": {"e2el_ms": pytest.approx(50.0), "requests": 6.0}}
+
+
 def test_parse_metrics_drops_engine_labels_and_buckets() -> None:
-    parsed = parse_metrics(METRICS_TEMPLATE.format(n=2, xfer=0.5, bytes=10, tokens=4))
+    parsed = parse_metrics(METRICS_TEMPLATE.format(n=2, xfer=0.5, bytes=10, tokens=4, itls=0, itl_sum=0, e2e=0))
     assert parsed["vllm:nixl_xfer_time_seconds_count"] == 2
     assert parsed["vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"] == 4
     assert not any("bucket" in k for k in parsed)
@@ -389,6 +435,23 @@ def test_html_report_of_an_ab_overlays_the_sides_at_every_rate() -> None:
     colour = re.search(r'fill="(#[0-9a-f]{6})"/><text[^>]*>pd<', goodput)
     assert colour is not None
     assert all(f'fill="{colour.group(1)}"/><text' in p for t, p in plots.items() if "CDF" in t)
+
+
+def test_plots_as_files_and_the_best_swept_rate_per_side(tmp_path: Path) -> None:
+    fast, slow = FakeServer(ttft_s=0.005), FakeServer(ttft_s=0.01, per_inflight_s=0.03)
+    shape = LoadShape(num_requests=12, warmup=0, slo=SLO(ttft_ms=60, attainment=0.9))
+    pair = run_async(run_ab(target(slow, label="colocated"), target(fast, label="pd"), shape, [5.0, 1000.0]))
+    runs = [x for ab in zip(pair.a, pair.b, strict=True) for x in ab]
+    # the slow side misses the SLO when all 12 arrive at once; the fast one meets it at both rates
+    assert best_swept_rate(runs) == {"colocated": 5.0, "pd": 1000.0}
+    page = render_html(runs)
+    assert "Highest swept rate within the SLOs</b> (colocated): 5 req/s" in page
+    written = write_plots(tmp_path / "plots", runs)
+    names = sorted(p.name for p in written)
+    assert "goodput-vs-rate.svg" in names and "tpot-over-time-5-req-s.svg" in names
+    assert "ttft-cdf-1000-req-s.svg" in names and len(names) == len(set(names)) == 4 + 2 * 4 + 2
+    # each file is the report's own plot
+    assert (tmp_path / "plots" / "goodput-vs-rate.svg").read_text() in page
 
 
 def test_trace_replays_its_timestamps(tmp_path: Path) -> None:

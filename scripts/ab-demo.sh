@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# PD against colocated on this machine's CPU cores, in one command (issue #18, docs/bench.md "PD vs colocated
+# on real vLLM"). Same two cores on both sides: one pair of vLLM CPU engines (core 0, core 1) from
+# examples/cpu-ab/, a PD gateway (prefill on core 0, decode on core 1) and a colocated gateway (whole requests to
+# either engine) over them, then `pdctl bench --ab` with the recipe's mixed workload at several rates.
+#
+#   scripts/ab-demo.sh                                  # small model, rates 0.5,1,2, 60 requests per run
+#   scripts/ab-demo.sh --size tiny --rates 1,2 -n 12    # a smoke run: a few minutes
+#   scripts/ab-demo.sh --engine sim                     # the same flow on pdctl's simulator (no vLLM needed)
+#   scripts/ab-demo.sh ... -- --goodput ttft:3000 tpot:150   # anything after -- goes to `pdctl bench`
+#
+# Writes into the results folder (--out, default results/ab-DATE): ab.json (every run, vLLM's keys), report.html,
+# plots/*.svg (and *.png when rsvg-convert or ImageMagick is installed), bench.txt (the tables), metrics/ (each
+# worker's raw /metrics before and after), machine.txt (CPU, cores, load before and after), deploy/ (the files
+# the deployment ran from, its logs under deploy/.pdctl/logs). Stops everything it started on exit, Ctrl-C
+# included. The engines share the two cores with anything else running: see machine.txt before trusting numbers.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${VENV:-$ROOT/.venv}"
+PDCTL="$VENV/bin/pdctl"
+PY="$VENV/bin/python"
+
+SIZE=small
+RATES=0.5,1,2
+REQUESTS=60
+DURATION=""
+ENGINE=vllm
+INSTALL=1
+PNG=1
+SLO_SCALE=3
+PORT=8000
+OUT=""
+BENCH_EXTRA=()
+
+usage() {
+    cat <<EOF
+usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --duration S] [--engine vllm|sim]
+                          [--slo-scale S] [--no-install] [--no-png] [--port P] [--out DIR]
+                          [-- pdctl bench options]
+  --size      model preset of \`pdctl model tiny\` (default small; tiny for a smoke run)
+  --rates     request rates of the sweep, req/s (default 0.5,1,2)
+  -n          requests per run and side (default 60); --duration S instead: seconds per run
+  --engine    vllm (default) or sim (pdctl's simulator: the same flow in seconds, no vLLM)
+  --slo-scale SLOs = S x the unloaded latency measured first: TTFT of a long prompt, TPOT of a short request
+              (default 3; \`-- --goodput ttft:MS tpot:MS\` sets them instead)
+  --no-install  use \$VENV as it is (default: scripts/install-cpu-engine.sh into it first, with vllm)
+  --no-png    SVG plots only (default: also PNG, with rsvg-convert or headless Chromium)
+  --port      PD gateway port; the colocated gateway gets P+1, prefill P+100, decode P+200 (default 8000)
+  --out       results folder (default results/ab-DATE)
+EOF
+}
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --size) SIZE="$2"; shift 2 ;;
+        --rates) RATES="$2"; shift 2 ;;
+        -n) REQUESTS="$2"; shift 2 ;;
+        --duration) DURATION="$2"; shift 2 ;;
+        --engine) ENGINE="$2"; shift 2 ;;
+        --no-install) INSTALL=0; shift ;;
+        --no-png) PNG=0; shift ;;
+        --slo-scale) SLO_SCALE="$2"; shift 2 ;;
+        --port) PORT="$2"; shift 2 ;;
+        --out) OUT="$2"; shift 2 ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; BENCH_EXTRA=("$@"); break ;;
+        *) echo "error: unknown option $1" >&2; usage >&2; exit 2 ;;
+    esac
+done
+case "$SIZE" in tiny|small|medium) ;; *) echo "error: --size: expected tiny, small or medium, got '$SIZE'" >&2; exit 2 ;; esac
+case "$ENGINE" in vllm|sim) ;; *) echo "error: --engine: expected vllm or sim, got '$ENGINE'" >&2; exit 2 ;; esac
+[[ "$SLO_SCALE" =~ ^[0-9]+([.][0-9]+)?$ && ! "$SLO_SCALE" =~ ^0*([.]0*)?$ ]] \
+    || { echo "error: --slo-scale: expected a positive number, got '$SLO_SCALE'" >&2; exit 2; }
+[[ "$PORT" =~ ^[0-9]+$ ]] && (( PORT >= 1024 && PORT <= 65000 )) \
+    || { echo "error: --port: expected a port in 1024-65000, got '$PORT'" >&2; exit 2; }
+
+OUT="${OUT:-results/ab-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT/metrics"
+OUT="$(cd "$OUT" && pwd)"
+DEPLOY="$OUT/deploy"
+CONFIG=(-c "$DEPLOY/config.toml" -s "$DEPLOY/settings.json")
+COLOCATED_PID=""
+
+step() { printf '\n\033[1m[%s] %s\033[0m\n' "$1" "$2"; }
+
+# Stops what this script started: the colocated gateway's process group, then the deployment.
+stop_all() {
+    if [[ -n "$COLOCATED_PID" ]] && kill -0 "$COLOCATED_PID" 2>/dev/null; then
+        kill -TERM -- "-$COLOCATED_PID" 2>/dev/null || true
+        for _ in $(seq 50); do kill -0 "$COLOCATED_PID" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL -- "-$COLOCATED_PID" 2>/dev/null || true
+    fi
+    if [[ -f "$DEPLOY/config.toml" ]]; then
+        "$PDCTL" down "${CONFIG[@]}" >/dev/null 2>&1 || true
+    fi
+    COLOCATED_PID=""
+}
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    stop_all
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+if [[ -z "${PDCTL_API_KEY:-}" ]]; then
+    PDCTL_API_KEY="ab-demo-$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
+    export PDCTL_API_KEY
+    echo "PDCTL_API_KEY is not set: using a random key for this run (the gateways listen on 127.0.0.1 only)"
+fi
+
+step 1/7 "engine and model"
+if [[ "$ENGINE" == vllm ]]; then
+    if [[ "$INSTALL" == 1 ]]; then VENV="$VENV" scripts/install-cpu-engine.sh; fi
+    MODEL_DIR="$ROOT/models/$SIZE-qwen3"
+    "$PDCTL" model tiny "$MODEL_DIR" --size "$SIZE"
+else
+    MODEL_DIR="sim-$SIZE"
+    echo "engine sim: no model files needed (the simulator serves '$MODEL_DIR')"
+fi
+
+step 2/7 "deployment files in $DEPLOY (from examples/cpu-ab/)"
+"$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+import tomlkit
+
+src, dst, model, size, engine, port = sys.argv[1:7]
+src, dst, port = Path(src), Path(dst), int(port)
+dst.mkdir(parents=True, exist_ok=True)
+doc = tomlkit.parse((src / "config.toml").read_text())
+max_len = 8192
+config_json = Path(model) / "config.json"
+if config_json.is_file():
+    max_len = min(max_len, int(json.loads(config_json.read_text()).get("max_position_embeddings", max_len)))
+for i, role in enumerate(("prefill", "decode")):
+    worker = doc[role]
+    worker["model"], worker["served_model_name"], worker["max_model_len"] = model, size, max_len
+    worker["side_channel_port"] = port - 2400 + 100 * i
+    if engine == "sim":
+        worker["engine"] = "sim"
+if engine == "sim":
+    # H100 timing; the KV bytes actually moved scaled down, so the copies do not load this machine's cores.
+    doc["sim"] = {"profile": "h100", "speed": 1, "kv_scale": 0.001}
+(dst / "config.toml").write_text(tomlkit.dumps(doc))
+for name, listen in (("settings.json", port), ("settings-colocated.json", port + 1)):
+    settings = json.loads((src / name).read_text())
+    settings["gateway"]["listen"] = f"127.0.0.1:{listen}"
+    settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{port + 100}"
+    settings["routing"]["decode_endpoint"] = f"http://127.0.0.1:{port + 200}"
+    (dst / name).write_text(json.dumps(settings, indent=2) + "\n")
+EOF
+"$PDCTL" check "${CONFIG[@]}"
+
+machine() {
+    echo "== $1 ($(date -u +%FT%TZ))"
+    echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
+    echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "busiest processes:"
+    ps -eo pcpu,pid,comm --sort=-pcpu | head -6
+}
+machine "before" > "$OUT/machine.txt"
+
+step 3/7 "start prefill (core 0), decode (core 1) and the PD gateway (:$PORT)"
+"$PDCTL" up -d "${CONFIG[@]}"
+
+step 4/7 "start the colocated gateway (:$((PORT + 1))) over the same two engines"
+setsid "$PDCTL" gateway -c "$DEPLOY/config.toml" -s "$DEPLOY/settings-colocated.json" \
+    > "$OUT/colocated-gateway.log" 2>&1 < /dev/null &
+COLOCATED_PID=$!
+for _ in $(seq 150); do
+    if "$PY" -c 'import sys, httpx; sys.exit(httpx.get(sys.argv[1], timeout=2).status_code != 200)' \
+        "http://127.0.0.1:$((PORT + 1))/health" 2>/dev/null; then
+        break
+    fi
+    kill -0 "$COLOCATED_PID" 2>/dev/null || { echo "error: the colocated gateway exited; see $OUT/colocated-gateway.log" >&2; exit 1; }
+    sleep 0.2
+done
+
+scrape() {
+    local when="$1" role port
+    for role in prefill decode; do
+        port=$([[ "$role" == prefill ]] && echo $((PORT + 100)) || echo $((PORT + 200)))
+        "$PY" -c 'import sys, httpx; sys.stdout.write(httpx.get(sys.argv[1], timeout=10).text)' \
+            "http://127.0.0.1:$port/metrics" > "$OUT/metrics/$when-$role.txt" 2>/dev/null || true
+    done
+}
+
+LONG_LEN=2048
+# The tiny preset's tokenizer splits bench words into several tokens: stay far below its 4096 positions.
+if [[ "$SIZE" == tiny ]]; then LONG_LEN=512; fi
+WORKLOAD=(-w mixed --short-len 128 --output-len 64 --long-len "$LONG_LEN" --long-output-len 8 --timeout 600
+          --no-progress)
+
+step 5/7 "SLOs scaled to this machine: $SLO_SCALE x the unloaded latencies, one request at a time on one engine"
+"$PDCTL" bench --gateway "http://127.0.0.1:$((PORT + 1))" --model "$SIZE" "${WORKLOAD[@]}" --long-fraction 0.5 \
+    --concurrency 1 -n 8 --no-slo --no-metrics -o "$OUT/unloaded.json" > "$OUT/unloaded.txt"
+read -r TTFT_SLO TPOT_SLO < <("$PY" - "$OUT/unloaded.json" "$SLO_SCALE" <<'EOF'
+import json, math, sys
+run, scale = json.load(open(sys.argv[1])), float(sys.argv[2])
+kinds = run["pdctl"]["by_kind"]
+ttft = kinds.get("long", {}).get("ttft", {}).get("median") or run["median_ttft_ms"]
+tpot = kinds.get("short", {}).get("tpot", {}).get("median") or run["median_tpot_ms"]
+print(math.ceil(scale * ttft / 10) * 10, math.ceil(scale * tpot))
+EOF
+)
+echo "unloaded latencies in $OUT/unloaded.txt; SLOs: TTFT <= $TTFT_SLO ms, TPOT <= $TPOT_SLO ms"
+
+step 6/7 "bench: mixed workload at $RATES req/s, PD and colocated in turn at each rate"
+BOUND=(-n "$REQUESTS")
+if [[ -n "$DURATION" ]]; then BOUND=(--duration "$DURATION"); fi
+scrape before
+"$PDCTL" bench "${CONFIG[@]}" "${WORKLOAD[@]}" --long-fraction 0.2 --rate "$RATES" "${BOUND[@]}" \
+    --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" --ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" \
+    -o "$OUT/ab.json" --html "$OUT/report.html" --plots "$OUT/plots" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
+    | tee "$OUT/bench.txt"
+scrape after
+machine "after" >> "$OUT/machine.txt"
+
+step 7/7 "stop everything, then the plots as PNG"
+stop_all
+# PNG beside each SVG when a renderer is at hand: rsvg-convert, else a headless Chromium screenshot.
+CHROMIUM="$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)"
+PNGS=0
+for svg in "$OUT"/plots/*.svg; do
+    [[ "$PNG" == 1 ]] || break
+    png="${svg%.svg}.png"
+    if command -v rsvg-convert >/dev/null; then
+        rsvg-convert -b white -o "$png" "$svg" 2>/dev/null || true
+    elif [[ -n "$CHROMIUM" ]]; then
+        dims="$(sed -n 's/^<svg[^>]* width="\([0-9]*\)" height="\([0-9]*\)".*/\1,\2/p' "$svg" | head -1)"
+        profile="$(mktemp -d)"
+        "$CHROMIUM" --headless --no-sandbox --disable-gpu --disable-background-networking --no-first-run \
+            --hide-scrollbars --user-data-dir="$profile" --window-size="${dims:-660,300}" \
+            --screenshot="$png" "file://$svg" >/dev/null 2>&1 || true
+        rm -rf "$profile"
+    fi
+    if [[ -s "$png" ]]; then PNGS=$((PNGS + 1)); fi
+done
+if [[ "$PNG" == 1 ]]; then echo "$PNGS PNG plots written (PNG needs rsvg-convert or Chromium; SVG always)"; fi
+
+cat <<EOF
+
+Results in $OUT:
+  report.html    tables and plots (open it in a browser)
+  ab.json        every run, PD and colocated, vLLM bench serve's keys plus pdctl's (pdctl.engine, pdctl.by_kind)
+  plots/         goodput vs rate, latency CDFs per rate (sides overlaid), TPOT over time with long-prompt arrivals,
+                 requests running on each engine
+  bench.txt      the tables as printed; metrics/ raw /metrics of both engines before and after; machine.txt
+EOF
