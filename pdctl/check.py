@@ -229,8 +229,9 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     elif backend == "shared_storage" and kind != "shared_storage" and name not in _RENAMED:
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "shared_storage" but the connector is {name}',
-                   'or use kv_connector = "ExampleConnector" with a shared_storage_path',
-                   fixes=({"kv_transfer.backend": "nixl"},) if name in NIXL_CONNECTORS else ())  # fmt: skip
+                   'or use kv_connector = "ExampleConnector" with a shared_storage_path' if kind == "params" else None,
+                   fixes=({"kv_transfer.backend": "nixl"},) if kind == "params"
+                   else _connector_fix(c, "connector.kv_connector", name, "ExampleConnector"))  # fmt: skip
     if kind == "shared_storage" and not (
         dep.kv_transfer.shared_storage_path or dep.connector.extra_config.get("shared_storage_path")
     ):
