@@ -8,8 +8,9 @@ one and starts the result on the simulator. Rules never raise; they return findi
 
 Besides pdctl's own rules: the model's context length (:mod:`pdctl.modelinfo`) for what vLLM refuses at
 start (PD024, PD026), the warm-up's identity rule (PD027), and, on request, the installed vLLM's own parser
-over the planned command lines (PD028, :mod:`pdctl.vllm_args`). The gateway's keys: clients holding the paid
-upstream key (PD030), token counts estimated for lack of a tokenizer (PD031).
+over the planned command lines (PD028, :mod:`pdctl.vllm_args`; ``check`` and ``up`` ask for it). The gateway's
+keys: clients holding the paid upstream key (PD030), token counts estimated for lack of a tokenizer (PD031). The
+agent routes: vLLM's tool calling on both workers alike (PD032).
 
 Vocabulary: a lint result is a **finding** (:class:`Finding`, by severity), never a "check" (``verify``'s
 word for a test of a running deployment) nor an "invariant" (the reliability tests'); docs/architecture.md.
