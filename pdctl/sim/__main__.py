@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--enable-request-id-headers", action="store_true")
+    # Accepted (and checked as vLLM checks them) so PD032's fix starts here; the simulator fakes tool calls anyway.
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--sim-profile", default="fast", help="fast | h100 | h200 | a100")
     p.add_argument("--sim-speed", type=float, default=1.0, help="divide every simulated time by this")
     p.add_argument("--sim-kv-scale", type=float, default=1.0, help="fraction of the model's KV bytes to move")
@@ -149,6 +152,8 @@ def _engine_config(args: argparse.Namespace, log: L.VllmLog) -> EngineConfig:
         link = get_link(args.sim_link)
     except ValueError as e:
         raise _Fatal(str(e)) from None
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise _Fatal("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser")
     if args.sim_speed <= 0:
         raise _Fatal("--sim-speed must be > 0")
     if not 0 < args.sim_kv_scale <= 1:

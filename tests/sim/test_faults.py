@@ -134,6 +134,15 @@ def test_bad_flag_value_fails_like_vllm(sims: Sims) -> None:
     assert "kv_ip: Extra inputs are not permitted" in sp2.output()
 
 
+def test_tool_calling_flags_are_checked_like_vllm(sims: Sims) -> None:
+    """PD032's fix starts on the simulator; the flag without a parser fails as vLLM's validate_parsed_serve_args."""
+    sp = sims.start("--enable-auto-tool-choice", wait_ready=False)
+    assert sp.wait_exit(20) == 1
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in sp.output()
+    ok = sims.start("--enable-auto-tool-choice", "--tool-call-parser", "hermes", name="tools")
+    assert ok.wait_exit(1) is None
+
+
 def test_crash_after_n_requests(sims: Sims) -> None:
     sp = sims.start("--sim-fault", "crash-after:2")
     assert _completion(sp, _body()).status_code == 200
