@@ -44,7 +44,7 @@ def test_the_holder_counts_connections_per_port_and_frees_the_port() -> None:
 @pytest.mark.parametrize("example", ["cpu", "cpu-shared-storage", "cpu-ab"])
 def test_an_example_copy_moves_only_its_port_numbers(tmp_path: Path, example: str) -> None:
     d = tmp_path / example
-    shutil.copytree(REPO / "examples" / example, d)
+    shutil.copytree(REPO / "examples" / example, d, ignore=shutil.ignore_patterns(".pdctl"))  # a demo run dir
     dep = move_to_free_ports(d)
     assert dep.gateway.url == f"http://127.0.0.1:{dep.gateway.listen_port}"
     assert not set(listened_ports(dep)) & set(well_known_ports())
@@ -61,6 +61,6 @@ def _ports_blanked(text: str) -> str:
 
 
 def test_an_example_with_implicit_side_channels_is_refused(tmp_path: Path) -> None:
-    shutil.copytree(REPO / "examples" / "gpu-2p2d", tmp_path / "x")
+    shutil.copytree(REPO / "examples" / "gpu-2p2d", tmp_path / "x", ignore=shutil.ignore_patterns(".pdctl"))
     with pytest.raises(AssertionError, match=r"ports \[5600, 5700, 5800, 5900\] were not moved"):
         move_to_free_ports(tmp_path / "x")
