@@ -33,9 +33,10 @@ VENV="$VENV" scripts/install-cpu-engine.sh
 step 2/6 "generate the tiny random Qwen3 model in $MODEL_DIR"
 "$PDCTL" model tiny "$MODEL_DIR"
 
-# True when a deployment of examples/cpu is up and ready. Whatever `status --json` prints (nothing, an error,
-# JSON of another shape), this answers yes or no and never shows a traceback.
-running() {
+# The state of a deployment of examples/cpu: "ready", "none" (no supervisor runs), or the status of one that
+# runs but is not ready ("starting", "stopping", ...). Whatever `status --json` prints (nothing, an error, JSON
+# of another shape), this prints one word and never shows a traceback.
+deployment() {
     local out
     out="$("$PDCTL" status --json "${CONFIG[@]}" 2>/dev/null)" || true
     "$VENV/bin/python" -c '
@@ -43,17 +44,24 @@ import json, sys
 try:
     d = json.loads(sys.argv[1])
 except ValueError:
-    sys.exit(1)
-sys.exit(0 if isinstance(d, dict) and d.get("supervisor_running") and d.get("status") == "ready" else 1)
-' "$out" 2>/dev/null
+    d = None
+running = isinstance(d, dict) and d.get("supervisor_running") is True
+print(str(d.get("status") or "unknown") if running else "none")
+' "$out" 2>/dev/null || echo none
 }
 
 step 3/6 "start prefill (core 0), decode (core 1) and the gateway (1-3 min on 2 cores)"
-if running; then
-    echo "a deployment of examples/cpu is already running: reusing it"
-else
-    "$PDCTL" up -d "${CONFIG[@]}"
-fi
+state="$(deployment)"
+case "$state" in
+    ready) echo "a deployment of examples/cpu is already running: reusing it" ;;
+    none) "$PDCTL" up -d "${CONFIG[@]}" ;;
+    *)
+        echo "a deployment of examples/cpu is running but not ready (status: $state):" \
+            "wait for it (\`$PDCTL status ${CONFIG[*]}\`), or stop it (\`$PDCTL down ${CONFIG[*]}\`)" \
+            "and run the demo again" >&2
+        exit 1
+        ;;
+esac
 "$PDCTL" status "${CONFIG[@]}"
 
 step 4/6 "verify: the recipe's requests, and proof that the KV moved from prefill to decode intact"
@@ -85,4 +93,6 @@ Try it:
 
 Stop it:
   $PDCTL down ${CONFIG[*]}
+
+scripts/test.sh runs beside it (the tests use their own ports), more slowly while its engines hold the cores.
 EOF

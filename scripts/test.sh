@@ -30,6 +30,19 @@ lint() {
     .venv/bin/mypy benchmarks # relaxed settings (pyproject.toml)
 }
 
+# scripts/demo.sh leaves its deployment up. The tests never touch it: each deployment they start is a copy on
+# free ports with its own run directory (tests/conftest.py holds the examples' ports to keep it that way).
+demo_up() {
+  [[ -x .venv/bin/pdctl ]] || return 1
+  .venv/bin/pdctl status --json -c examples/cpu/config.toml -s examples/cpu/settings.json 2>/dev/null |
+    $py -c 'import json, sys; sys.exit(0 if json.load(sys.stdin).get("supervisor_running") is True else 1)' 2>/dev/null
+}
+if demo_up; then
+  echo "note: the demo's deployment (examples/cpu) is up; the tests run beside it on their own ports and leave it" \
+    "running. Its two engines share the cores, so the real stage is slower (to free them first:" \
+    ".venv/bin/pdctl down -c examples/cpu/config.toml -s examples/cpu/settings.json)"
+fi
+
 stage "lint and types" lint
 stage "fast suite (simulator, fakes, fixtures)" $py -m pytest -m "not real and not gpu and not soak" -q "$@"
 if [[ $fast == 0 ]]; then

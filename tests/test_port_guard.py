@@ -1,0 +1,66 @@
+"""The guard in tests/conftest.py: the examples' ports held for the session, and example copies on free ports.
+
+A test that needs 8000 or 5600 to be free passes on a quiet machine and fails beside the demo (issue 15);
+these tests prove the guard makes it fail everywhere, and that the real tests' copies keep the shipped files.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from pdctl.config import load
+from pdctl.testing import free_port, port_free
+from tests.conftest import REPO, PortHolder, listened_ports, move_to_free_ports, well_known_ports
+
+
+def test_every_examples_port_is_taken_during_the_session(_hold_well_known_ports: PortHolder) -> None:
+    ports = well_known_ports()
+    assert {8000, 8100, 8200, 5600, 5700} <= set(ports)  # examples/cpu, the demo's
+    assert set(_hold_well_known_ports.held) <= set(ports)
+    # Held by this session or by someone else (a running demo): either way a test cannot bind it.
+    assert [p for p in ports if port_free(p)] == []
+
+
+def test_the_holder_counts_connections_per_port_and_frees_the_port() -> None:
+    port = free_port()
+    holder = PortHolder([port])
+    try:
+        assert holder.held == [port] and not port_free(port)
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                assert c.recv(1) == b""  # closed at once: a client fails fast instead of hanging
+        assert holder.connections == {port: 2}
+        assert PortHolder([port]).held == []  # taken: left alone
+    finally:
+        holder.close()
+    assert port_free(port)
+
+
+@pytest.mark.parametrize("example", ["cpu", "cpu-shared-storage", "cpu-ab"])
+def test_an_example_copy_moves_only_its_port_numbers(tmp_path: Path, example: str) -> None:
+    d = tmp_path / example
+    shutil.copytree(REPO / "examples" / example, d, ignore=shutil.ignore_patterns(".pdctl"))  # a demo run dir
+    dep = move_to_free_ports(d)
+    assert dep.gateway.url == f"http://127.0.0.1:{dep.gateway.listen_port}"
+    assert not set(listened_ports(dep)) & set(well_known_ports())
+    for name in sorted(p.name for p in d.iterdir()):
+        shipped, moved = (f.read_text(encoding="utf-8") for f in (REPO / "examples" / example / name, d / name))
+        assert _ports_blanked(moved) == _ports_blanked(shipped), name
+        assert moved != shipped or not name.startswith("settings"), name
+    for settings in d.glob("settings*.json"):
+        assert not set(listened_ports(load(d / "config.toml", settings))) & set(well_known_ports())
+
+
+def _ports_blanked(text: str) -> str:
+    return re.sub(r'(side_channel_port = |:)\d+(\n|")', r"\1PORT\2", text)
+
+
+def test_an_example_with_implicit_side_channels_is_refused(tmp_path: Path) -> None:
+    shutil.copytree(REPO / "examples" / "gpu-2p2d", tmp_path / "x", ignore=shutil.ignore_patterns(".pdctl"))
+    with pytest.raises(AssertionError, match=r"ports \[5600, 5700, 5800, 5900\] were not moved"):
+        move_to_free_ports(tmp_path / "x")
