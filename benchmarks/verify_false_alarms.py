@@ -1,7 +1,8 @@
 """Real vLLM CPU: how often ``pdctl verify`` cries wolf on a fresh start, and whether it catches a broken link.
 
-Fresh runs (the newcomer's path, as ``scripts/demo.sh`` does it): ``pdctl up -d``, ``pdctl verify --json`` at
-once, ``pdctl down``; every ``--loaded-every``-th run beside ``--hogs`` busy-looping processes. Recorded per
+Fresh runs (the newcomer's path, as ``scripts/demo.sh`` does it, on a copy of ``examples/cpu`` moved to free
+ports): ``pdctl up -d``, ``pdctl verify --json`` at once, ``pdctl down``; every ``--loaded-every``-th run beside
+``--hogs`` busy-looping processes, every ``--cold-every``-th with empty compile caches. Recorded per
 run: the verdict, the failed checks, and per probe the first difference (position, token ids, margins,
 verdict) and the batch context (each worker's running + waiting requests just before each leg).
 
