@@ -78,10 +78,16 @@ def validate_commands(
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise ValidatorUnavailable(f"vLLM's parser could not run: {tail}")
-    result = json.loads(lines[-1])
-    if "unavailable" in result:
-        raise ValidatorUnavailable(str(result["unavailable"]))
-    return [Refusal(r["worker"], r.get("flag"), r["message"]) for r in result["refusals"]]
+    try:
+        result = json.loads(lines[-1])
+        if "unavailable" in result:
+            raise ValidatorUnavailable(str(result["unavailable"]))
+        return [Refusal(str(r["worker"]), r.get("flag"), str(r["message"])) for r in result["refusals"]]
+    except (ValueError, TypeError, KeyError) as exc:
+        # Not pdctl's child script answering: a wrapper or another program stands in for the engine's python.
+        raise ValidatorUnavailable(
+            f"vLLM's parser gave an answer pdctl cannot read ({exc!r}): {lines[-1][:200]}"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------ child side

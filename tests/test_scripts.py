@@ -252,7 +252,7 @@ def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         assert "[6/7]" in seen, seen
         time.sleep(2)  # the bench is running
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
-        rest, _ = proc.communicate(timeout=90)
+        rest, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
