@@ -164,6 +164,21 @@ def _ab_demo(out: Path, port: int, *extra: str, engine: str = "sim") -> subproce
     )
 
 
+def _kill_script(proc: subprocess.Popen[str], out: Path) -> None:
+    """After a timeout: the script's group, then what it started in sessions of their own (the detached
+    deployment of ``out/deploy``, the colocated gateway), so a failed test leaves nothing running."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    deploy = out / "deploy"
+    if (deploy / "config.toml").exists():
+        subprocess.run(
+            [sys.executable, "-m", "pdctl", "down", "-c", str(deploy / "config.toml"), "-s", str(deploy / "settings.json")],
+            capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    for p in psutil.process_iter(["cmdline"]):
+        if str(out) in " ".join(p.info["cmdline"] or []):
+            p.kill()
+
+
 def _nothing_left(out: Path, port: int) -> None:
     """No process of the run remains: every port it used is free and none runs from its folder."""
     deadline = time.monotonic() + 30
@@ -203,7 +218,7 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
         stdout, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_script(proc, out)
     assert proc.returncode == 0, stdout
     assert f"Results in {out}" in stdout and "Traceback" not in stdout
     runs = json.loads((out / "ab.json").read_text())
@@ -255,7 +270,7 @@ def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
         rest, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_script(proc, out)
     assert proc.returncode == 130, seen + rest
     assert "Traceback" not in seen + rest
     _nothing_left(out, port)
