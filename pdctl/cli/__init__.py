@@ -1,25 +1,39 @@
 """pdctl's command line: the only package that touches typer/rich output or exits.
 
-Each command group lives in its own module and registers on the shared ``app``.
+Each command group lives in its own module and registers on the shared ``app`` (:mod:`pdctl.cli._app`).
+The command modules are imported by :func:`main` (and on first use of ``app``), not when this package is: a
+Ctrl-C that lands while a loaded machine is still importing them ends pdctl with 130, not a traceback.
 """
 
 from __future__ import annotations
 
-from pdctl.cli import (  # noqa: F401  (imported for their command registrations)
-    bench_cmd,
-    config_cmds,
-    gateway_cmd,
-    keys_cmd,
-    model_cmd,
-    render_cmd,
-    run_cmds,
-    verify_cmd,
-)
-from pdctl.cli._app import app, run
+import importlib
+import sys
+from typing import Any
 
 __all__ = ["app", "main"]
+
+_COMMAND_MODULES = ("bench_cmd", "config_cmds", "gateway_cmd", "keys_cmd", "model_cmd", "render_cmd", "run_cmds",
+                    "verify_cmd")  # fmt: skip
+
+
+def _load() -> Any:
+    """Import every command module (each registers its commands on ``app``); the typer app."""
+    for name in _COMMAND_MODULES:
+        importlib.import_module(f"pdctl.cli.{name}")
+    return importlib.import_module("pdctl.cli._app")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return _load().app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:
     """Console-script entry point."""
+    try:
+        run = _load().run
+    except KeyboardInterrupt:
+        sys.exit(130)
     run()
