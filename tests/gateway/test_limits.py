@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -75,17 +74,6 @@ def test_admission_predictor() -> None:
     for x in (0.1, 0.3, 0.1, 0.3):
         p90.observe_handoff(x)
     assert p90.handoff.value(True) > p90.handoff.value(False)  # type: ignore[operator]
-
-
-@pytest.fixture
-def procs() -> Iterator[tuple[list[FakeProc], list[GatewayThread]]]:
-    fakes: list[FakeProc] = []
-    gws: list[GatewayThread] = []
-    yield fakes, gws
-    for g in gws:
-        g.stop()
-    for f in fakes:
-        f.kill()
 
 
 def test_g9_concurrency_cap_burst(procs: tuple) -> None:

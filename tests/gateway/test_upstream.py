@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 
@@ -27,21 +25,10 @@ def test_base_url_convention() -> None:
     assert upstream_url("http://127.0.0.1:9000", "/models") == "http://127.0.0.1:9000/v1/models"
 
 
-@pytest.fixture
-def setup() -> Iterator[tuple[list[FakeProc], list[GatewayThread]]]:
-    fakes: list[FakeProc] = []
-    gws: list[GatewayThread] = []
-    yield fakes, gws
-    for g in gws:
-        g.stop()
-    for f in fakes:
-        f.kill()
-
-
 def _start(
-    setup: tuple[list[FakeProc], list[GatewayThread]], spec: dict, **kw: object
+    procs: tuple[list[FakeProc], list[GatewayThread]], spec: dict, **kw: object
 ) -> tuple[FakeProc, GatewayThread, FakeProc]:
-    fakes, gws = setup
+    fakes, gws = procs
     worker = FakeProc("fake_pd_worker.py", {})
     fakes.append(worker)
     up = FakeProc("fake_upstream.py", {"prefix": "/api/v1", "key": UPSTREAM_KEY, "models": ["gpt-up"], **spec})
@@ -53,8 +40,8 @@ def _start(
     return up, g, worker
 
 
-def test_upstream_serves_non_local_models_with_upstream_key(setup: tuple) -> None:
-    up, g, worker = _start(setup, {})
+def test_upstream_serves_non_local_models_with_upstream_key(procs: tuple) -> None:
+    up, g, worker = _start(procs, {})
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0)
     chat = client.chat.completions.create(**CHAT)
     assert chat.choices[0].message.content == "up up up "
@@ -73,8 +60,8 @@ def test_upstream_serves_non_local_models_with_upstream_key(setup: tuple) -> Non
     assert r.headers["x-pd-path"] == "upstream"
 
 
-def test_retries_before_first_byte_with_fresh_ids(setup: tuple) -> None:
-    up, g, _ = _start(setup, {"script": [{"status": 503}, {"reset": True}, {"status": 200}]})
+def test_retries_before_first_byte_with_fresh_ids(procs: tuple) -> None:
+    up, g, _ = _start(procs, {"script": [{"status": 503}, {"reset": True}, {"status": 200}]})
     with g.client() as c:
         r = c.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "upreq"})
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
@@ -83,16 +70,16 @@ def test_retries_before_first_byte_with_fresh_ids(setup: tuple) -> None:
     assert g.metric("pdctl_retries_total", leg="upstream") == 2
 
 
-def test_retries_bounded_by_max_retries(setup: tuple) -> None:
-    up, g, _ = _start(setup, {"script": [{"status": 502}]}, max_retries=1)
+def test_retries_bounded_by_max_retries(procs: tuple) -> None:
+    up, g, _ = _start(procs, {"script": [{"status": 502}]}, max_retries=1)
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
     assert len([e for e in up.log() if e["path"].endswith("completions")]) == 2
 
 
-def test_g12_upstream_429_retry_after_passed_on(setup: tuple) -> None:
-    up, g, _ = _start(setup, {"script": [{"status": 429, "retry_after": "7"}, {"status": 200}]})
+def test_g12_upstream_429_retry_after_passed_on(procs: tuple) -> None:
+    up, g, _ = _start(procs, {"script": [{"status": 429, "retry_after": "7"}, {"status": 200}]})
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 429
@@ -101,17 +88,17 @@ def test_g12_upstream_429_retry_after_passed_on(setup: tuple) -> None:
     assert len([e for e in up.log() if e["path"].endswith("completions")]) == 1
 
 
-def test_short_retry_after_is_honoured(setup: tuple) -> None:
-    up, g, _ = _start(setup, {"script": [{"status": 429, "retry_after": "0"}, {"status": 200}]})
+def test_short_retry_after_is_honoured(procs: tuple) -> None:
+    up, g, _ = _start(procs, {"script": [{"status": 429, "retry_after": "0"}, {"status": 200}]})
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 200
     assert len([e for e in up.log() if e["path"].endswith("completions")]) == 2
 
 
-def test_g13_upstream_401_is_502_and_key_not_leaked(setup: tuple, caplog: pytest.LogCaptureFixture) -> None:
+def test_g13_upstream_401_is_502_and_key_not_leaked(procs: tuple, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("DEBUG")
-    up, g, _ = _start(setup, {"key": "sk-some-other-key-000000"})
+    up, g, _ = _start(procs, {"key": "sk-some-other-key-000000"})
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 502
@@ -123,8 +110,8 @@ def test_g13_upstream_401_is_502_and_key_not_leaked(setup: tuple, caplog: pytest
     assert UPSTREAM_KEY not in g.metrics_text()
 
 
-def test_models_answer_when_upstream_is_down(setup: tuple) -> None:
-    up, g, _ = _start(setup, {})
+def test_models_answer_when_upstream_is_down(procs: tuple) -> None:
+    up, g, _ = _start(procs, {})
     up.kill()
     with g.client() as c:
         r = c.get("/v1/models")
