@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pdctl.bench.metrics import percentile
 
-__all__ = ["PALETTE", "Frame", "cdf", "lines", "nice_max", "spans"]
+__all__ = ["PALETTE", "Frame", "cdf", "lines", "nice_max", "spans", "ticks"]
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
 MARKER_COLOUR = "#e377c2"
@@ -54,15 +54,33 @@ class Frame:
         return _ML + fx * self.plot_w, _MT + self.plot_h - fy * self.plot_h
 
 
+def _steps(v: float) -> list[float]:
+    """Tick steps of 1, 2, 2.5 and 5 times a power of ten, ascending, from a tenth of ``v``'s decade."""
+    exp = 10 ** (math.floor(math.log10(v)) - 1)
+    return [m * exp * 10**k for k in range(3) for m in (1, 2, 2.5, 5)]
+
+
 def nice_max(v: float) -> float:
-    """The smallest 1, 2, 2.5 or 5 times a power of ten that is >= ``v`` (an axis end)."""
+    """The axis end for data up to ``v``: the smallest multiple of a 1/2/2.5/5 step that covers ``v`` in at most
+    five steps (so 63 s ends at 80, not 100, and every tick label is round)."""
     if not v > 0 or not math.isfinite(v):
         return 1.0
-    exp = 10 ** math.floor(math.log10(v))
-    for m in (1, 2, 2.5, 5, 10):
-        if v <= m * exp * (1 + 1e-9):
-            return float(m * exp)
-    return float(10 * exp)
+    for step in _steps(v):
+        n = math.ceil(v / step - 1e-9)
+        if n <= 5:
+            return float(n * step)
+    return float(10 ** math.ceil(math.log10(v)))
+
+
+def ticks(end: float) -> list[float]:
+    """Tick values from 0 to ``end``: the finest round step that divides ``end`` into 3 to 6 parts (0, 0.5 .. 2.5
+    rather than 0, 0.625 .. 2.5), else quarters."""
+    if end > 0 and math.isfinite(end):
+        for step in _steps(end):
+            n = end / step
+            if 3 <= round(n) <= 6 and abs(n - round(n)) < 1e-6:
+                return [step * i for i in range(round(n) + 1)]
+    return [end * i / 4 for i in range(5)]
 
 
 def _fmt(v: float) -> str:
@@ -101,12 +119,13 @@ def _svg(
         f"{html.escape(title)}</text>",
         f'<rect x="{_ML}" y="{_MT}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>',
     ]
-    for i in range(5):
-        f = i / 4
-        x, y = _ML + f * pw, _MT + ph - f * ph
+    for v in ticks(frame.ymax):
+        y = _MT + ph - v / frame.ymax * ph
         parts.append(f'<line x1="{_ML}" y1="{y:.1f}" x2="{_ML + pw}" y2="{y:.1f}" stroke="#eee"/>')
-        parts.append(f'<text x="{_ML - 4}" y="{y + 4:.1f}" text-anchor="end">{_fmt(frame.ymax * f)}</text>')
-        parts.append(f'<text x="{x:.1f}" y="{_MT + ph + 14}" text-anchor="middle">{_fmt(frame.xmax * f)}</text>')
+        parts.append(f'<text x="{_ML - 4}" y="{y + 4:.1f}" text-anchor="end">{_fmt(v)}</text>')
+    for v in ticks(frame.xmax):
+        x = _ML + v / frame.xmax * pw
+        parts.append(f'<text x="{x:.1f}" y="{_MT + ph + 14}" text-anchor="middle">{_fmt(v)}</text>')
     parts.append(f'<text x="{_ML + pw / 2}" y="{frame.height - 6}" text-anchor="middle">{html.escape(xlabel)}</text>')
     parts.append(
         f'<text x="14" y="{_MT + ph / 2}" text-anchor="middle" transform="rotate(-90 14 {_MT + ph / 2})">'
