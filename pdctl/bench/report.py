@@ -507,6 +507,27 @@ def _over_time(run_by_name: Mapping[str, RunResult], colours: Mapping[str, str],
     return svg.spans(title, ylabel, series, colours, markers, size=_TIME_SIZE)
 
 
+def _itl_over_time(run_by_name: Mapping[str, RunResult], colours: Mapping[str, str], title: str) -> str:
+    """Every gap between two tokens of the short requests, drawn where it happened at its length: a decode stalled
+    by a long prefill shows as one long, high segment right after a long-prompt arrival. Not clipped: the
+    stalls are the point."""
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    for name, run in run_by_name.items():
+        pts: list[tuple[float, float, float]] = []
+        for r in run.results:
+            if not r.success or r.kind == "long":
+                continue
+            t = r.sent_s + r.ttft_s
+            for gap in r.itl_s:
+                pts.append((t, t + gap, gap * 1000))
+                t += gap
+        series[name] = pts
+    first = next(iter(run_by_name.values()))
+    markers = [r.sent_s for r in first.results if r.kind == "long"]
+    return svg.spans(title, "gap between tokens of the short requests (ms)" if markers else "gap between tokens (ms)",
+                     series, colours, markers, y_percentile=100.0, size=_TIME_SIZE)  # fmt: skip
+
+
 def _against_rate(runs: Sequence[RunResult], sides: Sequence[str], colours: Mapping[str, str]) -> list[tuple[str, str]]:
     rated = [r for r in runs if math.isfinite(r.shape.rate) and not r.target.workload.timed]
     if len({r.shape.rate for r in rated}) < 2:
@@ -565,6 +586,11 @@ def plot_groups(runs: Sequence[RunResult]) -> list[tuple[str, list[tuple[str, st
         times = [(f"tpot-over-time-{_slug(load)}",
                   _over_time({r.target.label: r for r in runs if run_load(r) == load}, colours,
                              f"TPOT over time, {load}")) for load in loads]  # fmt: skip
+        out.append(("TPOT over time", times))
+        times = [(f"itl-over-time-{_slug(load)}",
+                  _itl_over_time({r.target.label: r for r in runs if run_load(r) == load}, colours,
+                                 f"Gaps between tokens over time, {load}")) for load in loads]  # fmt: skip
+        out.append(("Gaps between tokens over time (decode stalls)", times))
     else:
         # One deployment: every load overlaid in each CDF.
         colours = _colours(loads)
@@ -575,7 +601,7 @@ def plot_groups(runs: Sequence[RunResult]) -> list[tuple[str, list[tuple[str, st
         out.append(("Latency CDFs, one curve per load", cdfs))
         times = [(f"tpot-over-time-{_slug(run_name(r))}", _over_time({run_load(r): r}, colours,
                   f"TPOT over time, {run_load(r)}")) for r in runs]  # fmt: skip
-    out.append(("TPOT over time", times))
+        out.append(("TPOT over time", times))
     running = [_running(group, f"Requests running on each engine, {load}", f"running-{_slug(load)}")
                for load in loads if (group := [r for r in runs if run_load(r) == load and r.gauges])]  # fmt: skip
     if running:

@@ -180,13 +180,14 @@ def spans(
     markers: Sequence[float],
     *,
     marker_label: str = "long-prompt arrival",
+    y_percentile: float = 99.5,
     size: tuple[int, int] = (420, 260),
 ) -> str:
-    """Horizontal segments ``(x_start, x_end, y)`` (a request's decode window at its TPOT; y clipped at the
-    p99.5), with a vertical line at each of ``markers``."""
+    """Horizontal segments ``(x_start, x_end, y)`` (a request's decode window at its TPOT, or one gap between two
+    tokens at its length; y clipped at its ``y_percentile``), with a vertical line at each of ``markers``."""
     all_spans = [p for pts in series.values() for p in pts]
+    ymax = nice_max(percentile([p[2] for p in all_spans], y_percentile) * 1.1 if all_spans else 1.0)
     xmax = nice_max(max([p[1] for p in all_spans] + list(markers) + [1e-9]) * 1.02)
-    ymax = nice_max(percentile([p[2] for p in all_spans], 99.5) * 1.1 if all_spans else 1.0)
     frame = Frame(size[0], size[1], xmax, ymax)
     body: list[str] = []
     for t in markers:

@@ -69,9 +69,18 @@ class FakeServer:
     """An OpenAI-style streaming server whose TTFT grows with the requests in flight."""
 
     def __init__(
-        self, *, ttft_s: float = 0.01, per_inflight_s: float = 0.0, itl_s: float = 0.002, path: str = "disagg"
+        self,
+        *,
+        ttft_s: float = 0.01,
+        per_inflight_s: float = 0.0,
+        itl_s: float = 0.002,
+        path: str = "disagg",
+        stall_s: float = 0.0,
     ):
         self.ttft_s, self.per_inflight_s, self.itl_s, self.path = ttft_s, per_inflight_s, itl_s, path
+        # the first stream's second token comes stall_s late: one decode stall
+        self.stall_s = stall_s
+        self.started = 0
         self.inflight = 0
         self.max_inflight = 0
         self.requests: list[dict[str, Any]] = []
@@ -103,11 +112,13 @@ class _Stream(httpx.AsyncByteStream):
     async def __aiter__(self) -> Any:
         s = self.server
         s.inflight += 1
+        s.started += 1
+        stall = s.stall_s if s.started == 1 else 0.0
         s.max_inflight = max(s.max_inflight, s.inflight)
         await asyncio.sleep(s.ttft_s + s.per_inflight_s * (s.inflight - 1))
         for i in range(self.n):
             if i:
-                await asyncio.sleep(s.itl_s)
+                await asyncio.sleep(s.itl_s + (stall if i == 1 else 0.0))
             yield b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
         usage = {"prompt_tokens": 7, "completion_tokens": self.n, "total_tokens": 7 + self.n}
         # Done before the last chunk: the client stops reading at [DONE] and never resumes this generator.
@@ -431,10 +442,25 @@ def test_html_report_of_an_ab_overlays_the_sides_at_every_rate() -> None:
         assert ">colocated<" in plots[f"TPOT over time, {rate} req/s"]
     goodput = plots["Goodput vs request rate"]
     assert ">colocated<" in goodput and ">pd<" in goodput and "goodput = rate" in goodput
+    assert ">colocated<" in plots["Gaps between tokens over time, 20 req/s"]
     # Each side keeps its colour on every plot.
     colour = re.search(r'fill="(#[0-9a-f]{6})"/><text[^>]*>pd<', goodput)
     assert colour is not None
     assert all(f'fill="{colour.group(1)}"/><text' in p for t, p in plots.items() if "CDF" in t)
+
+
+def test_a_decode_stall_shows_at_its_full_length_in_the_gaps_over_time() -> None:
+    stalled, smooth = FakeServer(stall_s=0.4), FakeServer()
+    shape = LoadShape(num_requests=4, warmup=0)
+    pair = run_async(run_ab(target(stalled, label="colocated"), target(smooth, label="pd"), shape, [50.0]))
+    plot = _svgs(render_html([pair.a[0], pair.b[0]]))["Gaps between tokens over time, 50 req/s"]
+    # one ~400 ms gap among ~2 ms ones: the y axis reaches it (not clipped at a percentile), and one segment
+    # of the stalled side's colour is drawn that wide
+    assert 400.0 <= max(_y_ticks(plot)) <= 600.0
+    segment = r'<line x1="([0-9.]+)" y1="[0-9.]+" x2="([0-9.]+)" y2="[0-9.]+" stroke="(#[0-9a-f]+)" stroke-width="2"'
+    wide = [colour for a, b, colour in re.findall(segment, plot) if float(b) - float(a) > 20]
+    colocated = re.search(r'fill="(#[0-9a-f]{6})"/><text[^>]*>colocated<', plot)
+    assert colocated is not None and wide == [colocated.group(1)]
 
 
 def test_plots_as_files_and_the_best_swept_rate_per_side(tmp_path: Path) -> None:
@@ -449,7 +475,8 @@ def test_plots_as_files_and_the_best_swept_rate_per_side(tmp_path: Path) -> None
     written = write_plots(tmp_path / "plots", runs)
     names = sorted(p.name for p in written)
     assert "goodput-vs-rate.svg" in names and "tpot-over-time-5-req-s.svg" in names
-    assert "ttft-cdf-1000-req-s.svg" in names and len(names) == len(set(names)) == 4 + 2 * 4 + 2
+    assert "ttft-cdf-1000-req-s.svg" in names and "itl-over-time-5-req-s.svg" in names
+    assert len(names) == len(set(names)) == 4 + 2 * 4 + 2 + 2
     # each file is the report's own plot
     assert (tmp_path / "plots" / "goodput-vs-rate.svg").read_text() in page
 
