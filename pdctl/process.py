@@ -39,6 +39,9 @@ from pdctl.plan import ProcessSpec
 __all__ = ["ExitInfo", "ManagedProcess", "NeverReadyError", "ProcessExitedError", "child_env", "signal_name"]
 
 TAIL_LINES = 40
+#: How long a process that printed a dead-end line may take to exit by itself (vLLM does on a taken HTTP port)
+#: before it counts as one that runs on but can never become ready: its exit report is the better one.
+DEAD_END_GRACE_S = 2.0
 
 
 def child_env(spec: ProcessSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -120,6 +123,7 @@ class ManagedProcess:
         self._log_fh: IO[bytes] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._dead_end: Diagnosis | None = None
+        self._dead_end_at = 0.0
         self._known: dict[int, psutil.Process] = {}
         self.pid = 0
         self.pgid = 0
@@ -174,8 +178,9 @@ class ManagedProcess:
     def _keep(self, line: str) -> None:
         """Each line the child prints, on the reader thread: into the tail, and the first dead end noted."""
         self._tail.append(line)
-        if self._dead_end is None:
-            self._dead_end = dead_end(line)
+        if self._dead_end is None and (found := dead_end(line)) is not None:
+            self._dead_end_at = time.monotonic()
+            self._dead_end = found
 
     def _write_files(self) -> None:
         for path, text in self.spec.files.items():
@@ -245,8 +250,8 @@ class ManagedProcess:
 
     def never_ready(self) -> ExitInfo | None:
         """While the child runs: its report once it printed a line after which it can never become ready
-        (:func:`pdctl.diagnose.dead_end`), else None."""
-        if self._dead_end is None or not self.alive:
+        (:func:`pdctl.diagnose.dead_end`) and did not exit within ``DEAD_END_GRACE_S``, else None."""
+        if self._dead_end is None or time.monotonic() - self._dead_end_at < DEAD_END_GRACE_S or not self.alive:
             return None
         return ExitInfo(self.name, None, self.tail(), self._dead_end, str(self.log_path))
 
