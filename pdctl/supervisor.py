@@ -77,6 +77,9 @@ __all__ = [
 
 STOP_ORDER = ("gateway", "decode", "prefill")
 REFRESH_S = 2.0
+# The SIGTERM grace of a process that can never become ready: real vLLM in that state ignored SIGTERM for the
+# whole stop_timeout_s (30 s in examples/cpu) once its workers had stopped, 3 s after the signal.
+NEVER_READY_STOP_S = 5.0
 # A released gateway listens within tens of ms (it is woken by SIGCONT): poll it faster than the engines.
 RELEASE_POLL_S = 0.01
 
@@ -433,7 +436,8 @@ class Supervisor:
                                 ).start()
                         elif (why := self._hopeless(proc)) is not None:
                             self._emit("info", slot.spec.name, f"{slot.spec.name} {why}; stopping it")
-                            proc.stop(self.options.config.stop_timeout_s)
+                            grace = self.options.config.stop_timeout_s
+                            proc.stop(min(grace, NEVER_READY_STOP_S) if proc.never_ready() else grace)
                             if not self._handle_exit(slot, proc, now):
                                 return False
                 elif slot.state is ProcState.BACKOFF and now >= slot.next_start:
@@ -524,6 +528,9 @@ class Supervisor:
         grace = self.options.config.stop_timeout_s
         if role == "gateway" and self.options.gateway_stop_timeout_s is not None:
             grace = self.options.gateway_stop_timeout_s
+        if all(s.state is ProcState.FATAL for s in running):
+            # Never ready (a dead-end line): vLLM's engine, stuck waiting for its dead listener, sits out SIGTERM.
+            grace = min(grace, NEVER_READY_STOP_S)
         for s in running:
             assert s.proc is not None
             if s.proc.alive:

@@ -196,7 +196,8 @@ ZMQ_LINE = "(EngineCore_DP0 pid=4242) zmq.error.ZMQError: Address already in use
 @pytest.mark.parametrize(
     ("line", "port"),
     [
-        (ZMQ_LINE, 5700),  # vLLM's NIXL listener thread on a taken side-channel port
+        (ZMQ_LINE, 5700),  # vLLM's NIXL listener thread on a taken side-channel port, with a process prefix
+        ("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:20581')", 20581),  # as vLLM CPU 0.32
         ("(APIServer pid=7) OSError: [Errno 98] Address already in use", None),  # vLLM's HTTP socket
         ("OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 8100): address already in use",
          8100),

@@ -207,8 +207,9 @@ class SimEngine:
                 if exc.errno != errno.EADDRINUSE:
                     raise
                 self.log.info(L.W_NIXL_SCHED, f"Initializing NIXL Scheduler {k.engine_id}")
-                self.log.thread_died(L.ENGINE, "nixl_handshake_listener", L.LISTENER_FRAMES, "zmq.error.ZMQError: "
-                                     f"Address already in use (addr='tcp://{k.side_host}:{k.side_port}')")  # fmt: skip
+                self.log.debug(L.W_LISTEN, f"Starting listening on path: tcp://{k.side_host}:{k.side_port}")
+                self.log.thread_died("nixl_handshake_listener", L.LISTENER_FRAMES, "zmq.error.ZMQError: Address "
+                                     f"already in use (addr='tcp://{k.side_host}:{k.side_port}')")  # fmt: skip
                 raise SideChannelInUse(k.side_port) from None
             self.log.info(L.W_NIXL_SCHED, f"Initializing NIXL Scheduler {k.engine_id}")
             self.log.debug(L.W_LISTEN, f"Starting listening on path: tcp://{k.side_host}:{self.side_port}")

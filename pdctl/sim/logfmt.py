@@ -52,12 +52,12 @@ class VllmLog:
         except (BrokenPipeError, ValueError):
             pass
 
-    def thread_died(self, proc: str, thread: str, frames: tuple[str, ...], error: str) -> None:
-        """An exception that ended a thread, as Python's ``threading.excepthook`` prints it, with vLLM's process
-        prefix on each line and no level (it is not a log record, so ``VLLM_LOGGING_LEVEL`` does not hide it)."""
+    def thread_died(self, thread: str, frames: tuple[str, ...], error: str) -> None:
+        """An exception that ended a thread, as Python's ``threading.excepthook`` prints it: no process prefix and
+        no level (it is not a log record, so ``VLLM_LOGGING_LEVEL`` does not hide it), as real vLLM shows it."""
         lines = [f"Exception in thread {thread}:", "Traceback (most recent call last):", *frames, error]
         try:
-            self.stream.write("".join(f"({proc} pid={self.pid}) {line}\n" for line in lines))
+            self.stream.write("".join(f"{line}\n" for line in lines))
             self.stream.flush()
         except (BrokenPipeError, ValueError):
             pass
@@ -79,11 +79,20 @@ class VllmLog:
         self.log("ERROR", where, message)
 
 
-#: The frames of vLLM 0.32's NIXL handshake listener thread when its bind fails (the traceback's middle).
+#: The frames of vLLM 0.32's NIXL handshake listener thread when its bind fails (the traceback's middle, as
+#: seen with real vLLM CPU; site-packages paths shortened).
 LISTENER_FRAMES = (
-    '  File "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py", line 348, in '
+    '  File "threading.py", line 1045, in _bootstrap_inner',
+    "    self.run()",
+    '  File "threading.py", line 982, in run',
+    "    self._target(*self._args, **self._kwargs)",
+    '  File "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py", line 351, in '
     "_nixl_handshake_listener",
     "    with zmq_ctx(zmq.ROUTER, path) as sock:",
+    '  File "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py", line 44, in zmq_ctx',
+    "    yield make_zmq_socket(",
+    '  File "vllm/utils/network_utils.py", line 402, in make_zmq_socket',
+    "    socket.bind(path)",
     '  File "zmq/sugar/socket.py", line 322, in bind',
     "    super().bind(addr)",
 )
