@@ -49,6 +49,7 @@ __all__ = [
     "describe_key",
     "finding_from_error",
     "known_connectors",
+    "port_findings",
     "run_checks",
 ]
 
@@ -101,6 +102,12 @@ class Finding:
     fixes: tuple[Mapping[str, object], ...] = ()
     #: Alternatives that change the machine instead (the hint names them after the fixes).
     actions: tuple[Action, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """``PD018 config.toml:42: decode.side_channel_port: port 5700 ...``: code, where, key and message."""
+        where = self.file + (f":{self.line}" if self.line else "")
+        return f"{self.code} {where}: " + (f"{self.key}: " if self.key else "") + self.message
 
     def to_json(self) -> dict[str, object]:
         """The ``check --json`` shape."""
@@ -622,11 +629,26 @@ def _ports(c: _Ctx) -> Iterable[Finding]:
                        fixes=(_moved(c.dep, last, taken),))  # fmt: skip
     for u in uses:
         if port_in_use(u.host, u.port):
-            yield c.at("PD018", "error" if c.for_up else "warning", u.file, u.key,
-                       f"port {u.port} ({u.name}) is already in use on {u.host}",
-                       "a clash hangs vLLM's start for minutes instead of failing" if u.file == "config" else None,
-                       fixes=(_moved(c.dep, u, taken),),
-                       actions=(Action("stop", f"{u.host}:{u.port}"),))  # fmt: skip
+            yield _in_use(c, u, taken)
+
+
+def _in_use(c: _Ctx, u: _PortUse, taken: set[int]) -> Finding:
+    return c.at("PD018", "error" if c.for_up else "warning", u.file, u.key,
+                f"port {u.port} ({u.name}) is already in use on {u.host}",
+                "a clash hangs vLLM's start for minutes instead of failing" if u.file == "config" else None,
+                fixes=(_moved(c.dep, u, taken),), actions=(Action("stop", f"{u.host}:{u.port}"),))  # fmt: skip
+
+
+def port_findings(dep: Deployment, name: str, port: int | None) -> list[Finding]:
+    """PD018 as ``up`` reports it, for a port of process ``name`` that was taken after the check: the one
+    numbered ``port``, or (a line that named none) each of its ports in use now. Empty when ``port`` is none of
+    ``name``'s."""
+    c = _Ctx(dep, True, VllmInstall(None, None), {}, {})  # the port rules read only the deployment
+    uses = _port_uses(dep)
+    taken = {u.port for u in uses}
+    mine = [u for u in uses if (u.worker.name if u.worker else "gateway") == name]
+    hit = [u for u in mine if (u.port == port if port is not None else port_in_use(u.host, u.port))]
+    return [_in_use(c, u, taken) for u in hit]
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -2,6 +2,7 @@
 
 ``pdctl up`` uses :class:`Runner` in its own process (foreground) or starts ``python -m pdctl.daemon -c
 CONFIG -s SETTINGS`` in a new session (``up -d``) and waits for state.json to say ``ready`` or ``failed``.
+A start that failed on a port taken after ``check`` ran is reported with ``check``'s PD018 finding for it.
 In both cases the process running the :class:`Runner` is "the supervisor" that ``pdctl down`` signals:
 SIGTERM (or SIGINT) stops everything in order; a second one skips the grace periods.
 """
@@ -22,11 +23,12 @@ import psutil
 
 from pdctl.config import Deployment, load
 from pdctl.control import host_part, split_only
-from pdctl.errors import PdctlError
+from pdctl.errors import LaunchError, PdctlError
 from pdctl.eventlog import EVENT_LOG, format_event
 from pdctl.logs import LogLine
 from pdctl.plan import Plan, build_plan
 from pdctl.probe import ProbeAttempt, run_warmup
+from pdctl.process import ProcessExitedError
 from pdctl.rundir import RunState, ensure_not_running, prepare_run_dir, write_state
 from pdctl.supervisor import Event, Supervisor, SupervisorOptions
 from pdctl.watchdog import Watchdog
@@ -138,8 +140,11 @@ class Runner:
         try:
             self.supervisor.start()
         except BaseException as exc:
-            self.write_state("failed", error=_error_text(exc))
+            taken = _port_taken(self.dep, exc)
+            self.write_state("failed", error=_error_text(taken or exc))
             self._close()
+            if taken is not None:
+                raise taken from None
             raise
         self.write_state("ready")
 
@@ -167,6 +172,22 @@ class Runner:
             return False
         self.supervisor.stop_event.set()
         return True
+
+
+def _port_taken(dep: Deployment, exc: BaseException) -> LaunchError | None:
+    """A start that failed on a taken port (the process exited, or printed that it cannot bind) with the PD018
+    finding ``check`` gives for that port, or None when ``exc`` is something else."""
+    from pdctl.check import port_findings
+
+    if not isinstance(exc, ProcessExitedError) or exc.info.diagnosis is None:
+        return None
+    if exc.info.diagnosis.code != "port_in_use":
+        return None
+    findings = port_findings(dep, exc.info.name, exc.info.diagnosis.port)
+    if not findings:
+        return None
+    text = "\n".join([str(exc), *(f"error {f.text}" for f in findings)])
+    return LaunchError(text, hint="\n".join(f.hint for f in findings if f.hint) or exc.hint)
 
 
 def _error_text(exc: BaseException) -> str:

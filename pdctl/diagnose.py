@@ -2,6 +2,9 @@
 
 Each rule is a regular expression over the last lines a process printed and a message/hint for a person.
 Rules are ordered from most to least specific; the first match wins.
+
+:func:`dead_end` is the live counterpart: one line after which a process that still runs can never become
+ready (the supervisor fails the start on it instead of waiting ``ready_timeout_s``).
 """
 
 from __future__ import annotations
@@ -10,17 +13,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Diagnosis", "diagnose"]
+__all__ = ["Diagnosis", "dead_end", "diagnose"]
 
 
 @dataclass(frozen=True, slots=True)
 class Diagnosis:
-    """A known cause of a crash: a short code, what happened, and how to fix it."""
+    """A known cause of a crash: a short code, what happened, how to fix it, the line that says so and, for a
+    port in use, the port when the line names it."""
 
     code: str
     message: str
     hint: str
     line: str = ""
+    port: int | None = None
 
 
 _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
@@ -83,10 +88,31 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
 )
 
 
+#: The last line of an exception that ended a bind while the process lives on: vLLM's NIXL handshake listener
+#: thread dies on a taken side-channel port (``zmq.error.ZMQError: Address already in use (addr='tcp://…')``)
+#: and its engine then waits for it until ``VLLM_ENGINE_READY_TIMEOUT_S``; an ``OSError: [Errno 98]`` of the
+#: HTTP socket.
+_DEAD_END = re.compile(r"\bZMQError: Address already in use|\bOSError: \[Errno 98\]")
+#: The port in ZMQ's ``(addr='tcp://127.0.0.1:5700')`` and in asyncio's / uvicorn's ``('127.0.0.1', 8100)``.
+_PORT = re.compile(r"addr='\w+://[^']*:(\d+)'|\('[^']*', (\d+)\)")
+
+
 def diagnose(lines: Sequence[str]) -> Diagnosis | None:
     """The first known cause found in ``lines`` (a log tail), or None."""
     for code, pattern, message, hint in _RULES:
         for line in reversed(lines):
             if pattern.search(line):
-                return Diagnosis(code, message, hint, line.strip())
+                port = _port(line) if code == "port_in_use" else None
+                return Diagnosis(code, f"port {port} is already in use" if port else message, hint, line.strip(), port)
     return None
+
+
+def dead_end(line: str) -> Diagnosis | None:
+    """The diagnosis of ``line`` when, printed by a process that still runs, it means the process can never
+    become ready (a port it must bind is taken), else None."""
+    return diagnose([line]) if _DEAD_END.search(line) else None
+
+
+def _port(line: str) -> int | None:
+    found = _PORT.search(line)
+    return int(found.group(1) or found.group(2)) if found else None

@@ -4,7 +4,9 @@ The child leads its own session (so its process group holds vLLM's EngineCore an
 explicit environment (``os.environ`` minus the secrets the plan names, plus the plan's overrides), the files
 the plan names (vLLM's logging config), the CPU affinity of ``cpu_ids`` from its first instruction (and
 :meth:`ManagedProcess.pin_threads` to keep its tree there), reads /dev/null, and its stdout+stderr go
-through one pipe to a reader thread that writes ``logs/<name>.log`` and feeds the multiplexed view.
+through one pipe to a reader thread that writes ``logs/<name>.log`` and feeds the multiplexed view; the
+reader also watches for a line after which the child can never become ready (:func:`pdctl.diagnose.dead_end`,
+a port taken), so a wait for readiness ends at once instead of at its deadline.
 Stopping is SIGTERM to the group, a grace period, SIGKILL to the group, then a sweep of every descendant
 seen since the start (some leave the group, e.g. with ``setsid``).
 """
@@ -28,15 +30,18 @@ import httpx
 import psutil
 
 from pdctl.config import parse_endpoint
-from pdctl.diagnose import Diagnosis, diagnose
+from pdctl.diagnose import Diagnosis, dead_end, diagnose
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine, start_reader
 from pdctl.pgroup import signal_group
 from pdctl.plan import ProcessSpec
 
-__all__ = ["ExitInfo", "ManagedProcess", "ProcessExitedError", "child_env", "signal_name"]
+__all__ = ["ExitInfo", "ManagedProcess", "NeverReadyError", "ProcessExitedError", "child_env", "signal_name"]
 
 TAIL_LINES = 40
+#: How long a process that printed a dead-end line may take to exit by itself (vLLM does on a taken HTTP port)
+#: before it counts as one that runs on but can never become ready: its exit report is the better one.
+DEAD_END_GRACE_S = 2.0
 
 
 def child_env(spec: ProcessSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -60,7 +65,8 @@ def signal_name(returncode: int | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ExitInfo:
-    """How a process ended: its return code (negative = signal), the last lines it printed, a diagnosis."""
+    """How a process ended: its return code (negative = signal; None: it still runs but can never become
+    ready), the last lines it printed, a diagnosis."""
 
     name: str
     returncode: int | None
@@ -70,7 +76,10 @@ class ExitInfo:
 
     def describe(self) -> str:
         """A multi-line report for a person."""
-        lines = [f"{self.name} exited ({signal_name(self.returncode)})"]
+        if self.returncode is None:
+            lines = [f"{self.name} still runs but can never become ready"]
+        else:
+            lines = [f"{self.name} exited ({signal_name(self.returncode)})"]
         if self.diagnosis:
             lines.append(f"diagnosis: {self.diagnosis.message}")
         if self.tail:
@@ -86,6 +95,11 @@ class ProcessExitedError(LaunchError):
         self.info = info
         hint = info.diagnosis.hint if info.diagnosis else f"see {info.log_file}"
         super().__init__(info.describe(), hint)
+
+
+class NeverReadyError(ProcessExitedError):
+    """A starting process that still runs printed a line after which it can never become ready (a port it must
+    bind is taken: vLLM's engine would wait minutes for its dead NIXL listener). ``info.returncode`` is None."""
 
 
 class ManagedProcess:
@@ -108,6 +122,8 @@ class ManagedProcess:
         self._reader: threading.Thread | None = None
         self._log_fh: IO[bytes] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._dead_end: Diagnosis | None = None
+        self._dead_end_at = 0.0
         self._known: dict[int, psutil.Process] = {}
         self.pid = 0
         self.pgid = 0
@@ -123,6 +139,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_fh = self.log_path.open("ab")
         self._tail.clear()
+        self._dead_end = None
         try:
             with _thread_affinity(self.spec.cpu_ids, self.name):
                 self._popen = subprocess.Popen(
@@ -156,7 +173,14 @@ class ManagedProcess:
             self.create_time = 0.0
             self._known = {}
         assert self._popen.stdout is not None
-        self._reader = start_reader(self.name, self._popen.stdout, self._sink, self._log_fh, self._tail.append)
+        self._reader = start_reader(self.name, self._popen.stdout, self._sink, self._log_fh, self._keep)
+
+    def _keep(self, line: str) -> None:
+        """Each line the child prints, on the reader thread: into the tail, and the first dead end noted."""
+        self._tail.append(line)
+        if self._dead_end is None and (found := dead_end(line)) is not None:
+            self._dead_end_at = time.monotonic()
+            self._dead_end = found
 
     def _write_files(self) -> None:
         for path, text in self.spec.files.items():
@@ -224,6 +248,13 @@ class ManagedProcess:
         """The last lines the child printed (up to 40)."""
         return tuple(self._tail)
 
+    def never_ready(self) -> ExitInfo | None:
+        """While the child runs: its report once it printed a line after which it can never become ready
+        (:func:`pdctl.diagnose.dead_end`) and did not exit within ``DEAD_END_GRACE_S``, else None."""
+        if self._dead_end is None or time.monotonic() - self._dead_end_at < DEAD_END_GRACE_S or not self.alive:
+            return None
+        return ExitInfo(self.name, None, self.tail(), self._dead_end, str(self.log_path))
+
     def exit_info(self) -> ExitInfo:
         """Return code, log tail and diagnosis (waits briefly for the reader to drain the pipe)."""
         if self._reader is not None:
@@ -250,7 +281,8 @@ class ManagedProcess:
     ) -> None:
         """Poll ``ready_url`` until 200, checking on every poll that the child is still alive.
 
-        Raises :class:`ProcessExitedError` at once if it exits, :class:`LaunchError` at the deadline.
+        Raises :class:`ProcessExitedError` at once if it exits, :class:`NeverReadyError` once it printed a line
+        after which it can never become ready, :class:`LaunchError` at the deadline.
         """
         own = client is None
         http = client or httpx.Client()
@@ -259,6 +291,8 @@ class ManagedProcess:
             while True:
                 if self.poll() is not None:
                     raise ProcessExitedError(self.exit_info())
+                if (stuck := self.never_ready()) is not None:
+                    raise NeverReadyError(stuck)
                 if self.is_ready(http):
                     return
                 if time.monotonic() > deadline:

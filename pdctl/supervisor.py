@@ -19,7 +19,10 @@ States of one process (supervisord's, simplified)::
 A run counts as a failure only if the process exits less than ``start_secs`` after it was started;
 a process that ran longer starts a fresh count. :func:`decide_restart` is that rule as a pure function
 of the process's run history and the clock. While ``up`` is still starting, nothing is restarted: a
-crash fails the start at once with the exit code, the log tail and a diagnosis.
+crash fails the start at once with the exit code, the log tail and a diagnosis, and so does a starting process
+that still runs but printed a line after which it can never become ready (a port it binds is taken:
+:meth:`ManagedProcess.never_ready`) instead of waiting ``ready_timeout_s`` for it. Later, a restarted process
+in that state is stopped at once and counts as a failed run.
 
 Every few seconds the supervisor also records each process tree's new descendants and, for a worker
 with ``cpu_ids``, moves any thread running outside them back (:meth:`ManagedProcess.pin_threads`).
@@ -58,7 +61,7 @@ from pdctl.config import SupervisorConfig
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine
 from pdctl.plan import Plan, ProcessSpec
-from pdctl.process import ExitInfo, ManagedProcess, ProcessExitedError, signal_name
+from pdctl.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
 from pdctl.watchdog import Watchdog
 
 __all__ = [
@@ -74,6 +77,9 @@ __all__ = [
 
 STOP_ORDER = ("gateway", "decode", "prefill")
 REFRESH_S = 2.0
+# The SIGTERM grace of a process that can never become ready: real vLLM in that state ignored SIGTERM for the
+# whole stop_timeout_s (30 s in examples/cpu) once its workers had stopped, 3 s after the signal.
+NEVER_READY_STOP_S = 5.0
 # A released gateway listens within tens of ms (it is woken by SIGCONT): poll it faster than the engines.
 RELEASE_POLL_S = 0.01
 
@@ -354,6 +360,11 @@ class Supervisor:
                     self._emit("exited", slot.spec.name, f"{slot.spec.name} exited while starting "
                                f"({signal_name(info.returncode)})", exit=info)  # fmt: skip
                     raise ProcessExitedError(info)
+                if (stuck := proc.never_ready()) is not None:
+                    slot.state, slot.last_exit = ProcState.FATAL, stuck
+                    self._emit("fatal", slot.spec.name, f"{slot.spec.name} can never become ready: "
+                               f"{_said(stuck)}", exit=stuck)  # fmt: skip
+                    raise NeverReadyError(stuck)
             for slot in list(pending):
                 proc = slot.proc
                 assert proc is not None
@@ -423,10 +434,10 @@ class Supervisor:
                                 threading.Thread(
                                     target=self._rewarm, args=(slot.spec.name,), name="pdctl-rewarm", daemon=True
                                 ).start()
-                        elif proc.uptime_s() > self.options.config.ready_timeout_s:
-                            self._emit("info", slot.spec.name, f"{slot.spec.name} not ready after "
-                                       f"{self.options.config.ready_timeout_s:g} s; stopping it")  # fmt: skip
-                            proc.stop(self.options.config.stop_timeout_s)
+                        elif (why := self._hopeless(proc)) is not None:
+                            self._emit("info", slot.spec.name, f"{slot.spec.name} {why}; stopping it")
+                            grace = self.options.config.stop_timeout_s
+                            proc.stop(min(grace, NEVER_READY_STOP_S) if proc.never_ready() else grace)
                             if not self._handle_exit(slot, proc, now):
                                 return False
                 elif slot.state is ProcState.BACKOFF and now >= slot.next_start:
@@ -441,6 +452,14 @@ class Supervisor:
                         return False
             self._refresh()
             return True
+
+    def _hopeless(self, proc: ManagedProcess) -> str | None:
+        """Why a restarted process that is not ready yet will not be: a dead-end line, or the deadline passed."""
+        if (stuck := proc.never_ready()) is not None:
+            return f"can never become ready: {_said(stuck)}"
+        if proc.uptime_s() > self.options.config.ready_timeout_s:
+            return f"not ready after {self.options.config.ready_timeout_s:g} s"
+        return None
 
     def _handle_exit(self, slot: _Slot, proc: ManagedProcess, now: float) -> bool:
         info = proc.exit_info()
@@ -509,10 +528,14 @@ class Supervisor:
         grace = self.options.config.stop_timeout_s
         if role == "gateway" and self.options.gateway_stop_timeout_s is not None:
             grace = self.options.gateway_stop_timeout_s
+        if all(s.state is ProcState.FATAL for s in running):
+            # Never ready (a dead-end line): vLLM's engine, stuck waiting for its dead listener, sits out SIGTERM.
+            grace = min(grace, NEVER_READY_STOP_S)
         for s in running:
             assert s.proc is not None
             if s.proc.alive:
-                s.state = ProcState.STOPPING
+                if s.state is not ProcState.FATAL:  # one that can never become ready stays FATAL
+                    s.state = ProcState.STOPPING
                 self._emit("stopping", s.spec.name, f"sending SIGTERM to {s.spec.name} (pid {s.proc.pid})")
             s.proc.begin_stop()
         deadline = time.monotonic() + (0.0 if self.force_event.is_set() else grace)
@@ -565,6 +588,12 @@ class Supervisor:
                 }
             )
         return out
+
+
+def _said(info: ExitInfo) -> str:
+    """``port 5700 is already in use (decode.log: zmq.error.ZMQError: ...)``: the diagnosis and its line."""
+    assert info.diagnosis is not None
+    return f"{info.diagnosis.message} ({Path(info.log_file).name}: {info.diagnosis.line})"
 
 
 def _remove_go_file(path: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdctl.check import describe_key, run_checks
+from pdctl.check import describe_key, port_findings, run_checks
 from pdctl.config import load
 from pdctl.gateway.tokens import find_tokenizer
 from pdctl.plan import VllmInstall, build_plan
@@ -254,6 +254,25 @@ def test_port_in_use(recipe_files) -> None:  # type: ignore[no-untyped-def]
         found = codes(cpath, spath, for_up=True)
         assert found["PD018"][0].severity == "error" and found["PD018"][0].key == "routing.decode_endpoint"
     assert "PD018" not in codes(cpath, spath, for_up=True)
+
+
+def test_port_findings_for_a_start_that_failed_on_a_taken_port(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        dep = load(*_on_own_ports(recipe_files, decode_port=port))
+        from_check = codes(Path(dep.config_path), Path(dep.settings_path), for_up=True)["PD018"]
+        # a line that named no port: those of the process that are taken now
+        assert port_findings(dep, "decode", None) == from_check
+        assert port_findings(dep, "prefill", None) == []
+    side = dep.decode[0].side_channel_port
+    # a line that named the port: it was taken then, whether or not it is now
+    (found,) = port_findings(dep, "decode", side)
+    assert (found.code, found.severity, found.key) == ("PD018", "error", "decode.side_channel_port")
+    assert found.text.startswith(f"PD018 config.toml:{found.line}: decode.side_channel_port: port {side} (decode ")
+    assert found.hint is not None and f"stop what listens on 127.0.0.1:{side}" in found.hint
+    assert port_findings(dep, "prefill", side) == []  # not one of prefill's ports
 
 
 def test_every_recipe_key_is_mapped_or_reported(recipe_files) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ import pytest
 from pdctl.errors import LaunchError
 from pdctl.logs import LogLine
 from pdctl.plan import ProcessSpec
-from pdctl.process import ManagedProcess, ProcessExitedError, child_env
+from pdctl.process import ManagedProcess, NeverReadyError, ProcessExitedError, child_env
 from pdctl.testing import alive, free_port, kill_groups
 from tests.fakes.helpers import fake_spec
 
@@ -188,6 +188,60 @@ def test_no_diagnosis_for_unknown_crash() -> None:
     from pdctl.diagnose import diagnose
 
     assert diagnose(["INFO starting", "RuntimeError: something else entirely"]) is None
+
+
+ZMQ_LINE = "(EngineCore_DP0 pid=4242) zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5700')"
+
+
+@pytest.mark.parametrize(
+    ("line", "port"),
+    [
+        (ZMQ_LINE, 5700),  # vLLM's NIXL listener thread on a taken side-channel port, with a process prefix
+        ("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:20581')", 20581),  # as vLLM CPU 0.32
+        ("(APIServer pid=7) OSError: [Errno 98] Address already in use", None),  # vLLM's HTTP socket
+        ("OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 8100): address already in use",
+         8100),
+    ],
+)  # fmt: skip
+def test_a_dead_end_line_names_the_port_it_can(line: str, port: int | None) -> None:
+    from pdctl.diagnose import dead_end
+
+    found = dead_end(line)
+    assert found is not None and found.code == "port_in_use" and found.port == port and found.line == line
+    assert (f"port {port} is already in use" if port else "its port is already in use") == found.message
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "(EngineCore_DP0 pid=1) INFO 12-01 10:00:00 [base_scheduler.py:350] Starting listening on path: tcp://x:5700",
+        "(APIServer pid=1) WARNING Port 8100 is already in use, trying port 8101",  # a retry, not an end
+        "ValueError: Unsupported connector type P2pNcclConnector",  # a crash: the exit reports it
+    ],
+)
+def test_other_lines_are_no_dead_end(line: str) -> None:
+    from pdctl.diagnose import dead_end
+
+    assert dead_end(line) is None
+
+
+def test_a_running_process_that_printed_a_dead_end_fails_its_wait_at_once(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
+    p = ManagedProcess(fake_spec("decode", "decode", "--hang-line", ZMQ_LINE), tmp_path)
+    p.start()
+    started.append(p)
+    t0 = time.monotonic()
+    with pytest.raises(NeverReadyError) as err:
+        p.wait_ready(600)
+    assert time.monotonic() - t0 < 120  # the line ends the wait, not the 600 s deadline
+    info = err.value.info
+    assert info.returncode is None and p.alive  # vLLM's engine would wait on: the supervisor stops it
+    assert info.diagnosis is not None and info.diagnosis.port == 5700 and info.tail[-1] == ZMQ_LINE
+    assert str(err.value).startswith("decode still runs but can never become ready\ndiagnosis: port 5700 is")
+    assert info.log_file == str(tmp_path / "decode.log")
+    p.stop(5)
+    assert not alive(p.pid)
 
 
 # A child that does what vLLM CPU's NIXL worker does: one thread widens its own affinity to every CPU, and a

@@ -19,8 +19,10 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ import httpx
 import psutil
 import pytest
 
+from pdctl.config import load
 from pdctl.eventstream import sse_events
 from pdctl.kvevents import request_matches
 from pdctl.recipe import CHAT, STREAM
@@ -357,3 +360,44 @@ def test_connector_mismatch_fails_verify_with_5_1(mismatched: Deployment) -> Non
     assert any("§5.1" in (c.get("cause") or "") for c in failed), failed
     mismatched.down()
     mismatched.assert_nothing_left(recorded)
+
+
+def test_a_side_channel_port_taken_after_the_check_fails_up_in_seconds(root: Path) -> None:
+    """vLLM's NIXL listener dies on a taken port and its engine would wait for it for 600 s: `up` fails on the
+    line instead, with check's PD018, and leaves nothing running."""
+    dep = Deployment(root, "cpu")
+    side = load(dep.dir / "config.toml", dep.dir / "settings.json").decode[0].side_channel_port
+    log = dep.run_dir / "logs" / "decode.log"
+    seen: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:  # when vLLM printed the line, to compare with when `up` returned
+        while not done.wait(0.2):
+            if log.exists() and "ZMQError: Address already in use" in log.read_text(errors="replace"):
+                seen.append(time.monotonic())
+                return
+
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", side))
+            s.listen()
+            threading.Thread(target=watch, daemon=True).start()
+            # --no-check: the port is taken between `pdctl check` and vLLM's bind (check's PD018 would refuse it).
+            proc = dep.pdctl("up", "-d", "--no-check", timeout=UP_TIMEOUT_S)
+            returned = time.monotonic()
+            done.set()
+        err = " ".join(proc.stderr.split())
+        assert proc.returncode == 1, f"{proc.stdout}\n{proc.stderr}\n{dep.log_tails()}"
+        assert seen, f"vLLM never printed the ZMQError line:\n{proc.stderr}\n{dep.log_tails()}"
+        print(f"up returned {returned - seen[0]:.1f} s after vLLM printed the line")
+        assert returned - seen[0] < 60, proc.stderr  # seconds (the stop of both engines), not 600 or 900
+        assert "decode still runs but can never become ready" in err, proc.stderr
+        assert f"zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:{side}')" in err
+        assert f"decode.side_channel_port: port {side} (decode side channel) is already in use" in err
+        assert f"stop what listens on 127.0.0.1:{side}" in err  # PD018's hint
+        recorded = _recorded(dep.run_dir)
+        assert recorded["status"] == "failed"
+        dep.assert_nothing_left(recorded)
+    finally:
+        done.set()
+        dep.sweep()

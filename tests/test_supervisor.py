@@ -19,7 +19,7 @@ from pdctl.config import SupervisorConfig, load
 from pdctl.errors import LaunchError
 from pdctl.plan import GATEWAY_HOLD_ENV, Plan, ProcessSpec, VllmInstall, build_plan
 from pdctl.probe import probe_pair
-from pdctl.process import ProcessExitedError
+from pdctl.process import NeverReadyError, ProcessExitedError
 from pdctl.supervisor import Event, ProcState, Run, Supervisor, SupervisorOptions, decide_restart
 from pdctl.testing import alive, free_port, kill_groups, port_free
 from pdctl.watchdog import Watchdog
@@ -241,6 +241,57 @@ def test_restart_recovers_and_rewarms(tmp_path: Path, sups: list[Supervisor]) ->
     assert rewarmed == ["prefill"]
     assert [e.delay_s for e in events if e.kind == "backoff"] == [0.2]
     assert probe_pair(plan.get("prefill").url, plan.get("decode").url, "fake", timeout_s=30).ok
+    sup.shutdown()
+
+
+# As real vLLM CPU 0.32 printed it (its listener thread's traceback has no process prefix).
+ZMQ_LINE = "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5700')"
+
+
+def test_a_worker_that_can_never_become_ready_fails_the_start_at_once(tmp_path: Path, sups: list[Supervisor]) -> None:
+    plan = Plan((
+        fake_spec("prefill", "prefill", "--spawn-grandchild"),
+        # Ignores SIGTERM, as the stuck vLLM engine did: its stop grace is NEVER_READY_STOP_S, not 300 s.
+        fake_spec("decode", "decode", "--startup-delay", "0.5", "--hang-line", ZMQ_LINE, "--ignore-sigterm"),
+        fake_spec("gateway", "gateway", env={GATEWAY_HOLD_ENV: str(tmp_path / "gateway.go")}),
+    ))  # fmt: skip
+    opts = SupervisorOptions(SupervisorConfig(ready_timeout_s=900, stop_timeout_s=300), poll_s=0.1)
+    sup, events = make(sups, plan, tmp_path, opts)
+    t0 = time.monotonic()
+    with pytest.raises(NeverReadyError) as err:
+        sup.start()
+    assert time.monotonic() - t0 < 120  # the line ends the start (not ready_timeout_s), the stop takes 5 s
+    assert err.value.info.name == "decode" and err.value.info.diagnosis is not None
+    assert err.value.info.diagnosis.port == 5700
+    fatal = [e for e in events if e.kind == "fatal"]
+    assert [e.name for e in fatal] == ["decode"]
+    assert fatal[0].message == f"decode can never become ready: port 5700 is already in use (decode.log: {ZMQ_LINE})"
+    assert sup.state_of("decode") is ProcState.FATAL
+    assert "decode ignored SIGTERM for 5 s: sent SIGKILL to its group" in [e.message for e in events]
+    procs = [p for p in sup.processes().values() if p is not None]
+    assert len(procs) == 3  # the held gateway too: all of them stopped, the prefill's grandchild swept
+    assert not any(p.alive or p.descendants() for p in procs)
+
+
+def test_a_restart_that_can_never_become_ready_is_stopped_and_counts(tmp_path: Path, sups: list[Supervisor]) -> None:
+    flag = tmp_path / "crashed-once"
+    plan = Plan((
+        fake_spec("prefill", "prefill", "--crash-after-ready", "0.3", "--crash-once-file", str(flag),
+                  "--hang-line", ZMQ_LINE, restart="on-failure"),
+    ))  # fmt: skip
+    opts = SupervisorOptions(SupervisorConfig(ready_timeout_s=900, stop_timeout_s=5, start_secs=60, max_restarts=1),
+                             backoff_base_s=0.2, poll_s=0.05)  # fmt: skip
+    sup, events = make(sups, plan, tmp_path, opts)
+    sup.start()
+    t0 = time.monotonic()
+    reason = sup.run()
+    assert time.monotonic() - t0 < 120  # not ready_timeout_s
+    assert reason is not None and "max_restarts = 1" in reason
+    said = [e.message for e in events if e.kind == "info"]
+    assert f"prefill can never become ready: port 5700 is already in use (prefill.log: {ZMQ_LINE}); stopping it" in said
+    assert sup.restarts_of("prefill") == 1 and sup.state_of("prefill") is ProcState.FATAL
+    p = sup.processes()["prefill"]
+    assert p is not None and not p.alive
     sup.shutdown()
 
 

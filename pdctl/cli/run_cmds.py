@@ -76,10 +76,8 @@ def _checks(dep: Deployment, local: Plan | None = None, vllm_parse: bool = True)
     for f in findings:
         if f.severity == "info":
             continue
-        where = f.file + (f":{f.line}" if f.line else "")
-        key = f"{f.key}: " if f.key else ""
         colour = "red" if f.severity == "error" else "yellow"
-        err_console.print(f"[{colour}]{f.severity}[/] {f.code} {escape(where)}: {escape(key + f.message)}")
+        err_console.print(f"[{colour}]{f.severity}[/] {escape(f.text)}")
         if f.hint:
             err_console.print(f"  [dim]hint:[/] {escape(f.hint)}")
     if errors:

@@ -22,7 +22,7 @@ import uvicorn
 from pdctl.modelinfo import context_length
 from pdctl.protocol import NIXL_CONNECTORS
 from pdctl.sim import logfmt as L
-from pdctl.sim.engine import EngineConfig, KVSettings, SimEngine
+from pdctl.sim.engine import EngineConfig, KVSettings, SideChannelInUse, SimEngine
 from pdctl.sim.faults import FaultSet
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.server import SimApp
@@ -261,7 +261,11 @@ async def _serve(cfg: EngineConfig, faults: FaultSet, log: L.VllmLog, args: argp
         reported = f.arg
     metrics = SimMetrics(reported)
     engine = SimEngine(cfg, faults, log, metrics)
-    await engine.start()
+    try:
+        await engine.start()
+    except SideChannelInUse:
+        # As vLLM: its engine core waits for the dead listener (VLLM_ENGINE_READY_TIMEOUT_S), never healthy.
+        await asyncio.Event().wait()
     if engine.side_port is not None:
         log.info(L.W_CONNECTOR, f"Creating v1 connector with name: NixlPullConnector and engine_id: {cfg.kv.engine_id}")
     elif cfg.kv.kind == "shared_storage":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -37,9 +38,14 @@ from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.text import Tokenizer
 from pdctl.sim.timing import Link, Profile
 
-__all__ = ["EngineConfig", "KVSettings", "SimEngine", "SimRequest", "StreamEvent"]
+__all__ = ["EngineConfig", "KVSettings", "SideChannelInUse", "SimEngine", "SimRequest", "StreamEvent"]
 
 State = Literal["WAITING_FOR_REMOTE_KVS", "WAITING", "RUNNING", "FINISHED"]
+
+
+class SideChannelInUse(Exception):
+    """The side-channel port is taken: vLLM's listener thread died on it (its traceback is printed) and its
+    engine waits for it, never ready."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +201,16 @@ class SimEngine:
                 drop_handshake=lambda: self.faults.fires("handshake-fail"),
                 on_message=lambda _m: self.log.debug(L.W_RECV_MSG, "Received message for pp rank 0, tp rank 0"),
             )
-            self.side_port = await self.side.start(k.side_host, k.side_port)
+            try:
+                self.side_port = await self.side.start(k.side_host, k.side_port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                self.log.info(L.W_NIXL_SCHED, f"Initializing NIXL Scheduler {k.engine_id}")
+                self.log.debug(L.W_LISTEN, f"Starting listening on path: tcp://{k.side_host}:{k.side_port}")
+                self.log.thread_died("nixl_handshake_listener", L.LISTENER_FRAMES, "zmq.error.ZMQError: Address "
+                                     f"already in use (addr='tcp://{k.side_host}:{k.side_port}')")  # fmt: skip
+                raise SideChannelInUse(k.side_port) from None
             self.log.info(L.W_NIXL_SCHED, f"Initializing NIXL Scheduler {k.engine_id}")
             self.log.debug(L.W_LISTEN, f"Starting listening on path: tcp://{k.side_host}:{self.side_port}")
             self.log.debug(

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["LEVELS", "VllmLog", "Where"]
+__all__ = ["LEVELS", "LISTENER_FRAMES", "VllmLog", "Where"]
 
 LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40}
 
@@ -52,6 +52,16 @@ class VllmLog:
         except (BrokenPipeError, ValueError):
             pass
 
+    def thread_died(self, thread: str, frames: tuple[str, ...], error: str) -> None:
+        """An exception that ended a thread, as Python's ``threading.excepthook`` prints it: no process prefix and
+        no level (it is not a log record, so ``VLLM_LOGGING_LEVEL`` does not hide it), as real vLLM shows it."""
+        lines = [f"Exception in thread {thread}:", "Traceback (most recent call last):", *frames, error]
+        try:
+            self.stream.write("".join(f"{line}\n" for line in lines))
+            self.stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
     def debug(self, where: Where, message: str) -> None:
         """A DEBUG line."""
         self.log("DEBUG", where, message)
@@ -68,6 +78,24 @@ class VllmLog:
         """An ERROR line."""
         self.log("ERROR", where, message)
 
+
+#: The frames of vLLM 0.32's NIXL handshake listener thread when its bind fails (the traceback's middle, as
+#: seen with real vLLM CPU; site-packages paths shortened).
+LISTENER_FRAMES = (
+    '  File "threading.py", line 1045, in _bootstrap_inner',
+    "    self.run()",
+    '  File "threading.py", line 982, in run',
+    "    self._target(*self._args, **self._kwargs)",
+    '  File "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py", line 351, in '
+    "_nixl_handshake_listener",
+    "    with zmq_ctx(zmq.ROUTER, path) as sock:",
+    '  File "vllm/distributed/kv_transfer/kv_connector/v1/nixl/utils.py", line 44, in zmq_ctx',
+    "    yield make_zmq_socket(",
+    '  File "vllm/utils/network_utils.py", line 402, in make_zmq_socket',
+    "    socket.bind(path)",
+    '  File "zmq/sugar/socket.py", line 322, in bind',
+    "    super().bind(addr)",
+)
 
 # The vLLM 0.32 source locations of the messages the simulator reproduces.
 W_ARGS: Where = (API, "entrypoints/.../utils/api_utils.py", 286)

@@ -279,6 +279,41 @@ def test_port_conflict_caught_before_starting(deploy_dir: Path) -> None:
     assert not (d / ".pdctl" / "state.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("port", "ended", "finding"),
+    [
+        # vLLM's NIXL listener dies and its engine waits on (the simulator does the same): the line ends the start
+        ("d_side", "decode still runs but can never become ready",
+         "error PD018 config.toml:11: decode.side_channel_port: port {} (decode side channel) is already in use"),
+        ("decode", "decode exited (exit code 3)",  # uvicorn's startup failure
+         "error PD018 settings.json:1: routing.decode_endpoint: port {} (decode) is already in use"),
+    ],
+)  # fmt: skip
+def test_a_port_taken_after_the_check_fails_the_start_at_once_with_pd018(
+    deploy_dir: Path, port: str, ended: str, finding: str
+) -> None:
+    d = deploy_dir
+    ports = write_deployment(d)
+    cfg = d / "config.toml"
+    cfg.write_text(cfg.read_text().replace("ready_timeout_s = 120", "ready_timeout_s = 900"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[port]))
+        s.listen()
+        t0 = time.monotonic()
+        r = pdctl(d, "up", "-d", "--no-check")  # --no-check: the port is taken between check and the bind
+        took = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout
+    assert took < 240, took  # the line ends the start, not ready_timeout_s (900 s)
+    err = " ".join(r.stderr.split())  # rich wraps long lines
+    assert ended in err and str(d / ".pdctl" / "logs" / "decode.log") in err
+    assert f"127.0.0.1:{ports[port]}" in err.split("last ")[1]  # the log line that said so, quoted
+    assert finding.format(ports[port]) + " on 127.0.0.1" in err  # check's PD018 for that port, and its hint:
+    assert f"stop what listens on 127.0.0.1:{ports[port]}" in err
+    s = state(d)
+    assert s["status"] == "failed"
+    wait_for(lambda: not any(alive(p) for p in recorded_pids(d)), 30, "cleanup after a failed start")
+
+
 def test_crash_at_start_reports_and_cleans_up(deploy_dir: Path) -> None:
     d = deploy_dir
     write_deployment(d, decode_extra=["--sim-fault", "fail-start:3"])

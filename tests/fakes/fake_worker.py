@@ -141,6 +141,9 @@ def main() -> None:
     p.add_argument("--crash-after-ready", type=float, default=None)
     p.add_argument("--fail-line", default=None)
     p.add_argument("--crash-once-file", default=None)
+    # Print this line and never serve, as vLLM after its NIXL listener died; with --crash-once-file only on the
+    # run after the crash.
+    p.add_argument("--hang-line", default=None)
     p.add_argument("--prefill", action="store_true")
     p.add_argument("--fail-kv", type=int, default=0)
     p.add_argument("--engine-id", default=str(uuid.uuid4()))
@@ -167,6 +170,9 @@ def main() -> None:
             print(args.fail_line, flush=True)
         sys.exit(args.exit_code)
     time.sleep(args.startup_delay)
+    if args.hang_line and (args.crash_once_file is None or os.path.exists(args.crash_once_file)):
+        print(args.hang_line, flush=True)
+        time.sleep(3600)
     Handler.args = args
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     log(f"Started server process on http://{args.host}:{args.port}")
