@@ -374,6 +374,8 @@ class Client:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        for conn in self._idle:
+            conn.idle = False
         self._idle.clear()
         for conn in list(self._conns):
             conn.close()

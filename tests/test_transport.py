@@ -267,12 +267,33 @@ async def _client_of(handler: Handler, **kwargs: Any) -> AsyncIterator[Client]:
 
 @pytest.fixture(params=["asyncio", "uvloop"])
 def run(request: pytest.FixtureRequest) -> Callable[[Awaitable[None]], None]:
-    """Runs a test's coroutine on one event loop implementation."""
+    """Runs a test's coroutine on one event loop implementation; an error the loop only logs (one raised in a
+    protocol callback, e.g. ``connection_lost`` after ``aclose``) fails the test."""
     if request.param == "uvloop":
         import uvloop
 
-        return uvloop.run
-    return asyncio.run
+        loop_run: Callable[[Awaitable[None]], None] = uvloop.run
+    else:
+        loop_run = asyncio.run
+
+    def runner(coro: Awaitable[None]) -> None:
+        errors: list[dict[str, Any]] = []
+
+        async def main() -> None:
+            def record(_loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+                # A fake server's handler task cancelled at the end is the servers' business, not the client's.
+                if not isinstance(context.get("exception"), asyncio.CancelledError):
+                    errors.append(context)
+
+            asyncio.get_running_loop().set_exception_handler(record)
+            await coro
+            for _ in range(3):
+                await asyncio.sleep(0.01)  # the closed connections' connection_lost callbacks
+
+        loop_run(main())
+        assert not errors, errors
+
+    return runner
 
 
 def _chunked(body: bytes, sizes: list[int]) -> bytes:
