@@ -85,7 +85,8 @@ async def _window(client: Any, streams: int, seconds: float, stream: bool) -> di
         while not stop:
             tokens = 1 if not stream else 8 + (i + n) % 17
             body = json.dumps(H.completion_body("alpha beta gamma " * 20, tokens, stream)).encode()
-            events += await client.call(body, f"bench-{i}-{n}", stream)
+            got = await client.call(body, f"bench-{i}-{n}", stream)  # not `events += await`: it reads first
+            events += got
             calls += 1
             n += 1
 
