@@ -176,6 +176,10 @@ class Response:
             self._resume()
         return data
 
+    def at_end(self) -> bool:
+        """Whether the whole body has arrived and been read: the next :meth:`chunk` returns ``b""`` at once."""
+        return self._complete and not self._buf and self._error is None
+
     def close(self) -> None:
         """Back to the pool when complete; else drop the connection (the worker aborts the request)."""
         conn = self._conn
