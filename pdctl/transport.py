@@ -199,10 +199,11 @@ class Response:
 
     # -- waiting, with the read and total timeouts on one lazily re-armed timer per response
 
-    async def _wait(self) -> None:
+    def _wait(self) -> asyncio.Future[None]:
+        """A future the next event resolves (headers, body, end, failure, timeout); awaited by the caller, so
+        a wait costs no coroutine frame of its own. Once done it stays as ``_waiter``: nothing wakes a done one."""
         loop = self._loop
-        waiter = loop.create_future()
-        self._waiter = waiter
+        waiter = self._waiter = loop.create_future()
         read_s, total_due = self._read_s, self._total_due
         if read_s is not None or total_due is not None:
             due = loop.time() + read_s if read_s is not None else math.inf
@@ -210,11 +211,8 @@ class Response:
                 due = total_due
             self._due = due
             if self._timer is None:
-                self._timer = loop.call_at(self._due, self._on_timer)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+                self._timer = loop.call_at(due, self._on_timer)
+        return waiter
 
     def _on_timer(self) -> None:
         self._timer = None
