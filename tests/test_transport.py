@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from pdctl.transport import AiohttpTransport, Client, TransportError
+from tests.fakes.helpers import self_signed_cert
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -621,3 +624,39 @@ def test_aclose_ends_a_stream_in_progress(run: Callable[[Awaitable[None]], None]
             r.close()
 
     run(main())
+
+
+def test_https_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``https://`` worker: a certificate nobody trusts fails as ``connect``; a trusted one (here through
+    ``SSL_CERT_FILE``, which the default context reads) serves calls over one kept-alive TLS connection."""
+    cert, key = self_signed_cert(tmp_path, days=30)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    peers: set[int] = set()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.add(writer.get_extra_info("peername")[1])
+        await _sse(reader, writer)
+
+    async def main(expect_trusted: bool) -> None:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_tls)
+        async with server:
+            client = Client(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}", read_timeout_s=5.0)
+            try:
+                if not expect_trusted:
+                    with pytest.raises(TransportError) as info:
+                        await client.request("POST", "/echo", body=b"x")
+                    assert info.value.kind == "connect" and "CERTIFICATE_VERIFY_FAILED" in str(info.value)
+                    return
+                for n in (1, 2):
+                    r = await client.request("POST", "/echo", body=b"x" * n)
+                    assert await r.json() == {"got": n, "rid": ""}
+                    r.close()
+            finally:
+                await client.aclose()
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    asyncio.run(main(expect_trusted=False))
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    asyncio.run(main(expect_trusted=True))
+    assert len(peers) == 1  # both calls over one TLS connection (a refused handshake never reaches the handler)
