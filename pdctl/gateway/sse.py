@@ -1,6 +1,8 @@
 """The response side of one request: headers, bodies, and the chunk-by-chunk SSE relay.
 
-The relay forwards each chunk as it arrives. Per chunk it only counts ``data:`` occurrences (a C-level
+The relay forwards each chunk as it arrives, decode's bytes as they are (no re-framing); the chunk holding a
+stream's final event goes out with the end of the response in one write when the worker's body is already
+complete (never by waiting for it). Per chunk it only counts ``data:`` occurrences (a C-level
 ``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end. The agent
 routes end differently (:data:`END_EVENTS`: ``response.completed`` for Responses, ``message_stop`` for Anthropic
 Messages, neither followed by ``[DONE]``); their end is looked for in each chunk, since a Responses stream's last
@@ -135,7 +137,9 @@ class Exchange:
 
 
 class Body(Protocol):
-    """A response body to relay: whole, or piece by piece (``b""`` at its end)."""
+    """A response body to relay: whole, or piece by piece (``b""`` at its end). A body may also have
+    ``at_end()``: True when everything has arrived and been read (:class:`pdctl.transport.Response` has it), so
+    the relay sends the stream's last chunk and the end of the response in one write."""
 
     async def read(self) -> bytes: ...
 
@@ -184,6 +188,9 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     pending = b""  # an event split across chunks, held until its blank line arrives
     events = 0
     end = None if ex.wire == "openai" else END_EVENTS[ex.wire]
+    last_event = END_EVENTS[ex.wire]
+    at_end = getattr(resp, "at_end", None)
+    final = b""  # the stream's last events, when its whole body is in: sent with the body's end, in one write
     ended = False
     now = 0.0
     # The loop below runs once per streamed chunk: everything in it is on every token's path, so it stays
@@ -210,8 +217,14 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
                 cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
                           _end_of(chunk, b"\n\r"))  # fmt: skip
                 chunk, pending = chunk[:cut], chunk[cut:]
+            if final:
+                await send({"type": "http.response.body", "body": final, "more_body": True})
+                final = b""
             if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if at_end is not None and last_event in chunk and at_end():
+                    final = chunk  # the next read returns b"" at once: never a wait for the end
+                else:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             chunk = await read()
     except asyncio.TimeoutError:
         out.error = ApiError(
@@ -236,9 +249,9 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     if out.error is not None:
         # A partial event is never forwarded: the client sees whole events, then one error event.
         ex.error_code = out.error.code
-        await ex.body(error_event(out.error, ex.wire))
+        await ex.body(final + error_event(out.error, ex.wire))
     else:
-        await ex.body(pending)
+        await ex.body(final + pending)
     return out
 
 

@@ -56,7 +56,7 @@ ClientFactory = Callable[[InstanceSpec], WorkerClient]
 
 
 def http_clients(settings: GatewaySettings) -> ClientFactory:
-    """Pooled aiohttp clients (:class:`pdctl.transport.Client`) with the gateway's timeouts."""
+    """Pooled keep-alive clients (:class:`pdctl.transport.Client`) with the gateway's timeouts."""
     g = settings.gateway
 
     def connect(spec: InstanceSpec) -> WorkerClient:

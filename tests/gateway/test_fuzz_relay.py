@@ -32,12 +32,18 @@ EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "300"))
 class FakeDecodeStream:
     """A decode worker's body (the relay's ``Body``), chunk by chunk; optionally the connection breaks at the end.
 
-    Empty chunks are dropped, as a transport never hands one over mid-stream (``b""`` means the end).
+    Empty chunks are dropped, as a transport never hands one over mid-stream (``b""`` means the end). With
+    ``peek``, it reports ``at_end()`` as :class:`pdctl.transport.Response` does (the whole body in and read), so
+    the relay sends the last chunk with the end of the response.
     """
 
-    def __init__(self, chunks: list[bytes], error: bool) -> None:
-        self.chunks = iter([c for c in chunks if c])
+    def __init__(self, chunks: list[bytes], error: bool, peek: bool = False) -> None:
+        self.left = [c for c in chunks if c]
+        self.chunks = iter(self.left)
+        self.read_n = 0
         self.error = error
+        if peek:
+            self.at_end = lambda: self.read_n == len(self.left) and not self.error
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self._iter()])
@@ -45,6 +51,7 @@ class FakeDecodeStream:
     async def chunk(self) -> bytes:
         await asyncio.sleep(0)
         for c in self.chunks:
+            self.read_n += 1
             return c
         if self.error:
             raise TransportError("broken", "peer closed connection without sending complete message body")
@@ -55,7 +62,7 @@ class FakeDecodeStream:
             yield c
 
 
-async def _relay(chunks: list[bytes], error: bool) -> tuple[bytes, Any]:
+async def _relay(chunks: list[bytes], error: bool, peek: bool = False) -> tuple[bytes, Any]:
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -63,7 +70,7 @@ async def _relay(chunks: list[bytes], error: bool) -> tuple[bytes, Any]:
 
     now = time.monotonic()
     ex = Exchange(send=send, request_id="fuzz", started=now, deadline=now + 30, stream=True)
-    resp = FakeDecodeStream(chunks, error)
+    resp = FakeDecodeStream(chunks, error, peek)
     result = await relay(ex, resp, stream=True)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     bodies = sent[1:]
@@ -115,9 +122,10 @@ def streams(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(streams())
-def test_relay_output_events_equal_input_events(s: dict[str, Any]) -> None:
-    out, result = asyncio.run(_relay(s["chunks"], s["ending"] in ("error", "mid_event") and bool(s["chunks"])))
+@given(streams(), st.booleans())
+def test_relay_output_events_equal_input_events(s: dict[str, Any], peek: bool) -> None:
+    error = s["ending"] in ("error", "mid_event") and bool(s["chunks"])
+    out, result = asyncio.run(_relay(s["chunks"], error, peek))
     got = parse_sse(out)
     if s["ending"] == "done":
         assert out == s["raw"]  # a finished stream passes through byte for byte

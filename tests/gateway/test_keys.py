@@ -7,8 +7,6 @@ fake upstream records every header it receives, so a client key reaching it woul
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import os
 import signal
@@ -43,6 +41,7 @@ from tests.fakes.gateway_harness import (
     make_settings,
     wait_for,
 )
+from tests.fakes.helpers import self_signed_cert
 from tests.gateway.test_on_sim import _pair
 
 CHAT = "/v1/chat/completions"
@@ -427,36 +426,10 @@ def test_tpm_limit_counts_chinese_prompts_with_the_tokenizer(tmp_path: Path) -> 
 # ------------------------------------------------------------------------------------------- TLS
 
 
-def _cert(folder: Path, days: int) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start = now - datetime.timedelta(days=2) if days > 0 else now - datetime.timedelta(days=10)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(start)
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                       critical=False)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
-    return cert_path, key_path
-
-
 def test_tls_paths_are_checked_with_the_key_named(tmp_path: Path) -> None:
     base = make_settings(["http://p.invalid"], ["http://d.invalid"]).gateway
-    good_cert, good_key = _cert(tmp_path / "good", days=30)
-    old_cert, old_key = _cert(tmp_path / "old", days=-1)
+    good_cert, good_key = self_signed_cert(tmp_path / "good", days=30)
+    old_cert, old_key = self_signed_cert(tmp_path / "old", days=-1)
     assert tls_files(base) is None
     assert tls_files(replace(base, tls_certfile=str(good_cert), tls_keyfile=str(good_key))) == (
         str(good_cert),
@@ -487,7 +460,7 @@ def _gateway_proc(tmp_path: Path, settings: dict[str, Any]) -> tuple[subprocess.
 
 
 def test_tls_with_a_self_signed_certificate_and_sighup_reload(tmp_path: Path) -> None:
-    cert, _ = _cert(tmp_path, days=30)
+    cert, _ = self_signed_cert(tmp_path, days=30)
     alice = add_key(tmp_path / "keys.json", "alice", NO_LIMITS, None, True)
     bob = add_key(tmp_path / "keys.json", "bob", NO_LIMITS, None, True)
     settings = {"gateway": {"keys_file": "keys.json", "tls_certfile": "cert.pem", "tls_keyfile": "key.pem"},
@@ -525,7 +498,7 @@ def test_tls_with_a_self_signed_certificate_and_sighup_reload(tmp_path: Path) ->
 
 
 def test_gateway_refuses_an_expired_certificate_without_a_traceback(tmp_path: Path) -> None:
-    _cert(tmp_path, days=-1)
+    self_signed_cert(tmp_path, days=-1)
     add_key(tmp_path / "keys.json", "alice", NO_LIMITS, None, True)
     settings = {"gateway": {"keys_file": "keys.json", "tls_certfile": "cert.pem", "tls_keyfile": "key.pem"}}
     proc, _ = _gateway_proc(tmp_path, settings)

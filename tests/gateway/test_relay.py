@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.gateway.sse import Exchange, relay
+from pdctl.transport import Client
 
 
 class _Chunks:
@@ -78,3 +79,62 @@ def test_stream_without_done_ends_with_one_error_event(tokens: list[str], cuts: 
     assert rest.startswith(b'data: {"error"') and rest.endswith(b"\n\n") and rest.count(b"\n\n") == 1
     assert json.loads(rest.strip()[6:])["error"]["code"] == "upstream_error"
     assert result.error is not None and b"[DONE]" not in body
+
+
+def test_last_chunk_goes_with_the_end_only_when_the_body_is_complete() -> None:
+    """On the worker client: a stream whose end arrived with its last event is answered with one final write
+    (the last events and the end of the body); one whose end comes later gets its last event at once."""
+    events = b'data: {"choices":[{"text":"a"}]}\n\n'
+    done = b"data: [DONE]\n\n"
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(chunk(events))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            if head.startswith(b"POST /together"):
+                writer.write(chunk(done) + b"0\r\n\r\n")  # the last event and the end in one TCP write
+            else:
+                writer.write(chunk(done))
+                await writer.drain()
+                await asyncio.sleep(0.3)  # the end comes much later
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def relayed(client: Client, path: str) -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        resp = await client.request("POST", path, body=b"{}")
+        try:
+            ex = Exchange(send=send, request_id="r", started=0.0, deadline=1e12)
+            result = await relay(ex, resp, True)
+        finally:
+            resp.close()
+        assert result.error is None and result.done
+        return sent[1:]
+
+    async def main() -> None:
+        server = await asyncio.start_server(worker, "127.0.0.1", 0)
+        async with server:
+            client = Client(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", read_timeout_s=5.0)
+            try:
+                together = await relayed(client, "/together")
+                apart = await relayed(client, "/apart")
+            finally:
+                await client.aclose()
+        assert [(m["body"], m["more_body"]) for m in together] == [(events, True), (done, False)]
+        assert [(m["body"], m["more_body"]) for m in apart] == [(events, True), (done, True), (b"", False)]
+
+    asyncio.run(main())
