@@ -4,7 +4,7 @@
 # examples/cpu-ab/, a PD gateway (prefill on core 0, decode on core 1) and a colocated gateway (whole requests to
 # either engine) over them, then `pdctl bench --ab` with the recipe's mixed workload at several rates.
 #
-#   scripts/ab-demo.sh                                  # small model, rates 0.5,1,2, 60 requests per run
+#   scripts/ab-demo.sh                                  # small model, rates 1,2,4,8, 80 requests per run
 #   scripts/ab-demo.sh --size tiny --rates 1,2 -n 12    # a smoke run: a few minutes
 #   scripts/ab-demo.sh --engine sim                     # the same flow on pdctl's simulator (no vLLM needed)
 #   scripts/ab-demo.sh ... -- --goodput ttft:3000 tpot:150   # anything after -- goes to `pdctl bench`
@@ -23,8 +23,8 @@ PDCTL="$VENV/bin/pdctl"
 PY="$VENV/bin/python"
 
 SIZE=small
-RATES=0.5,1,2
-REQUESTS=60
+RATES=1,2,4,8
+REQUESTS=80
 DURATION=""
 ENGINE=vllm
 INSTALL=1
@@ -40,8 +40,8 @@ usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --d
                           [--slo-scale S] [--no-install] [--no-png] [--port P] [--out DIR]
                           [-- pdctl bench options]
   --size      model preset of \`pdctl model tiny\` (default small; tiny for a smoke run)
-  --rates     request rates of the sweep, req/s (default 0.5,1,2)
-  -n          requests per run and side (default 60); --duration S instead: seconds per run
+  --rates     request rates of the sweep, req/s (default 1,2,4,8)
+  -n          requests per run and side (default 80); --duration S instead: seconds per run
   --engine    vllm (default) or sim (pdctl's simulator: the same flow in seconds, no vLLM)
   --slo-scale SLOs = S x the unloaded latency measured first: TTFT of a long prompt, TPOT of a short request
               (default 3; \`-- --goodput ttft:MS tpot:MS\` sets them instead)

@@ -38,3 +38,24 @@ def test_ci_guard_records_gateway_ratios(tmp_path: Path) -> None:
     assert r["colocated_throughput"] >= 0.05, r
     assert r["pd_throughput"] >= 0.05, r
     assert math.isfinite(r["colocated_added_ttft_p50_ms"]) and math.isfinite(r["pd_added_ttft_p50_ms"])
+
+
+def test_slo_whatif_scores_saved_runs_with_bench_rule(tmp_path: Path) -> None:
+    # two runs of 4 requests: TTFT 0.1 / 0.5 s, TPOT (latency - ttft) / (tokens - 1) = 10 / 50 ms, one failure
+    run = {"ttfts": [0.1, 0.1, 0.5, 0.0], "latencies": [0.19, 0.55, 0.59, 0.0], "output_lens": [10, 10, 10, 0],
+           "errors": ["", "", "", "HTTP 500"], "duration": 2.0, "completed": 3}  # fmt: skip
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps([{**run, "label": "colocated", "request_rate": 2.0}, {**run, "label": "pd"}]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.slo_whatif", str(path), "--goodput", "ttft:200", "tpot:20",
+         "--goodput", "tpot:60"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.splitlines()
+    # ttft<=200 & tpot<=20: only the first request (25 %, 0.5 req/s); tpot<=60: the three that completed
+    assert rows[2] == "| colocated | 2/s | 25.0 % / 0.50 | 75.0 % / 1.50 |"
+    assert rows[3].startswith("| pd |") and rows[3].endswith("| 25.0 % / 0.50 | 75.0 % / 1.50 |")
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.slo_whatif", str(path), "--goodput", "ttfx:1"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert bad.returncode == 2 and "expected KEY:MS" in bad.stderr and "Traceback" not in bad.stderr

@@ -238,7 +238,13 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
     assert "own view (vLLM /metrics)" in page and "Highest swept rate within the SLOs" in page
     assert "<td>prefill</td>" in page and "<td>decode</td>" in page
     plots = {p.name for p in (out / "plots").iterdir()}
-    assert {"goodput-vs-rate.svg", "ttft-cdf-4-req-s.svg", "tpot-over-time-8-req-s.svg", "running-8-req-s.svg"} <= plots
+    assert {
+        "goodput-vs-rate.svg",
+        "ttft-cdf-4-req-s.svg",
+        "tpot-over-time-8-req-s.svg",
+        "itl-over-time-8-req-s.svg",
+        "running-8-req-s.svg",
+    } <= plots
     for when in ("before", "after"):
         for role in ("prefill", "decode"):
             assert "vllm:num_requests_running" in (out / "metrics" / f"{when}-{role}.txt").read_text()
