@@ -27,7 +27,6 @@ every SLO, found by doubling the rate until a run misses, then bisecting until t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import math
 import time
@@ -325,6 +324,15 @@ async def _scrape(
 # ----------------------------------------------------------------------------------------------- run
 
 
+def _raise_if_cancelled() -> None:
+    """Raise CancelledError when this task was cancelled (Ctrl-C) but a callee swallowed it: Python 3.11's
+    ``asyncio.wait_for`` can return the result of a call that finished just as the cancellation came, and a
+    closed loop would then go on sending requests."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def run_async(coro: Awaitable[T]) -> T:
     """Run a coroutine on uvloop when available (a faster loop keeps the client's own lag down)."""
 
@@ -465,12 +473,14 @@ async def run_once(
                     if now >= deadline:
                         return
                     await one(i, now - t0)
+                    _raise_if_cancelled()
 
             await asyncio.gather(*(worker() for _ in range(shape.concurrency or 1)))
         duration = time.perf_counter() - t0
         sampler.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampler
+        # asyncio.wait, not `suppress(CancelledError): await sampler`: that would also swallow a Ctrl-C
+        # cancelling this task right here, and the sweep would go on to its next run.
+        await asyncio.wait([sampler])
         live.phase = "collecting"
         after = await _scrape(scraper, target.metrics_urls, target)
 

@@ -32,8 +32,9 @@ def __getattr__(name: str) -> Any:
 
 def main() -> None:
     """Console-script entry point."""
+    # Click turns a Ctrl-C inside a command into "Aborted!"; one that lands while the modules import or typer
+    # builds the command (seconds on a loaded machine) would otherwise print a traceback.
     try:
-        run = _load().run
+        _load().run()
     except KeyboardInterrupt:
         sys.exit(130)
-    run()

@@ -293,20 +293,18 @@ def test_colocated_whole_request_least_loaded(fakes: list[FakeProc], gateways: l
 
 
 def test_xpyd_least_loaded_and_unhealthy_out(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
-    ps = [_fake(fakes, delay=1.0), _fake(fakes, delay=1.0)]
+    # Prefill holds each request 3 s, so all four overlap there even when a loaded machine staggers the
+    # threads (at 1 s, one that came more than a second late found a prefill already free again).
+    ps = [_fake(fakes, delay=3.0), _fake(fakes, delay=3.0)]
     ds = [_fake(fakes, chunks=5, chunk_delay=0.3), _fake(fakes, chunks=5, chunk_delay=0.3)]
     g = _gw(gateways, [p.url for p in ps], [d.url for d in ds])
     statuses: list[int] = []
-
-    def one() -> None:
-        with g.client() as c:
-            statuses.append(c.post("/v1/chat/completions", json=CHAT).status_code)
-
     barrier = threading.Barrier(4)
 
     def together() -> None:
-        barrier.wait(10)
-        one()
+        with g.client() as c:  # the client is built before the barrier: only the requests start together
+            barrier.wait(10)
+            statuses.append(c.post("/v1/chat/completions", json=CHAT).status_code)
 
     threads = [threading.Thread(target=together) for _ in range(4)]
     for t in threads:
