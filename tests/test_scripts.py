@@ -157,8 +157,12 @@ def _ab_port_base() -> int:
 def _ab_demo(out: Path, port: int, *extra: str, engine: str = "sim") -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "VENV": str(Path(sys.executable).parent.parent)}
     env.pop("PDCTL_API_KEY", None)
-    args = ["bash", str(REPO / "scripts" / "ab-demo.sh"), "--engine", engine, "--no-install",
-            "--size", "tiny", "--port", str(port), "--out", str(out), *extra]  # fmt: skip
+    # Through a launcher that gives the script Ctrl-C's default action, as a terminal does: a test runner
+    # started in the background of a non-interactive shell passes SIGINT down *ignored*, and a shell cannot
+    # trap a signal it was started with ignored (the Ctrl-C test then waited for the whole bench).
+    launch = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp('bash', sys.argv[1:])"
+    args = [sys.executable, "-c", launch, "bash", str(REPO / "scripts" / "ab-demo.sh"), "--engine", engine,
+            "--no-install", "--size", "tiny", "--port", str(port), "--out", str(out), *extra]  # fmt: skip
     return subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
