@@ -4,9 +4,10 @@
   keep-alive connection, each response parsed by httptools (llhttp, in C); a request is written as one bytes
   buffer whose request line and fixed headers are encoded once per worker and path; body pieces are handed
   over as they arrive (everything that arrived since the last read in one piece), and reading pauses while
-  more than 256 KiB wait unread. Why not aiohttp's client, which it replaced: per request, aiohttp's header
-  preparation, connection pool and request writer were 28 % of the gateway's CPU (docs/performance.md §9;
-  the measured difference is in §10).
+  more than 256 KiB wait unread. :meth:`Response.forward` hands each later piece to a callback from inside the
+  socket's read callback instead (no task wake-up per piece: the gateway's stream relay). Why not aiohttp's
+  client, which it replaced: per request, aiohttp's header preparation, connection pool and request writer
+  were 28 % of the gateway's CPU (docs/performance.md §9; the measured difference is in §10).
 * :class:`AiohttpTransport`: httpx's API over aiohttp's sockets, for ``pdctl bench`` (and tests), whose
   code stays on httpx. Mapping: per-request ``timeout`` (httpx's ``connect``/``read``) ->
   ``aiohttp.ClientTimeout(sock_connect, sock_read)``; connect failures -> ``httpx.ConnectError`` /
@@ -32,7 +33,7 @@ import asyncio
 import json
 import math
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -40,7 +41,10 @@ import aiohttp
 import httptools
 import httpx
 
-__all__ = ["AiohttpTransport", "Client", "Response", "TransportError"]
+__all__ = ["AiohttpTransport", "Client", "Response", "Sink", "TransportError"]
+
+Sink = Callable[[bytes], bool]
+"""Takes a piece of a response body (True), or declines it (False: it stays for :meth:`Response.chunk`)."""
 
 
 Kind = Literal["connect", "connect_timeout", "timeout", "broken"]
@@ -89,6 +93,9 @@ class _Conn(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             resp._fail(TransportError("broken", f"invalid HTTP from {self.client.base_url}: {exc}"))
             self.close()
+            return
+        if resp._sink is not None and resp._buf:
+            resp._give()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -106,12 +113,14 @@ class Response:
     """A worker's answer: status and headers at once, the body on demand (whole, or piece by piece).
 
     It is the parser's protocol (httptools calls ``on_*``): each piece of the body is appended to a list and
-    wakes the reader, no copy and no task per piece.
+    wakes the reader, no copy and no task per piece. After :meth:`forward`, what arrived in one socket read goes
+    to the sink instead, in that read's callback; the reader wakes only for the body's end, a failure, a
+    timeout, or a piece the sink declined.
     """
 
     __slots__ = (
         "_buf", "_complete", "_conn", "_due", "_error", "_got_bytes", "_headed", "_high", "_keep", "_loop", "_paused",
-        "_raw", "_read_s", "_size", "_timer", "_total_due", "_waiter", "status",
+        "_raw", "_read_s", "_sink", "_size", "_timer", "_total_due", "_waiter", "status",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, loop: asyncio.AbstractEventLoop, read_s: float | None, total_due: float | None):
@@ -132,6 +141,7 @@ class Response:
         self._keep = False
         self._got_bytes = False
         self._error: TransportError | None = None
+        self._sink: Sink | None = None
         self.status = 0
 
     @property
@@ -176,6 +186,17 @@ class Response:
             self._resume()
         return data
 
+    def forward(self, sink: Sink | None) -> None:
+        """From now on hand the body's pieces to ``sink`` as they arrive (None: back to :meth:`chunk`).
+
+        Everything one socket read brought goes to ``sink`` in one call, unless that read also completed the
+        body: then it stays for :meth:`chunk`, which returns it with :meth:`at_end` true (so the caller can send
+        it together with the end of its own response). A piece ``sink`` declines stays for :meth:`chunk` too, in
+        order: ``sink`` must decline every later piece until the caller has read that one. A piece taken by
+        ``sink`` counts as data for the read timeout.
+        """
+        self._sink = sink
+
     def at_end(self) -> bool:
         """Whether the whole body has arrived and been read: the next :meth:`chunk` returns ``b""`` at once."""
         return self._complete and not self._buf and self._error is None
@@ -213,6 +234,26 @@ class Response:
             if self._timer is None:
                 self._timer = loop.call_at(due, self._on_timer)
         return waiter
+
+    def _give(self) -> None:
+        """Hand what arrived to the sink (called after a socket read was parsed; the body is not complete)."""
+        buf = self._buf
+        if self._complete or self._error is not None:
+            return  # the reader was woken: it takes the rest, and the end with it
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        sink = self._sink
+        assert sink is not None
+        if not sink(data):
+            self._wake()
+            return
+        buf.clear()
+        self._size = 0
+        if self._paused:
+            self._resume()
+        if self._read_s is not None:
+            due = self._loop.time() + self._read_s
+            total_due = self._total_due
+            self._due = due if total_due is None or due < total_due else total_due
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -283,6 +324,8 @@ class Response:
             if conn is not None and conn.transport is not None and not conn.lost:
                 conn.transport.pause_reading()
                 self._paused = True
+        if self._sink is not None:
+            return  # handed over (or the reader woken) once the whole read is parsed: _Conn.data_received
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdctl.gateway.direct import ClientSocket, client_socket
 from pdctl.gateway.errors import ApiError, Wire, error_event
 from pdctl.transport import TransportError
 
@@ -157,13 +158,73 @@ class RelayResult:
     prompt_tokens: int | None = None
     done: bool = False
     error: ApiError | None = None
+    direct: int = 0
+    """Pieces written on the direct path (:mod:`pdctl.gateway.direct`), not through ASGI's ``send``."""
+
+
+class _Stream:
+    """A relayed stream's bookkeeping, piece by piece: events counted, a short tail kept (usage and the end are
+    read from it at the end), a partial event held back until its blank line arrives, arrival times.
+
+    :meth:`give` is the direct path's sink (:meth:`pdctl.transport.Response.forward`): it runs inside the worker
+    connection's read callback and writes to the client's socket (:mod:`pdctl.gateway.direct`), or declines while
+    the relay task holds a piece it has not written yet (``busy``) or the client's socket cannot take one.
+    """
+
+    __slots__ = ("busy", "direct", "end", "ended", "events", "first_at", "last_at", "out", "pending", "tail")
+
+    def __init__(self, wire: Wire, out: ClientSocket | None) -> None:
+        self.end = None if wire == "openai" else END_EVENTS[wire]
+        self.ended = False
+        self.events = 0
+        self.tail = b""
+        self.pending = b""  # an event split across pieces, held until its blank line arrives
+        self.first_at: float | None = None
+        self.last_at = 0.0
+        self.out = out
+        self.busy = False
+        self.direct = 0
+
+    def take(self, chunk: bytes) -> bytes:
+        """Account for ``chunk``; returns the whole events ready to go out (maybe ``b""``)."""
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+        self.last_at = now
+        self.events += chunk.count(b"data:")
+        tail = self.tail
+        if self.end is not None and not self.ended:
+            self.ended = self.end in tail[-32:] + chunk
+        self.tail = (tail + chunk)[-_TAIL:] if len(chunk) < _TAIL else chunk[-_TAIL:]
+        if self.pending:
+            chunk = self.pending + chunk
+            self.pending = b""
+        if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+            # Every blank line contains one of these pairs, whatever mix of CR, LF and CRLF the worker uses.
+            cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
+                      _end_of(chunk, b"\n\r"))  # fmt: skip
+            chunk, self.pending = chunk[:cut], chunk[cut:]
+        return chunk
+
+    def give(self, chunk: bytes) -> bool:
+        out = self.out
+        if self.busy or out is None or not out.writable():
+            return False
+        ready = self.take(chunk)
+        if ready:
+            out.write(ready)
+            self.direct += 1
+        return True
 
 
 async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float | None = None) -> RelayResult:
     """Forward a 200 response to the client; a failure after headers ends with one SSE error event.
 
     Streams: ``first_timeout_s`` bounds the wait for the first chunk; every later wait is bounded by the
-    client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``).
+    client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``). After the first chunk, a body
+    that can :meth:`~pdctl.transport.Response.forward` under a server with a direct path
+    (:mod:`pdctl.gateway.direct`) goes to the client from the worker connection's read callback; this task then
+    wakes for the end, a failure, or a piece the client's socket could not take at once.
     """
     out = RelayResult()
     if not stream:
@@ -182,19 +243,14 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
         await ex.respond(200, data)
         return out
     await ex.start(200, b"text/event-stream; charset=utf-8")
-    tail = b""
     send = ex.send
     read = resp.chunk
-    pending = b""  # an event split across chunks, held until its blank line arrives
-    events = 0
-    end = None if ex.wire == "openai" else END_EVENTS[ex.wire]
+    forward = getattr(resp, "forward", None)
+    st = _Stream(ex.wire, client_socket(send) if forward is not None else None)
     last_event = END_EVENTS[ex.wire]
     at_end = getattr(resp, "at_end", None)
     final = b""  # the stream's last events, when its whole body is in: sent with the body's end, in one write
-    ended = False
-    now = 0.0
-    # The loop below runs once per streamed chunk: everything in it is on every token's path, so it stays
-    # inline (no per-chunk helper coroutine) and touches only locals.
+    forwarding = False
     try:
         if first_timeout_s is not None:
             # The first token waits for the KV handoff: its own deadline (kv_transfer.timeout_ms).
@@ -202,29 +258,21 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
         else:
             chunk = await read()
         while chunk:
-            now = time.monotonic()
-            if out.first_chunk_at is None:
-                out.first_chunk_at = now
-            events += chunk.count(b"data:")
-            if end is not None and not ended:
-                ended = end in tail[-32:] + chunk
-            tail = (tail + chunk)[-_TAIL:] if len(chunk) < _TAIL else chunk[-_TAIL:]
-            if pending:
-                chunk = pending + chunk
-                pending = b""
-            if not chunk.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
-                # Every blank line contains one of these pairs, whatever mix of CR, LF and CRLF the worker uses.
-                cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
-                          _end_of(chunk, b"\n\r"))  # fmt: skip
-                chunk, pending = chunk[:cut], chunk[cut:]
+            chunk = st.take(chunk)
             if final:
+                st.busy = True
                 await send({"type": "http.response.body", "body": final, "more_body": True})
                 final = b""
             if chunk:
                 if at_end is not None and last_event in chunk and at_end():
                     final = chunk  # the next read returns b"" at once: never a wait for the end
                 else:
+                    st.busy = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            st.busy = False
+            if st.out is not None and forward is not None and not forwarding:
+                forward(st.give)
+                forwarding = True
             chunk = await read()
     except asyncio.TimeoutError:
         out.error = ApiError(
@@ -235,10 +283,15 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
             out.error = ApiError(504, "the worker stalled: no data within the read timeout", code="upstream_timeout")
         else:
             out.error = ApiError(502, f"the worker's stream broke ({exc.kind})", code="upstream_error")
-    out.events = events
-    if out.first_chunk_at is not None:
-        out.last_chunk_at = now
-    out.done = (ended if end is not None else b"[DONE]" in tail) and not pending.strip()
+    if forwarding:
+        resp.forward(None)  # type: ignore[attr-defined]  # nothing reaches the client's socket after the end
+    out.events = st.events
+    out.direct = st.direct
+    if st.first_at is not None:
+        out.first_chunk_at = st.first_at
+        out.last_chunk_at = st.last_at
+    tail, pending = st.tail, st.pending
+    out.done = (st.ended if st.end is not None else b"[DONE]" in tail) and not pending.strip()
     if out.error is None and not out.done:
         out.error = ApiError(502, "the worker's stream ended before its final event", code="upstream_error")
     counts = _COMPLETION_TOKENS.findall(tail)
