@@ -184,7 +184,10 @@ def spans(
     size: tuple[int, int] = (420, 260),
 ) -> str:
     """Horizontal segments ``(x_start, x_end, y)`` (a request's decode window at its TPOT, or one gap between two
-    tokens at its length; y clipped at its ``y_percentile``), with a vertical line at each of ``markers``."""
+    tokens at its length; y clipped at its ``y_percentile``), with a vertical line at each of ``markers``.
+
+    Each series is one path of the segments as drawn (:func:`_drawn`): a run's tens of thousands of short gaps
+    between tokens overlap on a few pixel rows, and one element per gap made a plot of several hundred KB."""
     all_spans = [p for pts in series.values() for p in pts]
     ymax = nice_max(percentile([p[2] for p in all_spans], y_percentile) * 1.1 if all_spans else 1.0)
     xmax = nice_max(max([p[1] for p in all_spans] + list(markers) + [1e-9]) * 1.02)
@@ -197,14 +200,35 @@ def spans(
             'stroke-opacity="0.6" stroke-dasharray="3,2"/>'
         )
     for name, pts in series.items():
-        for x0, x1, y in pts:
-            (a, h), (b, _) = frame.xy(x0, y), frame.xy(x1, y)
-            body.append(f'<line x1="{a:.1f}" y1="{h:.1f}" x2="{max(b, a + 1):.1f}" y2="{h:.1f}" '
-                        f'stroke="{colours[name]}" stroke-width="2" stroke-opacity="0.6"/>')  # fmt: skip
+        if pts:
+            d = "".join(f"M{a:.1f} {h:.1f}H{b:.1f}" for a, b, h in _drawn(pts, frame))
+            body.append(f'<path d="{d}" fill="none" stroke="{colours[name]}" stroke-width="2" '
+                        'stroke-opacity="0.6"/>')  # fmt: skip
     legend = [(name, colours[name], "box") for name in series]
     if markers:
         legend.append((marker_label, MARKER_COLOUR, "line"))
     return _svg(title, "time since the run started (s)", ylabel, frame, body, legend)
+
+
+def _drawn(pts: Sequence[tuple[float, float, float]], frame: Frame) -> list[tuple[float, float, float]]:
+    """``(x_start, x_end, y)`` in pixels, at least 1 px wide, y on half pixels; the segments of a row that overlap
+    or lie within a pixel of each other merged into one (the same picture, with fewer segments)."""
+    rows: dict[float, list[tuple[float, float]]] = {}
+    for x0, x1, y in pts:
+        (a, h), (b, _) = frame.xy(x0, y), frame.xy(x1, y)
+        rows.setdefault(round(h * 2) / 2, []).append((a, max(b, a + 1)))
+    out: list[tuple[float, float, float]] = []
+    for h, segs in rows.items():
+        segs.sort()
+        start, end = segs[0]
+        for a, b in segs[1:]:
+            if a <= end + 1:
+                end = max(end, b)
+            else:
+                out.append((start, end, h))
+                start, end = a, b
+        out.append((start, end, h))
+    return out
 
 
 def lines(

@@ -457,8 +457,12 @@ def test_a_decode_stall_shows_at_its_full_length_in_the_gaps_over_time() -> None
     # one ~400 ms gap among ~2 ms ones: the y axis reaches it (not clipped at a percentile), and one segment
     # of the stalled side's colour is drawn that wide
     assert 400.0 <= max(_y_ticks(plot)) <= 600.0
-    segment = r'<line x1="([0-9.]+)" y1="[0-9.]+" x2="([0-9.]+)" y2="[0-9.]+" stroke="(#[0-9a-f]+)" stroke-width="2"'
-    wide = [colour for a, b, colour in re.findall(segment, plot) if float(b) - float(a) > 20]
+    wide = [
+        colour
+        for d, colour in re.findall(r'<path d="([^"]*)" fill="none" stroke="(#[0-9a-f]+)" stroke-width="2"', plot)
+        for a, b in re.findall(r"M([0-9.]+) [0-9.]+H([0-9.]+)", d)
+        if float(b) - float(a) > 20
+    ]
     colocated = re.search(r'fill="(#[0-9a-f]{6})"/><text[^>]*>colocated<', plot)
     assert colocated is not None and wide == [colocated.group(1)]
 
