@@ -346,7 +346,8 @@ class _BlackHole:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
 
     def _accept(self) -> None:
         with contextlib.suppress(OSError):
@@ -354,6 +355,11 @@ class _BlackHole:
                 self.conns.append(self.sock.accept()[0])
 
     def close(self) -> None:
+        # close() alone leaves accept() blocked in its thread; shutdown() makes it fail, so the thread ends.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.thread.join(5)
+        assert not self.thread.is_alive()
         for c in [*self.conns, self.sock]:
             c.close()
 
