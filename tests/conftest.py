@@ -14,6 +14,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -68,11 +69,32 @@ def listened_ports(dep: Deployment) -> list[int]:
 
 
 class PortHolder:
-    """Listens on 127.0.0.1 at each free port given; closes every connection at once and counts it per port."""
+    """Listens on 127.0.0.1 at each of ``ports`` that is free, and takes one that is busy as soon as it is free
+    (a demo stopped, another test session ended); closes every connection at once and counts it per port."""
+
+    RETRY_S = 0.5
 
     def __init__(self, ports: list[int]) -> None:
+        self.wanted = list(ports)
         self.socks: dict[socket.socket, int] = {}
-        for port in ports:
+        self._lock = threading.Lock()
+        self._take()
+        self.connections: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="well-known-ports", daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> list[int]:
+        with self._lock:
+            return sorted(self.socks.values())
+
+    def _take(self) -> None:
+        with self._lock:
+            held = set(self.socks.values())
+        for port in self.wanted:
+            if port in held:
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             # Our own closed connections leave TIME_WAIT behind: the next session must still bind the port.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -82,19 +104,19 @@ class PortHolder:
                 s.close()
                 continue
             s.listen()
-            self.socks[s] = port
-        self.connections: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="well-known-ports", daemon=True)
-        self._thread.start()
-
-    @property
-    def held(self) -> list[int]:
-        return sorted(self.socks.values())
+            with self._lock:
+                self.socks[s] = port
 
     def _serve(self) -> None:
-        while self.socks and not self._stop.is_set():
-            ready, _, _ = select.select(list(self.socks), [], [], 0.2)
+        retry_at = time.monotonic() + self.RETRY_S
+        while not self._stop.is_set():
+            with self._lock:
+                socks = list(self.socks)
+            if socks:
+                ready, _, _ = select.select(socks, [], [], 0.2)
+            else:
+                ready = []
+                self._stop.wait(0.2)
             for s in ready:
                 try:
                     conn, _ = s.accept()
@@ -103,12 +125,17 @@ class PortHolder:
                 conn.close()
                 port = self.socks[s]
                 self.connections[port] = self.connections.get(port, 0) + 1
+            if len(socks) < len(self.wanted) and time.monotonic() >= retry_at:
+                self._take()
+                retry_at = time.monotonic() + self.RETRY_S
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        for s in self.socks:
-            s.close()
+        with self._lock:
+            for s in self.socks:
+                s.close()
+            self.socks.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
