@@ -390,6 +390,11 @@ class Window:
     def ttfts_ms(self) -> list[float]:
         return [r.ttft_s * 1000 for r in self.results if r.ok]
 
+    def tpots_ms(self) -> list[float]:
+        """Per request: the time from its first chunk to its end over the chunks after the first (what a client
+        sees as time per output token when each token is one chunk)."""
+        return [(r.end - r.start - r.ttft_s) * 1000 / (r.chunks - 1) for r in self.results if r.ok and r.chunks > 1]
+
 
 async def closed_loop(
     target: Target,

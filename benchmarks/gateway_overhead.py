@@ -171,6 +171,7 @@ def window(
         )
     )  # fmt: skip
     t = w.ttfts_ms()
+    tp = w.tpots_ms()
     lvl: dict[str, Any] = {
         "streams": n,
         "requests": len(w.results),
@@ -180,6 +181,9 @@ def window(
         "ttft_p99_ms": H.pct(t, 99),
         "ttft_mean_ms": sum(t) / len(t) if t else float("nan"),
         "ttfts_ms": [round(x, 3) for x in t],
+        "tpot_p50_ms": H.pct(tp, 50),
+        "tpot_p99_ms": H.pct(tp, 99),
+        "tpots_ms": [round(x, 3) for x in tp],
         "chunks": w.chunks,
         "chunks_per_s": w.chunks_per_s,
         "proxy_cpu_s": w.proxy_cpu_s,
@@ -190,6 +194,7 @@ def window(
     print(
         f"  {mode:10s} {arm:22s} n={n:<4d} req={len(w.results):<6d} err={w.errors:<4d} "
         f"ttft p50={H.fmt(lvl['ttft_p50_ms'])} p99={H.fmt(lvl['ttft_p99_ms'])} ms  "
+        f"tpot p50={H.fmt(lvl['tpot_p50_ms'])} p99={H.fmt(lvl['tpot_p99_ms'])} ms  "
         f"{w.chunks_per_s:9.0f} chunks/s  proxy cpu/1k={H.fmt(lvl['proxy_cpu_per_1k_chunks_s'], 3)} s  "
         f"client util={H.fmt(lvl['client_cpu_util'])}  load={lvl['loadavg']:.1f}",
         file=sys.stderr, flush=True,
@@ -301,9 +306,10 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             rss[r["arm"]] = max(rss.get(r["arm"], 0.0), r["peak_rss_mb"])
         for n, lvl in r["levels"].items():
             key = (r["mode"], r["arm"], n)
-            p = pooled.setdefault(key, {"ttfts": [], "cps": [], "cpu1k": [], "errors": 0, "requests": 0,
+            p = pooled.setdefault(key, {"ttfts": [], "tpots": [], "cps": [], "cpu1k": [], "errors": 0, "requests": 0,
                                         "client_util": []})  # fmt: skip
             p["ttfts"] += lvl["ttfts_ms"]
+            p["tpots"] += lvl.get("tpots_ms", [])
             p["cps"].append(lvl["chunks_per_s"])
             if lvl["proxy_cpu_per_1k_chunks_s"] is not None:
                 p["cpu1k"].append(lvl["proxy_cpu_per_1k_chunks_s"])
@@ -317,6 +323,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {
             "mode": mode, "arm": arm, "streams": int(n), "baseline": BASELINE[arm], "requests": p["requests"],
             "errors": p["errors"], "ttft_p50_ms": H.pct(p["ttfts"], 50), "ttft_p99_ms": H.pct(p["ttfts"], 99),
+            "tpot_p50_ms": H.pct(p["tpots"], 50), "tpot_p99_ms": H.pct(p["tpots"], 99),
             "chunks_per_s": sum(p["cps"]) / len(p["cps"]),
             "proxy_cpu_per_1k_chunks_s": sum(p["cpu1k"]) / len(p["cpu1k"]) if p["cpu1k"] else None,
             "client_cpu_util": max(p["client_util"]) if p["client_util"] else None,
@@ -338,13 +345,14 @@ def markdown(summary: dict[str, Any]) -> str:
     lat = [r for r in rows if r["mode"] == "latency"]
     thr = [r for r in rows if r["mode"] == "throughput"]
     if lat:
-        out += ["| arm | streams | requests | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | errors |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        out += ["| arm | streams | requests | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | TPOT p50 / p99 ms "
+                "| errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in lat:
             out.append(
                 f"| {r['arm']} | {r['streams']} | {r['requests']} | {H.fmt(r['ttft_p50_ms'])} | "
                 f"{H.fmt(r['ttft_p99_ms'])} | {H.fmt(r.get('added_ttft_p50_ms'))} | "
-                f"{H.fmt(r.get('added_ttft_p99_ms'))} | {r['errors']} |"
+                f"{H.fmt(r.get('added_ttft_p99_ms'))} | {H.fmt(r.get('tpot_p50_ms'))} / {H.fmt(r.get('tpot_p99_ms'))} "
+                f"| {r['errors']} |"
             )
         out.append("")
     if thr:
