@@ -4,7 +4,9 @@
   workers, their NIXL side channels) is held for the whole session, as a running demo holds them. A test that
   binds one fails to bind; a test that connects to one fails at teardown, naming the port. So a test that
   hard-codes 8000 or 5600 fails on every machine, not only beside the demo. A port already taken (the demo is
-  up, or another test session holds it) is left alone.
+  up, or another test session holds it) is taken as soon as it is let go.
+* :func:`pytest_configure`: SIGTERM ends the session as Ctrl-C does, so each test's cleanup still stops what it
+  started.
 * :func:`recipe_files`, :func:`cli`, :func:`sim_procs`: the recipe's files in tmp_path, the CLI in-process,
   simulator workers stopped at teardown.
 """
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import select
+import signal
 import socket
 import threading
 import time
@@ -27,6 +30,17 @@ from pdctl.testing import SimProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "tests" / "fixtures" / "recipe"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # CI cancels a job, and a supervisor stops one, with SIGTERM, which ends Python at once: the deployments the
+    # running test started (in their own process groups) would outlive pytest. As KeyboardInterrupt, pytest runs
+    # the test's finally blocks and teardowns, then stops the session.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def well_known_ports() -> list[int]:

@@ -1,4 +1,5 @@
-"""The guard in tests/conftest.py: the examples' ports held for the session, and example copies on free ports.
+"""The guards in tests/conftest.py: the examples' ports held for the session, example copies on free ports, and a
+SIGTERM that still lets each test clean up.
 
 A test that needs 8000 or 5600 to be free passes on a quiet machine and fails beside the demo (issue 15);
 these tests prove the guard makes it fail everywhere, and that the real tests' copies keep the shipped files.
@@ -6,9 +7,13 @@ these tests prove the guard makes it fail everywhere, and that the real tests' c
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,3 +83,48 @@ def test_an_example_with_implicit_side_channels_is_refused(tmp_path: Path) -> No
     shutil.copytree(REPO / "examples" / "gpu-2p2d", tmp_path / "x", ignore=shutil.ignore_patterns(".pdctl"))
     with pytest.raises(AssertionError, match=r"ports \[5600, 5700, 5800, 5900\] were not moved"):
         move_to_free_ports(tmp_path / "x")
+
+
+def test_sigterm_ends_the_session_after_the_running_test_cleaned_up(tmp_path: Path) -> None:
+    """CI cancels with SIGTERM: the running test's finally still stops the process group it started."""
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "test_inner.py").write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "def test_holds_a_child():\n"
+        "    child = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "    try:\n"
+        f"        open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "        time.sleep(120)\n"
+        "    finally:\n"
+        "        os.killpg(child.pid, signal.SIGKILL)\n"
+        "        child.wait()\n"
+        "def test_never_runs():\n"
+        "    pass\n"
+    )
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider", "--rootdir",
+         str(tmp_path), str(tmp_path / "test_inner.py")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert inner.poll() is None and time.monotonic() < deadline, inner.communicate()[0]
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        inner.send_signal(signal.SIGTERM)
+        out = inner.communicate(timeout=60)[0]
+    finally:
+        if inner.poll() is None:
+            inner.kill()
+    assert inner.returncode == 2, out  # pytest's "interrupted"
+    assert "KeyboardInterrupt" in out and "1 passed" not in out, out
+    assert not _alive(child), out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
