@@ -7,7 +7,6 @@ these tests prove the guard makes it fail everywhere, and that the real tests' c
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.config import load
-from pdctl.testing import free_port, port_free
+from pdctl.testing import alive, free_port, port_free
 from tests.conftest import REPO, PortHolder, listened_ports, move_to_free_ports, well_known_ports
 
 
@@ -119,12 +118,4 @@ def test_sigterm_ends_the_session_after_the_running_test_cleaned_up(tmp_path: Pa
             inner.kill()
     assert inner.returncode == 2, out  # pytest's "interrupted"
     assert "KeyboardInterrupt" in out and "1 passed" not in out, out
-    assert not _alive(child), out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert not alive(child), out
