@@ -293,8 +293,11 @@ def test_corrupted_kv_fails_correctness(cluster: Callable[..., Cluster]) -> None
     # the report names the position, both token ids with their text, and the margins: no mojibake excerpt
     assert re.search(r'first difference at output token 0: reference id \d+ " \w+" \(margin \d\.\d{3} nats', res.detail)
     assert re.search(r'PD id \d+ " \w+" \(margin \d\.\d{3}\)', res.detail)
-    div = res.data["probes"][0]["divergence"]
-    assert div["verdict"] == "corruption" and div["position"] == 0 and div["ref_margin"] >= 0.5
+    divs = [p["divergence"] for p in res.data["probes"]]
+    assert all(d["verdict"] == "corruption" and d["ref_margin"] >= 0.5 for d in divs), divs
+    # A corrupted KV changes the first token, except when the simulator's new pick is by chance the same word
+    # (1 in 77 per probe, each run's prompts differ by verify's nonce): then the difference shows one token later.
+    assert min(d["position"] for d in divs) == 0, divs
 
 
 def test_a_near_tie_once_is_re_run_and_passes(cluster: Callable[..., Cluster]) -> None:
