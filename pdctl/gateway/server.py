@@ -13,6 +13,9 @@ TLS: ``gateway.tls_certfile``/``tls_keyfile`` go to uvicorn's ``ssl_certfile``/`
 :func:`tls_files` checked them (present, readable, a certificate that is not expired, a key that matches).
 SIGHUP re-reads the keys file (:meth:`pdctl.gateway.app.Gateway.reload_keys`) between ticks.
 
+Once started, :func:`settle_heap` takes everything startup allocated out of the cyclic collector's way and
+makes its young-generation passes rarer (docs/performance.md §12).
+
 One of several processes (``gateway.workers``, :mod:`pdctl.gateway.processes`): :func:`run` serves on the
 process's own SO_REUSEPORT listener, and a server given ``parent_pid`` drains by itself when its parent is gone.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -41,6 +45,7 @@ from pdctl.gateway.app import Gateway
 from pdctl.gateway.processes import FORCE_SIGNAL, STOP_SIGNAL
 
 __all__ = [
+    "GC_YOUNG_THRESHOLD",
     "HOLD_POLL_S",
     "READY_GRACE_S",
     "DrainingServer",
@@ -48,6 +53,7 @@ __all__ = [
     "make_server",
     "run",
     "serve",
+    "settle_heap",
     "stop_timeout_s",
     "tls_files",
     "wait_for_release",
@@ -55,6 +61,10 @@ __all__ = [
 
 READY_GRACE_S = 1.0
 HOLD_POLL_S = 0.25
+#: Allocations (net of frees) that trigger a young-generation collection while serving; CPython's default is 700.
+#: Every in-flight request's objects are live at a collection, so with hundreds of streams the default spent more
+#: CPU promoting and re-scanning them than it ever reclaimed.
+GC_YOUNG_THRESHOLD = 10_000
 
 
 class DrainingServer(uvicorn.Server):
@@ -108,6 +118,10 @@ class DrainingServer(uvicorn.Server):
             "draining: /ready is false, %d request(s) in flight, up to %.0fs",
             self.gateway.in_flight, self.gateway.settings.gateway.drain_timeout_s,
         )  # fmt: skip
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        settle_heap()
 
     async def on_tick(self, counter: int) -> bool:
         if self._reload:
@@ -173,6 +187,15 @@ def make_server(gateway: Gateway, host: str, port: int, parent_pid: int | None =
     )
     config.load()
     return DrainingServer(config, gateway, parent_pid)
+
+
+def settle_heap() -> None:
+    """Freeze what startup allocated (``gc.freeze``, as vLLM's API server does once started), so full collections
+    no longer walk it, and raise the young generation's threshold to :data:`GC_YOUNG_THRESHOLD`."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def tls_files(g: GatewayConfig) -> tuple[str, str] | None:
