@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pdctl.transport import AiohttpTransport, Client, TransportError
+from tests.fakes._http import chunked
 from tests.fakes.helpers import self_signed_cert
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -39,11 +40,11 @@ async def _sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in range(3):
                 event = b'data: {"n": %d}\n\n' % i
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                writer.write(chunked(event))
                 await writer.drain()
                 await asyncio.sleep(0.01)
             done = b"data: [DONE]\n\n"
-            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            writer.write(chunked(done) + b"0\r\n\r\n")
         elif head.startswith(b"POST /long"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             try:

@@ -42,15 +42,17 @@ class ClientSocket:
         self._write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
+#: What :class:`ClientSocket` reads of uvicorn's ``RequestResponseCycle`` (and of its ``flow``).
+_CYCLE_ATTRS = ("chunked_encoding", "response_started", "scope", "disconnected", "response_complete", "transport")
+
+
 def client_socket(send: Any) -> ClientSocket | None:
     """The direct writer under ``send``, once ``send`` started a chunked response; None where there is none."""
     cycle = getattr(send, "__self__", None)
     if cycle is None or type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl":
         return None
-    try:
-        if cycle.chunked_encoding is not True or not cycle.response_started or cycle.scope["method"] == "HEAD":
-            return None
-        cycle.disconnected, cycle.response_complete, cycle.flow.write_paused  # noqa: B018  # all there?
-        return ClientSocket(cycle)
-    except (AttributeError, KeyError, TypeError):
+    if not all(hasattr(cycle, a) for a in _CYCLE_ATTRS) or not hasattr(getattr(cycle, "flow", None), "write_paused"):
         return None
+    if cycle.chunked_encoding is not True or not cycle.response_started or cycle.scope.get("method") == "HEAD":
+        return None
+    return ClientSocket(cycle)

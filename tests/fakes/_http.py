@@ -27,6 +27,11 @@ def completion_body(oid: str, model: Any, chat: bool, text: str, finish: str, pr
     }
 
 
+def chunked(data: bytes) -> bytes:
+    """``data`` as one piece of an HTTP/1.1 chunked body (``data`` not empty: a piece of length 0 ends the body)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 def chunk_event(oid: str, model: Any, chat: bool, text: str, finish: str | None) -> bytes:
     """One streamed OpenAI chunk as an SSE event."""
     choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
@@ -85,7 +90,7 @@ class Response:
         self.sent_headers = True
 
     async def chunk(self, data: bytes) -> None:
-        self.w.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.w.write(chunked(data))
         await self.w.drain()
 
     async def end_stream(self) -> None:

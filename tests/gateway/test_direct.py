@@ -18,12 +18,9 @@ from pdctl.gateway.direct import client_socket
 from pdctl.gateway.sse import Exchange, RelayResult, relay
 from pdctl.testing import free_port
 from pdctl.transport import Client
+from tests.fakes._http import chunked
 
 Worker = Callable[[asyncio.StreamWriter], Awaitable[None]]
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _event(i: int, size: int = 20) -> bytes:
@@ -142,14 +139,14 @@ def test_paced_stream_goes_the_direct_path_byte_for_byte() -> None:
     async def worker(writer: asyncio.StreamWriter) -> None:
         for i, e in enumerate(events):
             if i % 4 == 3:  # an event split across two reads
-                writer.write(_chunk(e[:7]))
+                writer.write(chunked(e[:7]))
                 await writer.drain()
                 await asyncio.sleep(0.01)
                 e = e[7:]
-            writer.write(_chunk(e))
+            writer.write(chunked(e))
             await writer.drain()
             await asyncio.sleep(0.01)
-        writer.write(_chunk(done) + b"0\r\n\r\n")
+        writer.write(chunked(done) + b"0\r\n\r\n")
 
     async def go() -> None:
         async with _setup(worker) as (port, results):
@@ -170,15 +167,15 @@ def test_slow_client_gets_everything_in_order() -> None:
 
     async def worker(writer: asyncio.StreamWriter) -> None:
         for i in range(0, len(events), 10):
-            writer.write(_chunk(b"".join(events[i : i + 10])))
+            writer.write(chunked(b"".join(events[i : i + 10])))
             await writer.drain()
             await asyncio.sleep(0.001)
         await caught_up.wait()  # the client has read all of it
         for e in paced:
-            writer.write(_chunk(e))
+            writer.write(chunked(e))
             await writer.drain()
             await asyncio.sleep(0.02)
-        writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        writer.write(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
     async def go() -> None:
         async with _setup(worker, sndbuf=4096) as (port, results):
@@ -197,7 +194,7 @@ def test_read_timeout_counts_direct_pieces_and_still_fires_on_a_stall() -> None:
 
     async def worker(writer: asyncio.StreamWriter) -> None:
         for i in range(8):  # 0.8 s of steady output, beyond the 0.3 s read timeout in total
-            writer.write(_chunk(_event(i)))
+            writer.write(chunked(_event(i)))
             await writer.drain()
             await asyncio.sleep(0.1)
         await asyncio.sleep(5)  # then nothing

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.transport import Client
+from tests.fakes._http import chunked
 
 
 class _Chunks:
@@ -87,9 +88,6 @@ def test_last_chunk_goes_with_the_end_only_when_the_body_is_complete() -> None:
     events = b'data: {"choices":[{"text":"a"}]}\n\n'
     done = b"data: [DONE]\n\n"
 
-    def chunk(data: bytes) -> bytes:
-        return b"%x\r\n%s\r\n" % (len(data), data)
-
     async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             try:
@@ -98,13 +96,13 @@ def test_last_chunk_goes_with_the_end_only_when_the_body_is_complete() -> None:
                 return
             await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            writer.write(chunk(events))
+            writer.write(chunked(events))
             await writer.drain()
             await asyncio.sleep(0.05)
             if head.startswith(b"POST /together"):
-                writer.write(chunk(done) + b"0\r\n\r\n")  # the last event and the end in one TCP write
+                writer.write(chunked(done) + b"0\r\n\r\n")  # the last event and the end in one TCP write
             else:
-                writer.write(chunk(done))
+                writer.write(chunked(done))
                 await writer.drain()
                 await asyncio.sleep(0.3)  # the end comes much later
                 writer.write(b"0\r\n\r\n")
