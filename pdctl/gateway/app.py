@@ -9,7 +9,8 @@ errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A watcher task waits for ``http.disconnect`` and cancels the handler, so a client that leaves cancels the
-worker calls (vLLM aborts the request when the connection closes). Parsing and validation are the pure
+worker calls (vLLM aborts the request when the connection closes); during leg 1 it only marks the client gone,
+and the PD flow frees the prefill's KV when leg 1 is over (:mod:`pdctl.gateway.pd`). Parsing and validation are the pure
 functions of :mod:`pdctl.gateway.request`. ``/v1/embeddings`` and ``/tokenize`` pass through to a worker when
 the model is local (the worker's answer as it is), else to the upstream.
 """
@@ -456,7 +457,8 @@ async def _watch_disconnect(receive: Receive, ex: Exchange, task: asyncio.Task[A
         if message["type"] == "http.disconnect":
             if not ex.finished and task is not None:
                 ex.client_gone = True
-                task.cancel()
+                if not ex.in_leg1:  # leg 1 runs on and frees its KV after (pdctl.gateway.pd)
+                    task.cancel()
             return
 
 

@@ -1,10 +1,11 @@
 """The PD two-leg flow (and ``colocated``), built on :mod:`pdctl.protocol`.
 
-Leg 1 goes to the least-loaded prefill, one attempt at a time, each attempt shielded from client
-cancellation: a prefill that finished holds KV blocks until decode reads them, so when the client left
-during leg 1 the gateway still finishes it and then sends a *release leg* (the decode body with
-``max_tokens = 1``, not streamed) so decode pulls and frees the blocks at once instead of after
-``kv_lease_duration``. A failed or timed-out leg 1 is retried with a fresh request id, at most
+Leg 1 goes to the least-loaded prefill, one attempt at a time, in the request's own task, which a client
+disconnect does not cancel meanwhile (:attr:`pdctl.gateway.sse.Exchange.in_leg1`): a prefill that finished holds
+KV blocks until decode reads them, so when the client left during leg 1 the gateway still finishes it and then
+sends a *release leg* (the decode body with ``max_tokens = 1``, not streamed) so decode pulls and frees the
+blocks at once instead of after ``kv_lease_duration``. No task of its own for leg 1: each task hand-over costs a
+turn of the event loop, and under load a turn is what delays a first token. A failed or timed-out leg 1 is retried with a fresh request id, at most
 ``gateway.max_retries`` times (capped at :data:`MAX_PD_RETRIES`) and never after a byte reached the client;
 decode's ``kv_transfer_params`` are never replayed (they are single-use): a retry is a whole new pipeline.
 
@@ -219,15 +220,15 @@ async def _leg1(
     pbody = _dumps(build_prefill_body(body, ctx.kind, endpoint))
     ahead = inst.in_flight_tokens
     timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
-    task = asyncio.ensure_future(_prefill_once(ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout))
+    ex.in_leg1 = True
     try:
-        leg = await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if ex.client_gone:
-            ctx.spawn(_release_after(ctx, task, endpoint, body))
-        else:
-            task.cancel()
-        raise
+        leg = await _prefill_once(ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout)
+    finally:
+        ex.in_leg1 = False
+    if ex.client_gone:  # the client left during leg 1: free what the prefill now holds, then end as cancelled
+        if leg.reply is not None:
+            ctx.spawn(_release(ctx, leg, endpoint, body))
+        raise asyncio.CancelledError
     if leg.reply is not None:
         ctx.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
         ctx.metrics.child(ctx.metrics.leg, "prefill").observe(leg.elapsed_s)
@@ -380,13 +381,9 @@ async def _blame(ctx: PdContext, decode: Instance, prefill: Instance) -> None:
         ctx.pool.record_failure(decode)
 
 
-async def _release_after(
-    ctx: PdContext, task: asyncio.Future[LegResult], endpoint: str, body: Mapping[str, Any]
-) -> None:
-    """The client left during leg 1: let it finish, then have decode pull (and so free) the blocks."""
-    leg = await task
-    if leg.reply is None:
-        return
+async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[str, Any]) -> None:
+    """The client left during leg 1, which finished: have decode pull (and so free) the blocks."""
+    assert leg.reply is not None
     check = check_kv_params(leg.reply)
     if not check.usable or check.params is None:
         ctx.metrics.kv_release.labels("nothing_held").inc()

@@ -55,6 +55,8 @@ class Exchange:
     headers_sent: bool = False
     finished: bool = False
     client_gone: bool = False
+    in_leg1: bool = False
+    """While leg 1 runs a client disconnect only sets ``client_gone``; leg 1 finishes and its KV is released."""
     ttft_s: float | None = None
     tokens: int | None = None
     prompt_tokens: int | None = None
@@ -221,10 +223,11 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     """Forward a 200 response to the client; a failure after headers ends with one SSE error event.
 
     Streams: ``first_timeout_s`` bounds the wait for the first chunk; every later wait is bounded by the
-    client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``). After the first chunk, a body
-    that can :meth:`~pdctl.transport.Response.forward` under a server with a direct path
-    (:mod:`pdctl.gateway.direct`) goes to the client from the worker connection's read callback; this task then
-    wakes for the end, a failure, or a piece the client's socket could not take at once.
+    client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``). A body that can
+    :meth:`~pdctl.transport.Response.forward` under a server with a direct path (:mod:`pdctl.gateway.direct`)
+    goes to the client from the worker connection's read callback, from its first piece on (after it when
+    ``first_timeout_s`` is given); this task then wakes for the end, a failure, or a piece the client's socket
+    could not take at once.
     """
     out = RelayResult()
     if not stream:
@@ -256,6 +259,11 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
             # The first token waits for the KV handoff: its own deadline (kv_transfer.timeout_ms).
             chunk = await asyncio.wait_for(read(), timeout=first_timeout_s)
         else:
+            if st.out is not None and forward is not None:
+                # From the first piece on: the first token then costs no wake-up of this task, which under load
+                # is a whole turn of the event loop.
+                forward(st.give)
+                forwarding = True
             chunk = await read()
         while chunk:
             chunk = st.take(chunk)

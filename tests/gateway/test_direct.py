@@ -158,6 +158,29 @@ def test_paced_stream_goes_the_direct_path_byte_for_byte() -> None:
     asyncio.run(go())
 
 
+def test_the_first_token_goes_the_direct_path_too() -> None:
+    """A stream's first piece is written from the worker connection's read callback as well: under load a wake-up
+    of the relay task waits a whole turn of the event loop, which would delay every first token."""
+    first = _event(0)
+    done = b"data: [DONE]\n\n"
+
+    async def worker(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.05)  # the headers first, alone, as vLLM sends them before its first token
+        writer.write(chunked(first))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(chunked(done) + b"0\r\n\r\n")
+
+    async def go() -> None:
+        async with _setup(worker) as (port, results):
+            assert await _get(port) == first + done
+            [result] = results
+            assert result.error is None and result.done and result.events == 2
+            assert result.direct == 1  # the first event; the last goes with the end of the response, via send
+
+    asyncio.run(go())
+
+
 def test_slow_client_gets_everything_in_order() -> None:
     """A client that does not read for a while: uvicorn pauses writing, the direct path declines, the relay waits
     for the client through send; nothing is lost or reordered, and the direct path resumes afterwards."""
