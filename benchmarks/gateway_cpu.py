@@ -27,6 +27,7 @@ from typing import Any
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
 STREAM = [EVENT] * 8 + [b'data: {"choices":[],"usage":{"completion_tokens":8}}\n\n', b"data: [DONE]\n\n"]
 KEY = "sk-bench-0123456789"
+P_URL, D_URL = "http://prefill.invalid", "http://decode.invalid"
 
 
 class _Response:
@@ -81,11 +82,19 @@ async def _one(app: Any, raw: bytes) -> None:
         await done.wait()
         return {"type": "http.disconnect"}
 
+    status: list[int] = []
+    body: list[bytes] = []
+
     async def send(message: dict[str, Any]) -> None:
-        pass
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        elif len(body) < 4:
+            body.append(message.get("body", b""))
 
     await app(scope, receive, send)
     done.set()
+    if status != [200]:  # a run of errors would measure the error path, not a PD request
+        raise RuntimeError(f"the gateway answered {status}: {b''.join(body)[:300]!r}")
 
 
 async def _child(requests: int) -> dict[str, float]:
@@ -103,15 +112,23 @@ async def _child(requests: int) -> dict[str, float]:
     reply = json.dumps({"id": "p", "choices": [], "usage": {"prompt_tokens": 5}, "kv_transfer_params": kv}).encode()
     settings = GatewaySettings(
         gateway=GatewayConfig(listen_host="127.0.0.1", listen_port=0),
-        routing=RoutingConfig(("http://p",), ("http://d",), "pd_disagg", "NixlConnector"),
+        # *.invalid: static instances (pdctl.gateway.discovery would look other names up in DNS, find nothing,
+        # and leave the pool empty).
+        routing=RoutingConfig((P_URL,), (D_URL,), "pd_disagg", "NixlConnector"),
         slo=SLOConfig(admission=False), logging=LoggingConfig(),
-        prefill=(InstanceSpec("prefill", "prefill", "http://p"),), decode=(InstanceSpec("decode", "decode", "http://d"),),
+        prefill=(InstanceSpec("prefill", "prefill", P_URL),), decode=(InstanceSpec("decode", "decode", D_URL),),
         models=(LocalModel("tiny", 2048),), connector="NixlConnector", health_interval_s=60.0,
     )  # fmt: skip
     app = create_app(settings, KEY)
     for inst in app.pool.instances:
         inst.client = _Worker(inst.role, reply)
     await app.startup()
+    try:  # the heap as the gateway's server leaves it once started (older checkouts have no settle_heap)
+        from pdctl.gateway.server import settle_heap
+    except ImportError:
+        pass
+    else:
+        settle_heap()
     out: dict[str, float] = {}
     for stream in (True, False):
         raw = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}],
