@@ -5,9 +5,10 @@ disconnect does not cancel meanwhile (:attr:`pdctl.gateway.sse.Exchange.in_leg1`
 KV blocks until decode reads them, so when the client left during leg 1 the gateway still finishes it and then
 sends a *release leg* (the decode body with ``max_tokens = 1``, not streamed) so decode pulls and frees the
 blocks at once instead of after ``kv_lease_duration``. No task of its own for leg 1: each task hand-over costs a
-turn of the event loop, and under load a turn is what delays a first token. A failed or timed-out leg 1 is retried with a fresh request id, at most
-``gateway.max_retries`` times (capped at :data:`MAX_PD_RETRIES`) and never after a byte reached the client;
-decode's ``kv_transfer_params`` are never replayed (they are single-use): a retry is a whole new pipeline.
+turn of the event loop, and under load a turn is what delays a first token. A failed or timed-out leg 1 is
+retried with a fresh request id, at most ``gateway.max_retries`` times (capped at :data:`MAX_PD_RETRIES`) and
+never after a byte reached the client; decode's ``kv_transfer_params`` are never replayed (they are
+single-use): a retry is a whole new pipeline.
 
 When no prefill can serve the request (none available, or leg 1 failed on every attempt) ``gateway.fallback``
 decides: ``none`` answers the error, ``decode`` has decode compute the prompt itself (``x-pd-path: fallback``),

@@ -62,8 +62,8 @@ __all__ = [
 READY_GRACE_S = 1.0
 HOLD_POLL_S = 0.25
 #: Allocations (net of frees) that trigger a young-generation collection while serving; CPython's default is 700.
-#: Every in-flight request's objects are live at a collection, so with hundreds of streams the default spent more
-#: CPU promoting and re-scanning them than it ever reclaimed.
+#: Every in-flight request's objects are live at a young collection, so with hundreds of streams the default's
+#: frequent passes mostly promote and re-scan them (docs/performance.md §12).
 GC_YOUNG_THRESHOLD = 10_000
 
 
