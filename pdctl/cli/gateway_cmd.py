@@ -68,8 +68,11 @@ def gateway(
     server = make_server(app_, listen_host, listen_port, slot[2] if slot is not None else None)
     hold = os.environ.get(GATEWAY_HOLD_ENV)
     if hold and not Path(hold).exists():  # a restart under `up` finds the file: it must not hold
-        console.print(f"pdctl gateway: set up; held until {hold} exists before listening on {where}", markup=False)
-        if not wait_for_release(Path(hold)):
+
+        def announce() -> None:
+            console.print(f"pdctl gateway: set up; held until {hold} exists before listening on {where}", markup=False)
+
+        if not wait_for_release(Path(hold), announce=announce):
             console.print("pdctl gateway: stopped while held (never listened)")
             return
     if slot is not None:

@@ -33,7 +33,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from types import FrameType
 
@@ -247,8 +247,11 @@ def run(server: DrainingServer, sock: socket.socket | None = None) -> None:
     asyncio.run(server.serve(sockets)) if server.config.loop == "asyncio" else uvloop_run(server, sockets)
 
 
-def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
+def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S, announce: Callable[[], None] | None = None) -> bool:
     """Block until ``go_file`` exists (True), or until SIGTERM/SIGINT asks to stop (False).
+
+    ``announce`` runs once the signals are held back: a SIGTERM sent as soon as the hold is announced then ends
+    the wait (exit 0) instead of killing the process by the signal's default action.
 
     The supervisor sends SIGCONT right after it creates the file, which ends the wait at once; the file is
     checked again every ``poll_s`` as well, for a signal that came before this wait began (or a file made by
@@ -258,6 +261,8 @@ def wait_for_release(go_file: Path, poll_s: float = HOLD_POLL_S) -> bool:
     signals = {signal.SIGTERM, signal.SIGINT, signal.SIGCONT, STOP_SIGNAL, FORCE_SIGNAL}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
+        if announce is not None:
+            announce()
         while not go_file.exists():
             info = signal.sigtimedwait(signals, poll_s)
             if info is not None and info.si_signo != signal.SIGCONT:
