@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,7 +199,8 @@ def stop_deployment(run_dir: Path, timeout_s: float, say: Say, warn: Say) -> Non
 
     The supervisor gets SIGTERM and stops its processes in order (gateway, decode, prefill); after
     ``timeout_s`` it is SIGKILLed. Then every recorded process still owned (a supervisor that was gone
-    already, or one killed mid-stop) is stopped directly, and state.json says ``stopped``.
+    already, or one killed mid-stop) is stopped directly, the workers' IPC folders are removed, and state.json
+    says ``stopped``.
     """
     import psutil
 
@@ -222,6 +224,9 @@ def stop_deployment(run_dir: Path, timeout_s: float, say: Say, warn: Say) -> Non
     if left:
         warn(f"killed {len(left)} leftover process(es): {', '.join(map(str, left))}")
     state = read_state(run_dir)
+    for rec in state.processes:  # a supervisor that was killed left its workers' IPC sockets
+        if isinstance(rec.get("ipc_dir"), str):
+            shutil.rmtree(rec["ipc_dir"], ignore_errors=True)
     if state.status not in ("stopped", "failed"):
         state.status = "stopped"
         write_state(run_dir, state)

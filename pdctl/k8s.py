@@ -39,7 +39,7 @@ import yaml
 from pdctl import __version__
 from pdctl.check import Finding, Severity
 from pdctl.config import Deployment, WorkerConfig
-from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, VllmInstall, build_plan
+from pdctl.plan import GATEWAY_HOLD_ENV, IPC_ENV, ProcessSpec, VllmInstall, build_plan
 from pdctl.protocol import connector_kind
 
 __all__ = [
@@ -258,7 +258,8 @@ def _worker_argv(spec: ProcessSpec) -> list[str]:
 
 
 def _worker_env(w: WorkerConfig, spec: ProcessSpec, opts: K8sOptions) -> list[dict[str, Any]]:
-    dropped = {"CUDA_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND"} - set(w.env)
+    # A pod has its own /tmp, and the IPC folder is a path on the machine that rendered (pdctl.plan.IPC_ENV).
+    dropped = {"CUDA_VISIBLE_DEVICES", "VLLM_CPU_OMP_THREADS_BIND", IPC_ENV} - set(w.env)
     env: list[dict[str, Any]] = []
     for name, value in spec.env.items():
         if name in dropped:

@@ -6,13 +6,16 @@ Engines differ only in data: which program, which flags, which environment.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,8 @@ from pdctl.protocol import NIXL_CONNECTORS, connector_kind
 __all__ = [
     "GATEWAY_GO_FILE",
     "GATEWAY_HOLD_ENV",
+    "IPC_DIR",
+    "IPC_ENV",
     "KV_LOGGERS",
     "VLLM_LOGGING_FILE",
     "Plan",
@@ -51,6 +56,15 @@ VLLM_LOGGING_FILE = "vllm-logging.json"
 #: LMCache, ... under one parent) and the scheduler, which logs "Finished sending/recving KV transfer for
 #: request ..." (its other DEBUG lines are KV waits and shutdown, checked in vLLM 0.32.0).
 KV_LOGGERS = ("vllm.distributed.kv_transfer", "vllm.v1.core.sched.scheduler")
+
+#: Where vLLM binds its ZMQ IPC sockets, as ``<dir>/<uuid4>`` (the engine core's handshake, its input and output,
+#: shm_broadcast's): the system temp folder by default, and a stopped engine leaves them there, several per start.
+IPC_ENV = "VLLM_RPC_BASE_PATH"
+#: Each vLLM worker's own folder for them, in the run directory (``<run_dir>/ipc/<name>``), emptied at its start
+#: and removed once it stopped.
+IPC_DIR = "ipc"
+# A Unix socket's path holds at most 107 bytes: the folder, a slash and a 36-character uuid.
+_IPC_DIR_MAX = 107 - 1 - 36
 
 # Run by a foreign interpreter to read vLLM's version from its metadata without importing vLLM (~30 ms).
 _PROBE = (
@@ -182,7 +196,8 @@ class ProcessSpec:
     """One process to start: argv (a list, never a shell string), env overrides, where it answers.
 
     ``files`` (path -> text) are written before it starts (vLLM's logging config); ``cpu_ids``, when set,
-    is the CPU affinity of its whole process tree.
+    is the CPU affinity of its whole process tree; ``ipc_dir``, when set, is a folder of its own that is
+    emptied before it starts and removed once it stopped (:data:`IPC_ENV` names it).
     """
 
     name: str
@@ -199,6 +214,7 @@ class ProcessSpec:
     cpu_ids: tuple[int, ...] = ()
     restart: str = "never"
     files: Mapping[str, str] = field(default_factory=dict)
+    ipc_dir: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``plan --json`` shape."""
@@ -215,6 +231,7 @@ class ProcessSpec:
             "gpu_ids": list(self.gpu_ids),
             "cpu_ids": list(self.cpu_ids),
             "files": dict(self.files),
+            "ipc_dir": self.ipc_dir,
         }
 
     @property
@@ -314,6 +331,9 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         path = str(dep.run_dir / VLLM_LOGGING_FILE)
         env["VLLM_LOGGING_CONFIG_PATH"] = path
         files[path] = json.dumps(vllm_logging_config(dep.logging.level), indent=2) + "\n"
+    ipc_dir = _ipc_dir(dep, w)
+    if ipc_dir is not None:
+        env[IPC_ENV] = ipc_dir
     env.update(w.env)
     return ProcessSpec(
         name=w.name,
@@ -330,7 +350,21 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         cpu_ids=w.cpu_ids,
         restart=w.restart or dep.supervisor.restart,
         files=files,
+        ipc_dir=ipc_dir,
     )
+
+
+def _ipc_dir(dep: Deployment, w: WorkerConfig) -> str | None:
+    """A vLLM worker's own folder for its IPC sockets (:data:`IPC_DIR`), unless its ``env`` names one.
+
+    When the run directory's path is too long for a socket's, a short folder in the system temp folder instead.
+    """
+    if w.engine != "vllm" or IPC_ENV in w.env:
+        return None
+    path = os.path.abspath(dep.run_dir / IPC_DIR / w.name)
+    if len(path.encode()) <= _IPC_DIR_MAX:
+        return path
+    return os.path.join(tempfile.gettempdir(), "pdctl-ipc-" + hashlib.sha256(path.encode()).hexdigest()[:16])
 
 
 def _key_flags(section: Any, values: Mapping[str, Any]) -> list[str]:
@@ -424,6 +458,8 @@ def render_sh(plan: Plan) -> str:
         if p.hold_file:
             lines.append("# (`pdctl up` starts it with the workers, holding it until the warm-up passed; this script")
             lines.append("# starts it after them, so it runs without the hold)")
+        if p.ipc_dir:
+            lines.append(f"mkdir -p {shlex.quote(p.ipc_dir)}")
         for path, text in p.files.items():
             lines.append(f"mkdir -p {shlex.quote(str(Path(path).parent))}")
             lines.append(f"cat > {shlex.quote(path)} <<'PDCTL_EOF'")

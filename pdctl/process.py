@@ -2,7 +2,8 @@
 
 The child leads its own session (so its process group holds vLLM's EngineCore and workers too), gets an
 explicit environment (``os.environ`` minus the secrets the plan names, plus the plan's overrides), the files
-the plan names (vLLM's logging config), the CPU affinity of ``cpu_ids`` from its first instruction (and
+the plan names (vLLM's logging config), a fresh folder of its own when the plan names one (``ipc_dir``, removed
+once it stopped), the CPU affinity of ``cpu_ids`` from its first instruction (and
 :meth:`ManagedProcess.pin_threads` to keep its tree there), reads /dev/null, and its stdout+stderr go
 through one pipe to a reader thread that writes ``logs/<name>.log`` and feeds the multiplexed view; the
 reader also watches for a line after which the child can never become ready (:func:`pdctl.diagnose.dead_end`,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,6 +138,7 @@ class ManagedProcess:
     def start(self) -> None:
         """Spawn the child (raises :class:`LaunchError` when the program cannot be executed)."""
         self._write_files()
+        self._fresh_ipc_dir()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_fh = self.log_path.open("ab")
         self._tail.clear()
@@ -192,6 +195,19 @@ class ManagedProcess:
                     f"{self.name}: cannot write {path}: {exc.strerror}",
                     hint="make supervisor.run_dir a writable folder",
                 ) from None
+
+    def _fresh_ipc_dir(self) -> None:
+        """The spec's ``ipc_dir``, emptied: what an earlier start (or a killed supervisor's run) left goes."""
+        if self.spec.ipc_dir is None:
+            return
+        shutil.rmtree(self.spec.ipc_dir, ignore_errors=True)
+        try:
+            Path(self.spec.ipc_dir).mkdir(parents=True, mode=0o700)
+        except OSError as exc:
+            raise LaunchError(
+                f"{self.name}: cannot create {self.spec.ipc_dir}: {exc.strerror}",
+                hint="make supervisor.run_dir a writable folder",
+            ) from None
 
     def pin_threads(self, *, refresh: bool = True) -> list[tuple[int, int, tuple[int, ...]]]:
         """Move every thread of the tree that runs outside ``spec.cpu_ids`` back onto them.
@@ -387,6 +403,8 @@ class ManagedProcess:
         if self._log_fh is not None:
             with contextlib.suppress(OSError):
                 self._log_fh.close()
+        if self.spec.ipc_dir is not None:  # the sockets its engine left
+            shutil.rmtree(self.spec.ipc_dir, ignore_errors=True)
         return killed
 
     def stop(self, grace_s: float) -> list[int]:

@@ -8,6 +8,7 @@ Layout (``Deployment.run_dir``, default ``.pdctl`` next to config.toml)::
     logs/<name>.log     raw output of each process (appended across restarts)
     logs/pdctl.log      the supervisor's own events
     logs/daemon.log     the detached supervisor's stdout/stderr (tracebacks if it crashes)
+    ipc/<name>/         a vLLM worker's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``), there while it runs
 
 Before signalling a recorded pid, :func:`owned_process` checks with psutil that the pid still belongs to
 the process pdctl started (same create_time, same command line): pids are reused.

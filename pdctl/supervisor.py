@@ -582,6 +582,7 @@ class Supervisor:
                     "gpu_ids": list(spec.gpu_ids),
                     "cpu_ids": list(spec.cpu_ids),
                     "log_file": str(self.log_dir / f"{spec.name}.log"),
+                    "ipc_dir": spec.ipc_dir,
                     "restarts": slot.restarts,
                     "exit_code": slot.last_exit.returncode if slot.last_exit else None,
                     "descendants": [list(r) for r in p.descendant_records()] if p else [],

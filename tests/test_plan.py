@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,39 @@ def test_check_names_the_missing_engine_python(recipe_files, tmp_path: Path) -> 
     assert len(found) == 1 and found[0].severity == "error"
     assert found[0].key == "engine.python" and found[0].line is not None
     assert f"({missing}: no such file)" in found[0].message and "[engine] python" in (found[0].hint or "")
+
+
+def test_each_vllm_worker_gets_its_own_ipc_folder(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    with tempfile.TemporaryDirectory(prefix="r") as short:  # pytest's tmp_path can be too long for a socket
+        dep = load(*recipe_files(config_append=f'\n[supervisor]\nrun_dir = "{short}/.pdctl"\n'))
+        plan = build_plan(dep, GPU)
+    pre, dec, gw = plan.processes
+    for spec in (pre, dec):
+        assert spec.ipc_dir == f"{short}/.pdctl/ipc/{spec.name}" == spec.env["VLLM_RPC_BASE_PATH"]
+        assert spec.to_json()["ipc_dir"] == spec.ipc_dir
+        assert f"mkdir -p {spec.ipc_dir}" in render_sh(plan).splitlines()
+    assert gw.ipc_dir is None and "VLLM_RPC_BASE_PATH" not in gw.env
+
+
+def test_a_run_dir_too_long_for_a_socket_moves_the_ipc_folder_to_temp(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    deep = "/srv/" + "d" * 80 + "/.pdctl"
+    pre, dec = build_plan(load(*recipe_files(config_append=f'\n[supervisor]\nrun_dir = "{deep}"\n')), GPU).workers
+    for spec in (pre, dec):
+        assert spec.ipc_dir is not None and spec.env["VLLM_RPC_BASE_PATH"] == spec.ipc_dir
+        # vLLM binds ipc://<folder>/<uuid4>: a Unix socket's path holds 107 bytes
+        assert len(os.path.join(spec.ipc_dir, "0b5c2f64-6a41-4b3e-9d3c-1d6e0c7a9f10").encode()) <= 107
+        assert os.path.dirname(spec.ipc_dir) == tempfile.gettempdir()
+    assert pre.ipc_dir != dec.ipc_dir
+
+
+def test_a_worker_env_naming_the_ipc_folder_wins(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    edits = {"gpu_ids = [1]": 'gpu_ids = [1]\nenv = { VLLM_RPC_BASE_PATH = "/srv/ipc" }'}
+    pre, dec = build_plan(load(*recipe_files(config_edits=edits)), GPU).workers
+    assert pre.ipc_dir is not None
+    assert dec.ipc_dir is None and dec.env["VLLM_RPC_BASE_PATH"] == "/srv/ipc"
+
+
+def test_a_simulator_worker_has_no_ipc_folder(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    pre, dec = build_plan(load(*recipe_files(config_edits={'role = "prefill"': 'role = "prefill"\nengine = "sim"'})),
+                          GPU).workers  # fmt: skip
+    assert pre.ipc_dir is None and "VLLM_RPC_BASE_PATH" not in pre.env and dec.ipc_dir is not None

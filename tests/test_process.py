@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -313,3 +315,37 @@ def test_files_are_written_before_start(tmp_path: Path, started: list[ManagedPro
     started.append(p)
     p.wait_exit(30)
     assert p.exit_info().returncode == 0 and '{"version": 1}' in p.exit_info().tail
+
+
+_BIND_A_SOCKET = """
+import os, socket, sys, time
+folder = os.environ["VLLM_RPC_BASE_PATH"]
+print(sorted(os.listdir(folder)), flush=True)
+s = socket.socket(socket.AF_UNIX)
+s.bind(os.path.join(folder, "0b5c2f64-6a41-4b3e-9d3c-1d6e0c7a9f10"))  # as zmq binds ipc://<folder>/<uuid4>
+print("bound", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_ipc_folder_is_fresh_at_start_and_gone_after_stop(tmp_path: Path, started: list[ManagedProcess]) -> None:
+    short = Path(tempfile.mkdtemp(prefix="r"))  # pytest's tmp_path can be too long for a socket's path
+    ipc = short / "ipc" / "decode"
+    ipc.mkdir(parents=True)
+    (ipc / "left-by-a-killed-run").touch()
+    lines: list[LogLine] = []
+    spec = ProcessSpec("decode", "decode", (sys.executable, "-c", _BIND_A_SOCKET),
+                       {"PYTHONUNBUFFERED": "1", "VLLM_RPC_BASE_PATH": str(ipc)}, "http://127.0.0.1:9",
+                       "http://127.0.0.1:9/health", 0, ipc_dir=str(ipc))  # fmt: skip
+    p = ManagedProcess(spec, tmp_path / "logs", lines.append)
+    p.start()
+    started.append(p)
+    deadline = time.monotonic() + 30
+    while not any(ln.text == "bound" for ln in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [ln.text for ln in lines][:2] == ["[]", "bound"]  # emptied before the start
+    assert (ipc / "0b5c2f64-6a41-4b3e-9d3c-1d6e0c7a9f10").is_socket()
+    assert ipc.stat().st_mode & 0o777 == 0o700
+    p.stop(10)
+    assert not ipc.exists()  # the socket the process left goes with its folder
+    shutil.rmtree(short)

@@ -241,6 +241,9 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
     recorded = _recorded(nixl.run_dir)
     assert recorded["status"] == "ready"
     assert {p["name"] for p in recorded["processes"]} >= {"prefill", "decode", "gateway"}
+    # vLLM's ZMQ IPC sockets live in each worker's own folder (VLLM_RPC_BASE_PATH), not in the system /tmp.
+    ipc = [Path(p["ipc_dir"]) for p in recorded["processes"] if p["role"] != "gateway"]
+    assert len(ipc) == 2 and all(any(f.is_socket() for f in d.iterdir()) for d in ipc), ipc
 
     with httpx.Client(base_url=nixl.gateway, timeout=REQUEST_TIMEOUT_S) as client:
         assert client.get("/health").status_code == 200
@@ -313,6 +316,7 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
 
     nixl.down()
     nixl.assert_nothing_left(recorded)
+    assert not any(d.exists() for d in ipc), "a worker's IPC folder outlived `pdctl down`"
     for log in nixl.run_dir.rglob("*"):
         if log.is_file():
             assert nixl.api_key not in log.read_text(encoding="utf-8", errors="replace"), log

@@ -93,7 +93,9 @@ def test_worker_containers_run_the_plans_command_and_environment(name: str) -> N
         kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert kv["kv_role"] == ("kv_producer" if w.role == "prefill" else "kv_consumer")
         env = {e["name"]: e for e in c["env"]}
-        plain = {k: v for k, v in spec.env.items() if k not in ("CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST")}
+        # The IPC folder is a path on the machine that rendered: a pod has a /tmp of its own.
+        host_only = ("CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_RPC_BASE_PATH")
+        plain = {k: v for k, v in spec.env.items() if k not in host_only}
         # A file the plan writes on a host (vLLM's logging config) is the ConfigMap's copy, mounted in the pod.
         moved = {k: f"{CONFIG_MOUNT}/{Path(v).name}" for k, v in plain.items() if v in spec.files}
         assert {k: e["value"] for k, e in env.items() if "value" in e} == {**plain, **moved}
@@ -104,6 +106,7 @@ def test_worker_containers_run_the_plans_command_and_environment(name: str) -> N
         if name == "seed":  # the recipe logs KV transfers at info: vLLM's logging config must reach the pod
             assert env["VLLM_LOGGING_CONFIG_PATH"]["value"] == f"{CONFIG_MOUNT}/vllm-logging.json"
         assert "CUDA_VISIBLE_DEVICES" not in env
+        assert "VLLM_RPC_BASE_PATH" not in env and (w.engine == "sim") == (spec.ipc_dir is None)
         if "VLLM_NIXL_SIDE_CHANNEL_HOST" in spec.env:
             assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}

@@ -565,6 +565,24 @@ def test_status_json_of_a_dead_supervisor_without_logs(tmp_path: Path) -> None:
     assert _status_json(rd) == (0, {**out, "status": "stopped"})
 
 
+def test_down_after_a_killed_supervisor_removes_the_workers_ipc_folders(tmp_path: Path) -> None:
+    from pdctl.rundir import RunState, write_state
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    rd = tmp_path / ".pdctl"
+    ipc = rd / "ipc" / "decode"
+    ipc.mkdir(parents=True)
+    (ipc / "0b5c2f64-6a41-4b3e-9d3c-1d6e0c7a9f10").touch()  # what a killed engine left
+    rec = {"name": "decode", "role": "decode", "pid": gone.pid, "create_time": 1.0, "state": "ready",
+           "ipc_dir": str(ipc)}  # fmt: skip
+    write_state(rd, RunState(run_dir=str(rd), config_path="c", settings_path="s", status="ready",
+                             supervisor_pid=gone.pid, supervisor_create_time=1.0, processes=[rec]))  # fmt: skip
+    r = pdctl(tmp_path, "down", "--run-dir", str(rd))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not ipc.exists() and json.loads((rd / "state.json").read_text())["status"] == "stopped"
+
+
 def test_curl_commands_are_the_recipe_requests() -> None:
     from pdctl.cli.run_cmds import curl_commands
     from pdctl.config import load
