@@ -464,7 +464,8 @@ class WorkerConfig:
     )
     env: Mapping[str, str] = key(
         None, _str_map, "a table of strings", factory=dict, use="env", type="table of strings", default="`{}`",
-        doc="*extension*: extra environment of this worker",
+        doc="*extension*: extra environment of this worker; wins over what pdctl sets (`pdctl plan` shows it all, "
+        "e.g. `VLLM_RPC_BASE_PATH`, the folder of its IPC sockets: docs/lifecycle.md, \"Run directory\")",
     )
     extra_args: tuple[str, ...] = key(
         (), _str_list, "a list of strings", use="argv", type="list of strings", default="`[]`",
