@@ -6,7 +6,9 @@ Two groups of arms, each with its own no-proxy baseline, measured side by side i
   ``sglang-router`` in their plain (non-PD) modes.
 * PD (two legs):        ``direct-pd`` (the client itself runs leg 1 on prefill and leg 2 on decode with
   :mod:`pdctl.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``pdctl-pd-w4``
-  (``gateway.workers`` = 2 / 4) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``) | ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
+  (``gateway.workers`` = 2 / 4) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio runtime has a
+  worker thread per core) | ``vllm-router-pd-t1`` (the same on one worker thread, ``TOKIO_WORKER_THREADS=1``) |
+  ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
   SGLang's protocol sends the whole request to prefill and decode at once, so the prefill simulator generates
   too and there is no KV hand-over: its numbers are not a like-for-like PD comparison) | ``proto-*`` (minimal
   two-leg proxies per library pair, from ``proto_proxy.py``).
@@ -54,7 +56,16 @@ PEER_VENVS = {
     "toy": (VENV_ROOT / "pdbench-toy-proxy", ["fastapi", "uvicorn[standard]", "httpx"], "python"),
 }
 COLOCATED = ["direct", "pdctl-colocated", "vllm-router", "sglang-router"]
-PD = ["direct-pd", "pdctl-pd", "pdctl-pd-w2", "pdctl-pd-w4", "vllm-router-pd", "toy-proxy-pd", "sglang-router-pd"]
+PD = [
+    "direct-pd",
+    "pdctl-pd",
+    "pdctl-pd-w2",
+    "pdctl-pd-w4",
+    "vllm-router-pd",
+    "vllm-router-pd-t1",
+    "toy-proxy-pd",
+    "sglang-router-pd",
+]
 PROTO = ["proto-uvicorn-httpx", "proto-uvicorn-aiohttp", "proto-aiohttp"]
 # Another checkout's gateway (e.g. before a change), as arms pdctl-colocated-alt / pdctl-pd-alt.
 ALT_TREE = os.environ.get("PDBENCH_ALT_TREE")
@@ -112,11 +123,15 @@ def start_arm(arm: str, s: Setup) -> tuple[H.Proc | None, int, int | None]:
     # Both routers export Prometheus on port 29000 by default: each instance gets its own free port.
     common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
               str(free_port())]  # fmt: skip
+    env: dict[str, str] = {}
     if arm.startswith("vllm-router"):
         exe = ensure_venv("vllm-router")
         if exe is None:
             raise RuntimeError("vllm-router could not be installed")
         argv = [str(exe), *common, "--log-level", "warning", "--policy", "round_robin"]
+        if arm.endswith("-t1"):  # its tokio runtime on one worker thread, as one pdctl gateway process
+            env["TOKIO_WORKER_THREADS"] = "1"
+            arm = arm.removesuffix("-t1")
         if arm.endswith("-pd"):
             argv += ["--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url]
         else:
@@ -141,7 +156,7 @@ def start_arm(arm: str, s: Setup) -> tuple[H.Proc | None, int, int | None]:
                 "--prefill", p.url, "--decode", d.url]  # fmt: skip
     else:
         raise ValueError(f"unknown arm {arm}")
-    proc = H.start(arm, argv, port, logs, ready_path="/health", ready_timeout_s=120)
+    proc = H.start(arm, argv, port, logs, env=env, ready_path="/health", ready_timeout_s=120)
     return proc, port, None
 
 

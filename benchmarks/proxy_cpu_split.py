@@ -2,7 +2,8 @@
 
 For each arm of ``gateway_overhead.py`` (``pdctl-pd``, ``pdctl-pd-alt``, ``vllm-router-pd``, ...) in turn, the
 arm order alternating over ``--rounds``: simulator workers, the proxy, ``--streams`` closed-loop streams for
-``--seconds``, and the proxy's user and system CPU (its process and children) per request and per chunk. With
+``--seconds``, and the proxy's user and system CPU (its process and children) per request and per chunk, the
+cores it used on average, and its threads that did a tenth or more of its work (their shares). With
 ``--strace`` a second window runs under ``strace -c -f`` and prints the system calls per request (strace slows
 the proxy several fold: that window's rates are not the first's). With ``--perf`` a window runs under ``perf
 record`` (cpu-clock, 999 Hz) and prints the share of samples in CPython's cyclic GC and the top shared objects.
@@ -39,6 +40,17 @@ def _cpu(pid: int) -> tuple[float, float]:
     procs += procs[0].children(recursive=True)
     times = [p.cpu_times() for p in procs]
     return sum(t.user for t in times), sum(t.system for t in times)
+
+
+def _thread_cpu(pid: int) -> dict[tuple[int, int], float]:
+    """CPU seconds of each thread of the proxy's process tree, by (pid, thread id)."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    out: dict[tuple[int, int], float] = {}
+    for p in procs:
+        for t in p.threads():
+            out[(p.pid, t.id)] = t.user_time + t.system_time
+    return out
 
 
 def _load(port: int, pport: int | None, args: argparse.Namespace, probe: H.Proc) -> H.Window:
@@ -80,13 +92,21 @@ def _window(arm: str, r: int, s: G.Setup, logs: str, args: argparse.Namespace) -
     try:
         G.warm(port, pport)
         u0, s0 = _cpu(pid)
+        t0 = _thread_cpu(pid)
         w = _load(port, pport, args, proc)
         u1, s1 = _cpu(pid)
+        t1 = _thread_cpu(pid)
         n, c = max(1, len(w.results)), max(1, w.chunks)
+        # Threads that did a tenth or more of the window's work: how many cores the proxy can use at once.
+        busy = sorted((t1[k] - t0.get(k, 0.0) for k in t1), reverse=True)
+        total = sum(busy) or 1.0
+        working = [b for b in busy if b >= 0.1 * total]
         print(
             f"round {r + 1} {arm:16s} {n / w.seconds:6.0f} req/s {w.chunks_per_s:7.0f} chunks/s | per request user "
             f"{1e6 * (u1 - u0) / n:5.0f} us, system {1e6 * (s1 - s0) / n:5.0f} us | per chunk "
-            f"{1e6 * (u1 - u0) / c:5.1f} + {1e6 * (s1 - s0) / c:5.1f} us",
+            f"{1e6 * (u1 - u0) / c:5.1f} + {1e6 * (s1 - s0) / c:5.1f} us | {(u1 - u0 + s1 - s0) / w.seconds:.2f} "
+            f"cores on average, {len(working)} working thread(s): "
+            + ", ".join(f"{100 * b / total:.0f} %" for b in working),
             flush=True,
         )
         if args.strace:
