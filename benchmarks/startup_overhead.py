@@ -134,6 +134,8 @@ def time_by_hand(config: str, settings: str, env: dict[str, str]) -> dict[str, A
     try:
         for p in workers:
             penv = {k: v for k, v in env.items() if k not in p.get("unset_env", [])} | p["env"]
+            if p.get("ipc_dir"):  # as `pdctl plan` says: vLLM binds its IPC sockets there, and does not create it
+                Path(p["ipc_dir"]).mkdir(parents=True, exist_ok=True)
             log = open(f"/tmp/pdbench-hand-{p['name']}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen(p["argv"], env=penv, stdout=log, stderr=subprocess.STDOUT,

@@ -164,6 +164,8 @@ def _spawn(spec: ProcessSpec, logs: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in spec.unset_env}
     env.update(spec.env)
     env.pop(GATEWAY_HOLD_ENV, None)
+    if spec.ipc_dir is not None:  # vLLM binds its IPC sockets there and does not create it (pdctl.plan.IPC_ENV)
+        Path(spec.ipc_dir).mkdir(parents=True, exist_ok=True)
     with (logs / f"{spec.name}.log").open("wb") as out:
         return subprocess.Popen(
             list(spec.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

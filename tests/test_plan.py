@@ -197,6 +197,10 @@ def test_plan_cli_json_and_sh(recipe_files, cli, tmp_path: Path) -> None:  # typ
     # The script starts the gateway after the workers: with the hold it would wait for a file forever.
     assert procs[2]["env"][GATEWAY_HOLD_ENV].endswith("gateway.go")
     assert GATEWAY_HOLD_ENV not in res.stdout  # type: ignore[attr-defined]
+    # Whoever starts a worker by hand creates its IPC folder first: vLLM does not.
+    table = cli("plan", "-c", str(cpath), "-s", str(spath)).stdout.replace("\n", "")  # type: ignore[attr-defined]
+    for p in procs[:2]:
+        assert f"mkdir -p {p['ipc_dir']}" in res.stdout and f"mkdir: {p['ipc_dir']}" in table  # type: ignore[attr-defined]
 
 
 def test_plan_cli_bad_config_is_one_line_error(recipe_files, cli) -> None:  # type: ignore[no-untyped-def]

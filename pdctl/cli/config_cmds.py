@@ -118,6 +118,8 @@ def plan(
             console.print(Text("  env:   " + " ".join(f"{k}={v}" for k, v in spec.env.items())))
         if spec.unset_env:
             console.print(Text("  unset: " + " ".join(spec.unset_env)))
+        if spec.ipc_dir:
+            console.print(Text(f"  mkdir: {spec.ipc_dir}   (its IPC sockets; emptied at each start)"))
         console.print(Text("  argv:  " + " ".join(_quote(a) for a in spec.argv)))
     console.print(Text(f"vLLM: {p.vllm.describe()}", style="dim"))
 
