@@ -368,7 +368,9 @@ def test_result_json_keys_units_and_roundtrip(tmp_path: Path) -> None:
     assert obj["completed"] == 5 and obj["request_rate"] == 100.0
     # per-request arrays in seconds, statistics in ms
     assert obj["ttfts"][0] == pytest.approx(obj["mean_ttft_ms"] / 1000, rel=0.5)
-    assert obj["mean_ttft_ms"] >= 20.0
+    # In ms, not s: about the fake's 20 ms. Not exactly: uvloop's timers count whole milliseconds from the loop's
+    # cached time, so by the bench's clock a sleep can end early (19.96 ms was seen in CI).
+    assert obj["mean_ttft_ms"] >= 10.0
     assert obj["output_lens"] == [4] * 5 and obj["input_lens"] == [7] * 5
     assert obj["request_goodput"] is not None and obj["goodput"] == {"ttft": 400.0, "tpot": 40.0}
     assert obj["pdctl"]["slo_attainment"] == 1.0
