@@ -18,6 +18,7 @@ import uvicorn
 
 from pdctl.config import GatewayConfig, LoggingConfig, RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
+from pdctl.gateway.direct import HttpProtocol
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
 from pdctl.promtext import metric_value, samples
 from pdctl.testing import free_port, kill_groups
@@ -124,9 +125,16 @@ def make_settings(
 
 
 class GatewayThread:
-    """The gateway app under uvicorn (httptools) on a background thread."""
+    """The gateway app under uvicorn on a background thread, with the gateway's own HTTP protocol (``http``:
+    ``"httptools"`` for uvicorn's, under which the app watches for disconnects with a task)."""
 
-    def __init__(self, settings: GatewaySettings, key: str = KEY, upstream_key: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        key: str = KEY,
+        upstream_key: str | None = None,
+        http: type[asyncio.Protocol] | str = HttpProtocol,
+    ) -> None:
         self.app: Gateway = create_app(settings, key, upstream_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -134,7 +142,7 @@ class GatewayThread:
             self.app,
             host="127.0.0.1",
             port=self.port,
-            http="httptools",
+            http=http,
             loop="asyncio",
             lifespan="on",
             access_log=False,

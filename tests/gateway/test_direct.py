@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from pdctl.gateway.direct import client_socket
+from pdctl.gateway.direct import HttpProtocol, client_socket, watch_disconnect
 from pdctl.gateway.sse import Exchange, RelayResult, relay
 from pdctl.testing import free_port
 from pdctl.transport import Client
@@ -265,3 +265,94 @@ def test_no_direct_path_without_uvicorn_or_before_a_chunked_start() -> None:
         assert seen == [None, None]
 
     asyncio.run(go())
+
+
+def _serve_once(app: Any, http: Any) -> tuple[uvicorn.Server, int]:
+    port = free_port()
+    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, lifespan="off")), port
+
+
+def test_the_gateway_protocol_tells_a_request_its_client_left_without_a_task() -> None:
+    """Under :class:`HttpProtocol` a request learns of its client's disconnect from the connection itself (one
+    call, no task blocked in ``receive()``); under uvicorn's own protocol it cannot, and says so."""
+
+    async def go(http: Any) -> tuple[list[bool], list[str]]:
+        registered: list[bool] = []
+        calls: list[str] = []
+        done = asyncio.Event()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            await receive()  # the body
+            registered.append(watch_disconnect(send, lambda: calls.append("gone")))
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 5)  # released once the client has left
+
+        server, port = _serve_once(app, http)
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        assert b"first" in await reader.readuntil(b"first")
+        writer.close()
+        for _ in range(200):
+            if calls or not registered[0]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        done.set()
+        server.should_exit = True
+        await task
+        return registered, calls
+
+    registered, calls = asyncio.run(go(HttpProtocol))
+    assert registered == [True] and calls == ["gone"]
+    registered, calls = asyncio.run(go("httptools"))
+    assert registered == [False] and calls == []
+
+
+def test_a_client_gone_before_the_watch_is_told_at_once_and_a_finished_one_never() -> None:
+    async def go() -> tuple[list[str], list[str]]:
+        early: list[str] = []
+        late: list[str] = []
+        left = asyncio.Event()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            await receive()
+            if scope["path"] == "/early":
+                await left.wait()
+                await asyncio.sleep(0.1)  # the connection is lost by now
+                assert watch_disconnect(send, lambda: early.append("gone"))
+                return
+            assert watch_disconnect(send, lambda: late.append("gone"))
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            watch_disconnect(send, None)
+
+        server, port = _serve_once(app, HttpProtocol)
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /early HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+        left.set()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /late HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        assert (await reader.readuntil(b"ok")).endswith(b"ok")
+        writer.close()  # after a complete response: not a disconnect of a request in progress
+        await asyncio.sleep(0.2)
+        server.should_exit = True
+        await task
+        return early, late
+
+    early, late = asyncio.run(go())
+    assert early == ["gone"]
+    assert late == []

@@ -41,8 +41,9 @@ def gateways() -> Iterator[list[GatewayThread]]:
         g.stop()
 
 
-def _gw(gateways: list[GatewayThread], *args: object, **kw: object) -> GatewayThread:
-    g = GatewayThread(make_settings(*args, **kw))  # type: ignore[arg-type]
+def _gw(gateways: list[GatewayThread], *args: object, http: str | None = None, **kw: object) -> GatewayThread:
+    settings = make_settings(*args, **kw)  # type: ignore[arg-type]
+    g = GatewayThread(settings) if http is None else GatewayThread(settings, http=http)
     gateways.append(g)
     return g
 
@@ -51,11 +52,19 @@ def _events(raw: bytes) -> list[bytes]:
     return [e for e in raw.split(b"\n\n") if e.strip()]
 
 
-def test_g1_disconnect_mid_stream_aborts_decode(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+#: The disconnect cases run under the gateway's own protocol (its connection tells the request) and under plain
+#: uvicorn, where the gateway watches ``receive()`` with a task.
+UNDER = pytest.mark.parametrize("http", [None, "httptools"], ids=["gateway-protocol", "asgi-watcher"])
+
+
+@UNDER
+def test_g1_disconnect_mid_stream_aborts_decode(
+    fakes: list[FakeProc], gateways: list[GatewayThread], http: str | None
+) -> None:
     """G1 (N1 cancel, N2, N6): auth and rate limiting on; the fake decode sees the abort."""
     p = _fake(fakes)
     d = _fake(fakes, chunks=200, chunk_delay=0.1)
-    g = _gw(gateways, [p.url], [d.url], rate_limit=RateLimitConfig(60, 100000, 4))
+    g = _gw(gateways, [p.url], [d.url], http=http, rate_limit=RateLimitConfig(60, 100000, 4))
     with (
         g.client() as c,
         c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}) as r,
@@ -69,11 +78,14 @@ def test_g1_disconnect_mid_stream_aborts_decode(fakes: list[FakeProc], gateways:
     assert g.metric("pdctl_client_cancelled_total", phase="streaming") == 1
 
 
-def test_g2_disconnect_during_prefill_releases_kv(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+@UNDER
+def test_g2_disconnect_during_prefill_releases_kv(
+    fakes: list[FakeProc], gateways: list[GatewayThread], http: str | None
+) -> None:
     """G2 (N2, N3): prefill completes, one release leg goes to decode, prefill's held blocks return to 0."""
     p = _fake(fakes, delay=1.0, lease_s=600)
     d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url])
+    g = _gw(gateways, [p.url], [d.url], http=http)
     with g.client(timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "g2req"})
     assert wait_for(lambda: any(e["finished"] for e in p.completions()), timeout=10)
@@ -88,11 +100,14 @@ def test_g2_disconnect_during_prefill_releases_kv(fakes: list[FakeProc], gateway
     assert g.app.in_flight == 0
 
 
-def test_g3_non_stream_disconnect_cancels_decode(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+@UNDER
+def test_g3_non_stream_disconnect_cancels_decode(
+    fakes: list[FakeProc], gateways: list[GatewayThread], http: str | None
+) -> None:
     """G3 (N2): a non-streaming request is cancelled upstream, not run to completion."""
     p = _fake(fakes)
     d = _fake(fakes, chunks=50, chunk_delay=0.2)
-    g = _gw(gateways, [p.url], [d.url])
+    g = _gw(gateways, [p.url], [d.url], http=http)
     with g.client(timeout=0.8) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50})
     assert wait_for(lambda: any(e["aborted"] for e in d.completions()), timeout=5)
