@@ -267,9 +267,19 @@ def test_no_direct_path_without_uvicorn_or_before_a_chunked_start() -> None:
     asyncio.run(go())
 
 
-def _serve_once(app: Any, http: Any) -> tuple[uvicorn.Server, int]:
+@contextlib.asynccontextmanager
+async def _serving(app: Any, http: Any) -> AsyncIterator[int]:
+    """``app`` under uvicorn with the ``http`` protocol; yields its port."""
     port = free_port()
-    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, lifespan="off")), port
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, lifespan="off"))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await task
 
 
 def test_the_gateway_protocol_tells_a_request_its_client_left_without_a_task() -> None:
@@ -291,22 +301,17 @@ def test_the_gateway_protocol_tells_a_request_its_client_left_without_a_task() -
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(done.wait(), 5)  # released once the client has left
 
-        server, port = _serve_once(app, http)
-        task = asyncio.ensure_future(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
-        assert b"first" in await reader.readuntil(b"first")
-        writer.close()
-        for _ in range(200):
-            if calls or not registered[0]:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        done.set()
-        server.should_exit = True
-        await task
+        async with _serving(app, http) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+            assert b"first" in await reader.readuntil(b"first")
+            writer.close()
+            for _ in range(200):
+                if calls or not registered[0]:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            done.set()
         return registered, calls
 
     registered, calls = asyncio.run(go(HttpProtocol))
@@ -335,22 +340,17 @@ def test_a_client_gone_before_the_watch_is_told_at_once_and_a_finished_one_never
             await send({"type": "http.response.body", "body": b"ok"})
             watch_disconnect(send, None)
 
-        server, port = _serve_once(app, HttpProtocol)
-        task = asyncio.ensure_future(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /early HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-        left.set()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /late HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
-        assert (await reader.readuntil(b"ok")).endswith(b"ok")
-        writer.close()  # after a complete response: not a disconnect of a request in progress
-        await asyncio.sleep(0.2)
-        server.should_exit = True
-        await task
+        async with _serving(app, HttpProtocol) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /early HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            left.set()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /late HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+            assert (await reader.readuntil(b"ok")).endswith(b"ok")
+            writer.close()  # after a complete response: not a disconnect of a request in progress
+            await asyncio.sleep(0.2)
         return early, late
 
     early, late = asyncio.run(go())
