@@ -1,8 +1,9 @@
 """The gateway's own CPU per PD request, in-process: the ASGI app on scripted in-memory workers, no sockets.
 
 What it isolates: everything the gateway does per request besides the network (auth, body, validation, routing,
-limits, both legs' bookkeeping, the relay loop over 10 SSE chunks, metrics, the access log line), as CPU time
-(``time.process_time``), so a loaded machine moves it far less than wall-clock latency. Each checkout named in
+limits, both legs' bookkeeping, the relay loop over 10 SSE chunks, metrics, the access log line written to a
+file through the tree's own ``configure_logging``), as CPU time (``time.process_time``), so a loaded machine moves
+it far less than wall-clock latency. Each checkout named in
 ``--trees`` runs in its own interpreter, the trees alternating over ``--rounds``; the medians are printed. The
 workers are a minimal client object set on each instance (``Instance.client``), so older checkouts without
 :mod:`pdctl.gateway.memory` can be measured too.
@@ -15,11 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -98,15 +99,25 @@ async def _one(app: Any, raw: bytes) -> None:
 
 
 async def _child(requests: int) -> dict[str, float]:
+    from pdctl.gateway.server import configure_logging
+
+    # INFO as shipped, through the tree's own logging set-up, into a file as under `pdctl up` (the gateway's stdout
+    # is its log file there): the access line's formatting and write are part of a request's cost.
+    with tempfile.TemporaryFile("w") as logfile:
+        sys.stdout = logfile
+        try:
+            configure_logging("info")
+        finally:
+            sys.stdout = sys.__stdout__
+        return await _measure(requests)
+
+
+async def _measure(requests: int) -> dict[str, float]:
     from pdctl.config import GatewayConfig, LoggingConfig, RoutingConfig, SLOConfig
     from pdctl.gateway.app import create_app
     from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
     from pdctl.protocol import REQUIRED_DECODE_FIELDS
 
-    log = logging.getLogger("pdctl.gateway")  # INFO as shipped: the access line is formatted, then dropped
-    log.handlers[:] = [logging.NullHandler()]
-    log.setLevel("INFO")
-    log.propagate = False
     kv: dict[str, Any] = {f: f"x-{f}" for f in REQUIRED_DECODE_FIELDS}
     kv.update(remote_block_ids=[1, 2, 3], remote_port=5600, do_remote_prefill=True)
     reply = json.dumps({"id": "p", "choices": [], "usage": {"prompt_tokens": 5}, "kv_transfer_params": kv}).encode()
@@ -143,15 +154,56 @@ async def _child(requests: int) -> dict[str, float]:
     return out
 
 
+def _profile(requests: int, top: int) -> None:
+    """cProfile over both request kinds (the gateway's set-up included, its imports not): deterministic, so it inflates code made of many small calls; read it as
+    where the calls go, not as microseconds."""
+    import cProfile
+    import pstats
+
+    import pdctl.gateway.app
+    import pdctl.gateway.server  # noqa: F401  # imported before the profile starts: a request's cost, not start-up's
+
+    profile = cProfile.Profile()
+
+    async def go() -> None:
+        profile.enable()
+        try:
+            await _child(requests)
+        finally:
+            profile.disable()
+
+    asyncio.run(go())
+    stats = pstats.Stats(profile)
+    rows = stats.stats  # type: ignore[attr-defined]  # pstats keeps its table here
+    total = sum(row[2] for row in rows.values())
+    shares: dict[str, float] = {}
+    for (path, _, _), row in rows.items():
+        lib = next(
+            (k for k in ("pdctl", "prometheus_client", "json", "logging", "asyncio") if f"/{k}/" in path), "other"
+        )
+        shares[lib] = shares.get(lib, 0.0) + row[2]
+    print(
+        "own time by package: "
+        + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(shares.items(), key=lambda x: -x[1]))
+    )
+    stats.sort_stats("tottime").print_stats(top)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", default=".", help="comma list of checkouts (each one's pdctl is measured)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="instead: this checkout under cProfile, its N functions of most own time, and each library's "
+                    "share of it")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(asyncio.run(_child(args.requests))))
+        return 0
+    if args.profile:
+        _profile(args.requests, args.profile)
         return 0
     trees = [str(Path(t).resolve()) for t in args.trees.split(",") if t]
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
