@@ -1,12 +1,12 @@
 """The gateway's own CPU per PD request, in-process: the ASGI app on scripted in-memory workers, no sockets.
 
 What it isolates: everything the gateway does per request besides the network (auth, body, validation, routing,
-limits, both legs' bookkeeping, the relay loop over 10 SSE chunks, metrics, the access log line written to a
-file through the tree's own ``configure_logging``), as CPU time (``time.process_time``), so a loaded machine moves
-it far less than wall-clock latency. Each checkout named in
-``--trees`` runs in its own interpreter, the trees alternating over ``--rounds``; the medians are printed. The
-workers are a minimal client object set on each instance (``Instance.client``), so older checkouts without
-:mod:`pdctl.gateway.memory` can be measured too.
+limits, both legs' bookkeeping, the relay loop over 10 SSE chunks, metrics, the access log line written to a file
+through the tree's own ``configure_logging``), as CPU time (``time.process_time``), so a loaded machine moves it far
+less than wall-clock latency. Three kinds of request: a short chat request, streamed and not, and a coding agent's
+40 KB turn, streamed. Each checkout named in ``--trees`` runs in its own interpreter, the trees alternating over
+``--rounds``; the medians are printed. The workers are a minimal client object set on each instance
+(``Instance.client``), so older checkouts without :mod:`pdctl.gateway.memory` can be measured too.
 
     .venv/bin/python benchmarks/gateway_cpu.py [--trees .,/path/to/other/checkout] [--rounds 6] [--requests 3000]
 """
@@ -128,7 +128,7 @@ async def _measure(requests: int) -> dict[str, float]:
         routing=RoutingConfig((P_URL,), (D_URL,), "pd_disagg", "NixlConnector"),
         slo=SLOConfig(admission=False), logging=LoggingConfig(),
         prefill=(InstanceSpec("prefill", "prefill", P_URL),), decode=(InstanceSpec("decode", "decode", D_URL),),
-        models=(LocalModel("tiny", 2048),), connector="NixlConnector", health_interval_s=60.0,
+        models=(LocalModel("tiny", 32768),), connector="NixlConnector", health_interval_s=60.0,
     )  # fmt: skip
     app = create_app(settings, KEY)
     for inst in app.pool.instances:
@@ -141,22 +141,42 @@ async def _measure(requests: int) -> dict[str, float]:
     else:
         settle_heap()
     out: dict[str, float] = {}
-    for stream in (True, False):
-        raw = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}],
-                          "max_tokens": 8, "stream": stream}).encode()  # fmt: skip
-        for _ in range(200):  # warm-up
+    short = {"model": "tiny", "messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 8}
+    kinds = (("stream_us", {**short, "stream": True}, requests), ("json_us", {**short, "stream": False}, requests),
+             ("agent_us", _agent_body(), max(1, requests // 10)))  # fmt: skip
+    for key, body, n in kinds:
+        raw = json.dumps(body).encode()
+        for _ in range(max(20, n // 15)):  # warm-up
             await _one(app, raw)
         t = time.process_time()
-        for _ in range(requests):
+        for _ in range(n):
             await _one(app, raw)
-        out["stream_us" if stream else "json_us"] = (time.process_time() - t) / requests * 1e6
+        out[key] = (time.process_time() - t) / n * 1e6
     await app.shutdown()
     return out
 
 
+def _agent_body() -> dict[str, Any]:
+    """A coding agent's turn, streamed: 40 rounds of a user message, a tool call and its result, and 12 tool
+    definitions (about 40 KB of JSON, as the client's httpx writes it: non-ASCII escaped)."""
+    messages: list[dict[str, Any]] = []
+    for i in range(40):
+        ask = f"Look at src/module_{i}.py and fix the timeout that handle_request ignores (超时). "
+        messages += [
+            {"role": "user", "content": ask * 3},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                "name": "read_file", "arguments": json.dumps({"path": f"src/module_{i}.py", "start": 1})}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "def handle_request(req, timeout=30):\n" * 10},
+        ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "Does one useful thing. " * 3,
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+             for i in range(12)]  # fmt: skip
+    return {"model": "tiny", "messages": messages, "tools": tools, "max_tokens": 512, "stream": True}
+
+
 def _profile(requests: int, top: int) -> None:
-    """cProfile over both request kinds (the gateway's set-up included, its imports not): deterministic, so it inflates code made of many small calls; read it as
-    where the calls go, not as microseconds."""
+    """cProfile over the request kinds (the gateway's set-up included, its imports not): deterministic, so it
+    inflates code made of many small calls; read it as where the calls go, not as microseconds."""
     import cProfile
     import pstats
 
@@ -213,14 +233,15 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests)]
             done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
             runs[tree].append(json.loads(done.stdout.splitlines()[-1]))
-    print("| tree | streamed request, CPU µs (median; all) | non-streamed request, CPU µs (median; all) |")
-    print("|---|---:|---:|")
+    print("| tree | streamed request, CPU µs (median; all) | non-streamed request, CPU µs (median; all) | "
+          "agent's 40 KB streamed request, CPU µs (median; all) |")  # fmt: skip
+    print("|---|---:|---:|---:|")
     for tree, rs in runs.items():
         cells = []
-        for key in ("stream_us", "json_us"):
+        for key in ("stream_us", "json_us", "agent_us"):
             values = [x[key] for x in rs]
             cells.append(f"{statistics.median(values):.1f} ({', '.join(f'{v:.0f}' for v in values)})")
-        print(f"| {tree} | {cells[0]} | {cells[1]} |")
+        print(f"| {tree} | {' | '.join(cells)} |")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 

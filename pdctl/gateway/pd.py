@@ -22,13 +22,13 @@ The legs see the gateway only through a :class:`PdContext`, and the workers only
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdctl.gateway import codec
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
@@ -80,10 +80,6 @@ class LegResult:
     instance: Instance | None = None
 
 
-def _dumps(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def _headers(request_id: str) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": request_id}
 
@@ -114,7 +110,7 @@ async def _prefill_once(
     elapsed = time.monotonic() - start
     if resp.status == 200:
         try:
-            reply = json.loads(payload)
+            reply = codec.decode(payload)
         except ValueError:
             reply = None
         if isinstance(reply, dict):
@@ -218,7 +214,7 @@ async def _leg1(
     inst = ctx.pool.choose(("prefill",))
     if inst is None:
         raise _no_instance(ctx, ("prefill",), "prefill")
-    pbody = _dumps(build_prefill_body(body, ctx.kind, endpoint))
+    pbody = codec.encode(build_prefill_body(body, ctx.kind, endpoint))
     ahead = inst.in_flight_tokens
     timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
     ex.in_leg1 = True
@@ -303,7 +299,7 @@ async def _decode(
     ex.decode = inst.name
     stream = ex.stream
     concurrency = sum(i.in_flight for i in ctx.pool.instances if i.role in roles)
-    payload = _dumps(body)
+    payload = codec.encode(body)
     headers = _headers(request_id)
     sent = time.monotonic()
     # Until the first token: the request's deadline plus the KV handoff's. Each read is also bounded by the
@@ -398,7 +394,7 @@ async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[
     try:
         with inst.track(0):
             resp = await inst.client.request(
-                "POST", endpoint, body=_dumps(dbody), headers=_headers(f"{leg.request_id}-release"),
+                "POST", endpoint, body=codec.encode(dbody), headers=_headers(f"{leg.request_id}-release"),
                 total_timeout_s=ctx.settings.kv_timeout_s + ctx.settings.gateway.request_timeout_s,
             )  # fmt: skip
             try:

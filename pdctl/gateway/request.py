@@ -15,6 +15,7 @@ The steps, in the order the gateway runs them (each raises :class:`~pdctl.gatewa
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,6 +87,13 @@ def _no_constants(name: str) -> Any:
     raise _BadJSON(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):  # what a number beyond a float's range reads as (a number is never NaN)
+        raise _BadJSON(f"the number {text[:40]} is out of range")
+    return value
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -98,15 +106,20 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _depth_ok(value: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
+    """Whether no container in ``value`` (what ``json.loads`` made: exact dicts and lists) lies deeper than
+    ``limit``; one level at a time, so a request's body costs a loop per container and no tuple per value."""
+    level = [value]
+    depth = 1
+    while level:
+        if depth > limit:
             return False
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values() if isinstance(x, dict | list))
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v if isinstance(x, dict | list))
+        below = []
+        for v in level:
+            for x in v.values() if type(v) is dict else v:
+                if type(x) is dict or type(x) is list:
+                    below.append(x)
+        level = below
+        depth += 1
     return True
 
 
@@ -130,7 +143,7 @@ def parse_body(raw: bytes, max_nesting: int) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
     try:
-        body = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+        body = json.loads(text, parse_constant=_no_constants, parse_float=_finite, object_pairs_hook=_no_duplicates)
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, sanitize
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.sse import Exchange, relay
@@ -138,7 +139,7 @@ class Upstream:
         """Send the request upstream and relay the answer."""
         ex.path = "upstream"
         url = upstream_url(self.base_url, endpoint.removeprefix("/v1"))
-        content = json.dumps(body, separators=(",", ":")).encode()
+        content = codec.encode(body)
         for attempt in range(self.max_retries + 1):
             rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
             req = self.client.build_request("POST", url, content=content, headers=self._headers(rid))

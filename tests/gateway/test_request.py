@@ -33,6 +33,8 @@ def _error(fn: Any, *args: Any) -> ApiError:
         (b"\xff\xfe", "not valid UTF-8 (byte 0)"),
         (b"{", "invalid JSON"),
         (b'{"a": NaN}', "NaN is not valid JSON"),
+        (b'{"temperature": 1e999}', "the number 1e999 is out of range"),
+        (b'{"temperature": -1.5e400}', "the number -1.5e400 is out of range"),
         (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
         (b"[1, 2]", "must be a JSON object"),
         (b'{"a": [[[[1]]]]}', "nested deeper than 4 levels"),
