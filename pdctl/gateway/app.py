@@ -269,7 +269,7 @@ class Gateway:
     async def _completion(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         started = time.monotonic()
         rid_header = _header(scope, b"x-request-id")
-        rid = _clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"  # as uuid4().hex, a third of the CPU
+        rid = _clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"  # the form of uuid4().hex, without a UUID object
         ex = Exchange(send=send, request_id=rid, started=started,
                       deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint))  # fmt: skip
         self.in_flight += 1

@@ -5,7 +5,7 @@ Anthropic Messages (:data:`AGENT_PATHS`); :data:`PASSTHROUGH_PATHS` (embeddings,
 
 The steps, in the order the gateway runs them (each raises :class:`~pdctl.gateway.errors.ApiError` 400/404)::
 
-    parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no duplicate keys), an object, nesting
+    parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no 1e999, no duplicate keys), an object, nesting
     read_model(body)                      `model` (read first: the access log names it even when a later check fails)
     validate(body, endpoint, model)       stream, messages | prompt, max_tokens, n; the prompt-token estimate
     route_model(model, local, upstream)   "local" | "upstream" | 404
