@@ -170,12 +170,14 @@ def start_pdctl_gateway(
     level: str = "info",
     tree: str | None = None,
     workers: int = 1,
+    python: str | None = None,
 ) -> Proc:
     """``python -m pdctl gateway -s settings.json`` as users run it (``tree``: another checkout's pdctl;
-    ``workers``: gateway processes, whose CPU :meth:`Proc.cpu_s` counts with the parent's)."""
+    ``workers``: gateway processes, whose CPU :meth:`Proc.cpu_s` counts with the parent's; ``python``: another
+    interpreter, with the gateway's dependencies installed, instead of this checkout's venv)."""
     port = free_port()
     settings = write_settings(Path(log_dir) / f"{name}.settings.json", prefill, decode, strategy, port, level, workers)
-    argv = [PY, "-m", "pdctl", "gateway", "-s", str(settings)]
+    argv = [python or PY, "-m", "pdctl", "gateway", "-s", str(settings)]
     env = {"PDBENCH_API_KEY": KEY}
     if tree:
         env["PYTHONPATH"] = tree

@@ -6,8 +6,9 @@ Two groups of arms, each with its own no-proxy baseline, measured side by side i
   ``sglang-router`` in their plain (non-PD) modes.
 * PD (two legs):        ``direct-pd`` (the client itself runs leg 1 on prefill and leg 2 on decode with
   :mod:`pdctl.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``pdctl-pd-w4``
-  (``gateway.workers`` = 2 / 4) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio runtime has a
-  worker thread per core) | ``vllm-router-pd-t1`` (the same on one worker thread, ``TOKIO_WORKER_THREADS=1``) |
+  (``gateway.workers`` = 2 / 4; any ``-wN`` runs) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio
+  runtime has a worker thread per core) | ``vllm-router-pd-t1`` (the same on one worker thread,
+  ``TOKIO_WORKER_THREADS=1``) |
   ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
   SGLang's protocol sends the whole request to prefill and decode at once, so the prefill simulator generates
   too and there is no KV hand-over: its numbers are not a like-for-like PD comparison) | ``proto-*`` (minimal
@@ -67,13 +68,20 @@ PD = [
     "sglang-router-pd",
 ]
 PROTO = ["proto-uvicorn-httpx", "proto-uvicorn-aiohttp", "proto-aiohttp"]
-# Another checkout's gateway (e.g. before a change), as arms pdctl-colocated-alt / pdctl-pd-alt.
+# Another checkout's gateway (e.g. before a change), or this one's under another interpreter (a venv's python with
+# the gateway's dependencies), as arms pdctl-colocated-alt / pdctl-pd-alt.
 ALT_TREE = os.environ.get("PDBENCH_ALT_TREE")
-if ALT_TREE:
+ALT_PYTHON = os.environ.get("PDBENCH_ALT_PYTHON")
+if ALT_TREE or ALT_PYTHON:
     COLOCATED.insert(2, "pdctl-colocated-alt")
     PD.insert(2, "pdctl-pd-alt")
 ALL_ARMS = COLOCATED + PD + PROTO
 BASELINE = dict.fromkeys(COLOCATED, "direct") | dict.fromkeys(PD + PROTO, "direct-pd")
+
+
+def baseline(arm: str) -> str:
+    """The arm ``arm`` is compared with (``pdctl-pd-wN`` for any N: ``direct-pd``)."""
+    return "direct-pd" if arm.startswith("pdctl-pd-w") else BASELINE[arm]
 
 
 def ensure_venv(kind: str) -> Path | None:
@@ -110,14 +118,17 @@ def start_arm(arm: str, s: Setup) -> tuple[H.Proc | None, int, int | None]:
     if arm == "direct-pd":
         return None, d.port, p.port
     if arm.startswith("pdctl-"):
-        tree = ALT_TREE if arm.endswith("-alt") else None
+        alt = arm.endswith("-alt")
+        tree, python = (ALT_TREE, ALT_PYTHON) if alt else (None, None)
         if arm.startswith("pdctl-colocated"):
             # Both roles on the decode worker, so the gateway routes exactly where `direct` sends.
-            proc = H.start_pdctl_gateway(arm, logs, d.url, d.url, "colocated", tree=tree)
+            proc = H.start_pdctl_gateway(arm, logs, d.url, d.url, "colocated", tree=tree, python=python)
         else:
             # pdctl-pd-wN: gateway.workers = N (N gateway processes on one port)
             workers = int(arm.rpartition("-w")[2]) if "-w" in arm else 1
-            proc = H.start_pdctl_gateway(arm, logs, p.url, d.url, "pd_disagg", tree=tree, workers=workers)
+            proc = H.start_pdctl_gateway(
+                arm, logs, p.url, d.url, "pd_disagg", tree=tree, workers=workers, python=python
+            )
         return proc, proc.port, None
     port = free_port()
     # Both routers export Prometheus on port 29000 by default: each instance gets its own free port.
@@ -244,8 +255,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if a not in ALL_ARMS:
             raise SystemExit(f"unknown arm {a!r}; choose from {', '.join(ALL_ARMS)}")
     for a in list(arms):
-        if BASELINE[a] not in arms:
-            arms.insert(0, BASELINE[a])
+        if baseline(a) not in arms:
+            arms.insert(0, baseline(a))
     streams = [int(x) for x in args.streams.split(",")]
     modes = args.modes.split(",")
     report: dict[str, Any] = {
@@ -334,9 +345,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             p["requests"] += lvl["requests"]
     rows: list[dict[str, Any]] = []
     for (mode, arm, n), p in sorted(pooled.items(), key=lambda kv: (kv[0][0], ALL_ARMS.index(kv[0][1]), int(kv[0][2]))):
-        base = pooled.get((mode, BASELINE[arm], n))
+        base = pooled.get((mode, baseline(arm), n))
         row: dict[str, Any] = {
-            "mode": mode, "arm": arm, "streams": int(n), "baseline": BASELINE[arm], "requests": p["requests"],
+            "mode": mode, "arm": arm, "streams": int(n), "baseline": baseline(arm), "requests": p["requests"],
             "errors": p["errors"], "ttft_p50_ms": H.pct(p["ttfts"], 50), "ttft_p99_ms": H.pct(p["ttfts"], 99),
             "tpot_p50_ms": H.pct(p["tpots"], 50), "tpot_p99_ms": H.pct(p["tpots"], 99),
             "chunks_per_s": sum(p["cps"]) / len(p["cps"]),
@@ -344,7 +355,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             "client_cpu_util": max(p["client_util"]) if p["client_util"] else None,
             "peak_rss_mb": rss.get(arm),
         }  # fmt: skip
-        if base is not None and arm != BASELINE[arm]:
+        if base is not None and arm != baseline(arm):
             row["added_ttft_p50_ms"] = row["ttft_p50_ms"] - H.pct(base["ttfts"], 50)
             row["added_ttft_p99_ms"] = row["ttft_p99_ms"] - H.pct(base["ttfts"], 99)
             bcps = sum(base["cps"]) / len(base["cps"])

@@ -5,7 +5,7 @@ checks only the scripts' own logic: demo.sh never shows a traceback whatever ``s
 test.sh runs every stage even when one fails, then exits non-zero naming the failed ones.
 
 ab-demo.sh runs for real with simulated engines (``--engine sim``): its whole flow, its files, and that nothing
-it started survives it, Ctrl-C included.
+it started survives it, Ctrl-C included. device-gateway-scale.sh refuses to start without the wheels it needs.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ def _tree(tmp_path: Path, script: str) -> Path:
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     os.symlink(sys.executable, tmp_path / ".venv" / "bin" / "python")
     return tmp_path
+
+
+def test_device_run_without_its_wheels_says_how_to_get_them(tmp_path: Path) -> None:
+    root = _tree(tmp_path, "device-gateway-scale.sh")
+    proc = subprocess.run(["bash", "scripts/device-gateway-scale.sh"], cwd=root, capture_output=True, text=True,
+                          timeout=30, env={**os.environ, "OUT": str(tmp_path / "out")})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "device-gateway-scale.sh --fetch' here first, then carry .whl" in proc.stderr
+    assert not (root / "benchmarks").exists() and list((tmp_path / "out").iterdir()) == []
 
 
 @pytest.mark.parametrize("status_output", ["", "error: the run directory is damaged", '{"unexpected": 1}', "[1, 2"])
