@@ -9,7 +9,10 @@ request is printed per round.
 * ``none``: no disconnect watching (the floor: uvicorn's own work per request);
 * ``watcher-task``: a task per request blocked in ``receive()`` until ``http.disconnect`` (the ASGI way; the
   gateway's before it ran its own protocol);
-* ``watch-callback``: :func:`pdctl.gateway.direct.watch_disconnect` under ``HttpProtocol`` (the gateway's way).
+* ``watch-callback``: :func:`pdctl.gateway.direct.watch_disconnect` under ``HttpProtocol`` (the gateway's way);
+* ``floor``: no ASGI and no uvicorn: an asyncio ``Protocol`` on httptools' request parser that writes the same
+  answer (uvicorn's headers, chunked) in one write per request. The least any Python server on uvloop and httptools
+  could cost per request, so ``none`` minus ``floor`` bounds what a pdctl-own server protocol could save.
 
     .venv/bin/python -m benchmarks.server_cpu [--arms none,watcher-task,watch-callback] [--streams 64] [--rounds 4]
 """
@@ -19,9 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from typing import Any
 
 import psutil
@@ -29,7 +34,54 @@ import psutil
 from benchmarks import _harness as H
 from pdctl.testing import free_port
 
-ARMS = ("none", "watcher-task", "watch-callback")
+ARMS = ("none", "watcher-task", "watch-callback", "floor")
+
+
+def _serve_floor(port: int, answer: bytes) -> None:
+    import email.utils
+    import socket
+
+    import httptools
+    import uvloop
+
+    class Floor(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            self.transport: Any = None
+            self.health = False
+            self.second = 0
+            self.date = b""
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_url(self, url: bytes) -> None:
+            self.health = url == b"/health"
+
+        def on_message_complete(self) -> None:
+            # uvicorn's own headers, the date formatted once a second as uvicorn's server does
+            now = int(time.time())
+            if now != self.second:
+                self.second, self.date = now, email.utils.formatdate(now, usegmt=True).encode()
+            date = self.date
+            if self.health:
+                self.transport.write(
+                    b"HTTP/1.1 200 OK\r\ndate: %s\r\nserver: uvicorn\r\ncontent-length: 2\r\n\r\nok" % date
+                )
+                return
+            self.transport.write(b"HTTP/1.1 200 OK\r\ndate: %s\r\nserver: uvicorn\r\n"
+                                 b"content-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                                 b"%x\r\n%s\r\n0\r\n\r\n" % (date, len(answer), answer))  # fmt: skip
+
+    async def main() -> None:
+        sock = socket.create_server(("127.0.0.1", port), backlog=4096)
+        server = await asyncio.get_running_loop().create_server(Floor, sock=sock)
+        await server.serve_forever()
+
+    uvloop.run(main())
 
 
 def _serve(arm: str, port: int, events: int) -> None:
@@ -39,6 +91,9 @@ def _serve(arm: str, port: int, events: int) -> None:
 
     chunk = b'data: {"choices":[{"index":0,"text":"tok"}]}\n\n'
     body = chunk * events + b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\ndata: [DONE]\n\n' % events
+    if arm == "floor":
+        _serve_floor(port, body)
+        return
     start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
 
     async def watcher(receive: Any) -> None:
@@ -118,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {arm} | {statistics.median(values):.1f} µs ({', '.join(f'{v:.1f}' for v in values)}) |")
     print(f"load average after {psutil.getloadavg()}")
     report = {"machine": H.machine(), "params": vars(args), "us_per_request": per}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")

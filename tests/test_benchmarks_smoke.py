@@ -1,6 +1,7 @@
-"""Smoke run of benchmarks.ci_guard: the gateway-vs-direct ratios get recorded (no timing assertions).
+"""Smoke runs of the benchmarks: ci_guard records the gateway-vs-direct ratios, slo_whatif scores saved runs, and
+server_cpu's `floor` arm answers what uvicorn does (no timing assertions).
 
-Only generous bounds: every arm streamed without errors and the gateway kept at least 5 % of the direct
+ci_guard has only generous bounds: every arm streamed without errors and the gateway kept at least 5 % of the direct
 throughput (it keeps 50-100 % on an idle machine; docs/performance.md). The JSON is left in the test's tmp
 folder and its ratios are printed, so CI logs carry them.
 """
@@ -59,3 +60,26 @@ def test_slo_whatif_scores_saved_runs_with_bench_rule(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "benchmarks.slo_whatif", str(path), "--goodput", "ttfx:1"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert bad.returncode == 2 and "expected KEY:MS" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_server_cpu_floor_answers_what_uvicorn_answers(tmp_path: Path) -> None:
+    # server_cpu's `floor` arm bounds what a server of pdctl's own could save only if it writes uvicorn's answer
+    import httpx
+
+    from benchmarks import _harness as H
+    from pdctl.testing import free_port
+
+    answers = {}
+    for arm in ("none", "floor"):
+        port = free_port()
+        proc = H.start(arm, [sys.executable, "-m", "benchmarks.server_cpu", "--serve", arm, str(port)], port,
+                       str(tmp_path), cwd=str(ROOT))  # fmt: skip
+        try:
+            with httpx.Client(base_url=proc.url) as client:
+                replies = [client.post("/v1/completions", content=b'{"prompt":"hi"}') for _ in range(2)]
+        finally:
+            proc.stop()
+        answers[arm] = [(r.status_code, r.http_version, sorted(k for k in r.headers if k != "date"),
+                         r.headers["transfer-encoding"], r.content) for r in replies]  # fmt: skip
+    assert answers["floor"] == answers["none"]
+    assert answers["none"][0][4].endswith(b"data: [DONE]\n\n")
