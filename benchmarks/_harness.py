@@ -219,6 +219,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.call: _Call | None = None
         self.lost = False
+        self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
@@ -281,6 +282,12 @@ class Result:
     error: str = ""
 
 
+#: A connection idle this long is not reused: below uvicorn's 5 s keep-alive (the simulator's and vLLM's), so no
+#: POST goes out on a connection the worker is closing (at 1,024 slow-paced streams direct-pd's prefill connections
+#: idle for a whole decode, and lost requests to that race).
+IDLE_S = 4.0
+
+
 class Client:
     """Keep-alive connections to one host; ``request`` sends one POST and waits for the whole answer."""
 
@@ -291,11 +298,14 @@ class Client:
         self._idle: list[_Conn] = []
 
     async def _conn(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         while self._idle:
             c = self._idle.pop()
-            if not c.lost:
+            if not c.lost and now - c.idle_since < IDLE_S:
                 return c
-        loop = asyncio.get_running_loop()
+            if c.transport is not None:
+                c.transport.close()
         _, proto = await loop.create_connection(lambda: _Conn(self.counter), "127.0.0.1", self.port)
         return proto
 
@@ -313,6 +323,7 @@ class Client:
             raise
         conn.call = None
         if call.keep and not conn.lost:
+            conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
         elif conn.transport is not None:
             conn.transport.close()

@@ -1,5 +1,6 @@
-"""Smoke runs of the benchmarks: ci_guard records the gateway-vs-direct ratios, slo_whatif scores saved runs, and
-server_cpu's `floor` arm answers what uvicorn does (no timing assertions).
+"""Smoke runs of the benchmarks: ci_guard records the gateway-vs-direct ratios, slo_whatif scores saved runs,
+server_cpu's `floor` arm answers what uvicorn does, and gateway_overhead's summary adds the mean TTFT (no timing
+assertions).
 
 ci_guard has only generous bounds: every arm streamed without errors and the gateway kept at least 5 % of the direct
 throughput (it keeps 50-100 % on an idle machine; docs/performance.md). The JSON is left in the test's tmp
@@ -83,3 +84,21 @@ def test_server_cpu_floor_answers_what_uvicorn_answers(tmp_path: Path) -> None:
                          r.headers["transfer-encoding"], r.content) for r in replies]  # fmt: skip
     assert answers["floor"] == answers["none"]
     assert answers["none"][0][4].endswith(b"data: [DONE]\n\n")
+
+
+def test_gateway_overhead_adds_mean_ttft_where_percentiles_jump_a_step() -> None:
+    from benchmarks.gateway_overhead import markdown, summarize
+
+    def level(ttfts: list[float]) -> dict[str, object]:
+        return {"1024": {"ttfts_ms": ttfts, "tpots_ms": [320.0], "chunks_per_s": 2600.0, "errors": 0,
+                         "requests": len(ttfts), "proxy_cpu_per_1k_chunks_s": None, "client_cpu_util": None}}  # fmt: skip
+
+    # A slow pace puts TTFTs in modes a 320 ms step apart: one request of 100 crossing over moves p50 by a step.
+    base = [1200.0] * 50 + [1520.0] * 50
+    proxied = [1200.0] * 49 + [1520.0] * 51
+    report = {"runs": [{"arm": "direct-pd", "mode": "latency", "round": 0, "levels": level(base)},
+                       {"arm": "pdctl-pd", "mode": "latency", "round": 0, "levels": level(proxied)}]}  # fmt: skip
+    row = next(r for r in summarize(report)["rows"] if r["arm"] == "pdctl-pd")
+    assert row["added_ttft_p50_ms"] == 160.0  # the median of the baseline sits between its two modes
+    assert math.isclose(row["added_ttft_mean_ms"], 3.2)
+    assert "| added mean ms |" in markdown(summarize(report)) and "| 3.20 |" in markdown(summarize(report))
