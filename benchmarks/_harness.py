@@ -357,7 +357,7 @@ class Target:
             dbody = body
             if self.prefill is not None:
                 # The protocol's minimum: the client itself runs leg 1 and leg 2 (no proxy at all).
-                from pdctl.protocol import build_decode_body, build_prefill_body
+                from pdctl.vllm.protocol import build_decode_body, build_prefill_body
 
                 leg = await self.prefill.request(
                     "/v1/completions", json.dumps(build_prefill_body(body)).encode(), stream=False

@@ -116,7 +116,7 @@ async def _measure(requests: int) -> dict[str, float]:
     from pdctl.config import GatewayConfig, LoggingConfig, RoutingConfig, SLOConfig
     from pdctl.gateway.app import create_app
     from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
-    from pdctl.protocol import REQUIRED_DECODE_FIELDS
+    from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 
     kv: dict[str, Any] = {f: f"x-{f}" for f in REQUIRED_DECODE_FIELDS}
     kv.update(remote_block_ids=[1, 2, 3], remote_port=5600, do_remote_prefill=True)

@@ -5,7 +5,7 @@ Two groups of arms, each with its own no-proxy baseline, measured side by side i
 * colocated (one hop):  ``direct`` (client -> decode worker) | ``pdctl-colocated`` | ``vllm-router`` and
   ``sglang-router`` in their plain (non-PD) modes.
 * PD (two legs):        ``direct-pd`` (the client itself runs leg 1 on prefill and leg 2 on decode with
-  :mod:`pdctl.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``pdctl-pd-w4``
+  :mod:`pdctl.vllm.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``pdctl-pd-w4``
   (``gateway.workers`` = 2 / 4; any ``-wN`` runs) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio
   runtime has a worker thread per core) | ``vllm-router-pd-t1`` (the same on one worker thread,
   ``TOKIO_WORKER_THREADS=1``) |

@@ -1,4 +1,4 @@
-"""CPU cost of the shared client-side parsers: Prometheus text (``pdctl.promtext``) and SSE (``pdctl.eventstream``).
+"""CPU cost of the shared client-side parsers: Prometheus text (``pdctl.vllm.promtext``) and SSE (``pdctl.vllm.sse``).
 
 Usage (from the repository root)::
 
@@ -16,9 +16,9 @@ import argparse
 import timeit
 from pathlib import Path
 
-from pdctl.eventstream import SSEParser
-from pdctl.invariants import worker_load
-from pdctl.promtext import samples
+from pdctl.testing.invariants import worker_load
+from pdctl.vllm.promtext import samples
+from pdctl.vllm.sse import SSEParser
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = (ROOT / "tests" / "fixtures" / "vllm-cpu" / "example-connector-decode.metrics.txt").read_text()

@@ -1,7 +1,7 @@
 """Minimal PD two-leg proxies, one per server/client library pair, to choose the gateway's libraries.
 
 Each does only what every PD proxy must: read the body, leg 1 (prefill, ``max_tokens=1``, not streamed) via
-:mod:`pdctl.protocol`, leg 2 (decode) streamed back chunk by chunk. No auth, limits, metrics or logs, so
+:mod:`pdctl.vllm.protocol`, leg 2 (decode) streamed back chunk by chunk. No auth, limits, metrics or logs, so
 the numbers show what the libraries cost, and the gap to the real gateway shows what its features cost.
 
 Variants (``--variant``):
@@ -22,7 +22,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from pdctl.protocol import build_decode_body, build_prefill_body
+from pdctl.vllm.protocol import build_decode_body, build_prefill_body
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

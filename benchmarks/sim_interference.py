@@ -5,7 +5,7 @@ Two clocks:
 * ``--clock virtual`` (default): the simulator's engines in-process on a virtual clock
   (``pdctl.sim.experiment``): deterministic, seconds of CPU, independent of machine load.
 * ``--clock wall``: real ``python -m pdctl.sim`` processes over HTTP with the two-leg protocol from
-  pdctl.protocol; times are wall time × ``--speed`` and include Python/HTTP overhead and machine noise.
+  pdctl.vllm.protocol; times are wall time × ``--speed`` and include Python/HTTP overhead and machine noise.
 
 Both run the same workload against one colocated worker (the recipe's prefill batch settings, no chunked
 prefill), a chunked-prefill worker (vLLM's default alternative) and a prefill + decode pair, and print
@@ -32,8 +32,8 @@ from typing import Any
 import httpx
 
 from benchmarks._harness import pct
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params
 
 MODEL = "Qwen/Qwen3-8B"
 

@@ -1,6 +1,6 @@
 """The bounded soak (reliability case L1): ``pdctl up`` with simulator workers, traffic at concurrency 32
 with random client disconnects, one SIGKILL of decode's process group and one of prefill's, then the
-"nothing lost" invariants N1–N6 (pdctl/invariants.py, docs/reliability.md) and ``pdctl down``.
+"nothing lost" invariants N1–N6 (pdctl/testing/invariants.py, docs/reliability.md) and ``pdctl down``.
 
     .venv/bin/python -m benchmarks.soak                          # 500 requests, the documented long soak
     .venv/bin/python -m benchmarks.soak --requests 2000 --seed 7 --json soak.json
@@ -29,7 +29,8 @@ from typing import Any
 
 import httpx
 
-from pdctl.invariants import (
+from pdctl.testing import free_port
+from pdctl.testing.invariants import (
     ClientTally,
     InvariantReport,
     InvariantResult,
@@ -49,8 +50,7 @@ from pdctl.invariants import (
     sample_resources,
     sample_workers,
 )
-from pdctl.promtext import metric_value, samples
-from pdctl.testing import free_port
+from pdctl.vllm.promtext import metric_value, samples
 
 KEY_VAR = "PDCTL_SOAK_KEY"
 LEASE_S = 5

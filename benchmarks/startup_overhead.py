@@ -7,7 +7,7 @@
    then ``pdctl down``.
 2. By hand: the two worker processes exactly as ``pdctl plan --json`` lists them (argv, env, unset env),
    started together in their own sessions; timed until both answer ``/health`` 200, and then until one PD
-   request by hand (leg 1 on prefill, leg 2 on decode, :mod:`pdctl.protocol`) has finished, which pays the
+   request by hand (leg 1 on prefill, leg 2 on decode, :mod:`pdctl.vllm.protocol`) has finished, which pays the
    lazy NIXL handshake that ``pdctl up``'s warm-up pays.
 
 Overhead = pdctl up - by hand (health + first PD request); target <= 5 %. Uses the ports in the config
@@ -38,8 +38,8 @@ import psutil
 
 from benchmarks import _harness as H
 from pdctl.config import load
-from pdctl.pgroup import signal_group
-from pdctl.probe import two_legs
+from pdctl.runtime.pgroup import signal_group
+from pdctl.runtime.probe import two_legs
 from pdctl.testing import stop_group
 
 BENCH = Path(__file__).resolve().parent

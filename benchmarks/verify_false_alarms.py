@@ -40,7 +40,7 @@ import httpx
 import tomlkit
 
 from pdctl import config
-from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
+from pdctl.runtime.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
 from pdctl.testing import free_port
 from pdctl.verify import metric_total, run_verify
 
@@ -164,7 +164,7 @@ def _spawn(spec: ProcessSpec, logs: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in spec.unset_env}
     env.update(spec.env)
     env.pop(GATEWAY_HOLD_ENV, None)
-    if spec.ipc_dir is not None:  # vLLM binds its IPC sockets there and does not create it (pdctl.plan.IPC_ENV)
+    if spec.ipc_dir is not None:  # vLLM binds its IPC sockets there and does not create it (pdctl.runtime.plan.IPC_ENV)
         Path(spec.ipc_dir).mkdir(parents=True, exist_ok=True)
     with (logs / f"{spec.name}.log").open("wb") as out:
         return subprocess.Popen(

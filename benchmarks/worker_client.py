@@ -2,8 +2,8 @@
 
 Both sides do what the gateway's legs do: ``short`` = leg 1 (a POST, the whole JSON body read, ``max_tokens``
 1), ``stream`` = leg 2 (a POST streamed piece by piece to the end, 8–24 tokens). ``aiohttp`` is how
-``pdctl.transport.Client`` called aiohttp before it moved to its own protocol (one pooled ``ClientSession``,
-``request`` + ``content.readany()``); ``raw`` is ``pdctl.transport.Client`` now. The simulator runs unpaced in
+``pdctl.vllm.transport.Client`` called aiohttp before it moved to its own protocol (one pooled ``ClientSession``,
+``request`` + ``content.readany()``); ``raw`` is ``pdctl.vllm.transport.Client`` now. The simulator runs unpaced in
 its own process; the number is this process's CPU (``time.process_time``) per call and per streamed event,
 over ``--seconds`` of ``--streams`` closed-loop callers, on uvloop, arms alternating over ``--rounds``.
 
@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 
 from benchmarks import _harness as H
-from pdctl.transport import Client
+from pdctl.vllm.transport import Client
 
 
 class _Aiohttp:
-    """The previous worker client: aiohttp's session, as pdctl.transport.Client used it."""
+    """The previous worker client: aiohttp's session, as pdctl.vllm.transport.Client used it."""
 
     def __init__(self, base: str) -> None:
         self.base = base

@@ -25,8 +25,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pdctl.config import Deployment, load
-from pdctl.protocol import NIXL_CONNECTORS
 from pdctl.testing import SimProcess, free_port
+from pdctl.vllm.protocol import NIXL_CONNECTORS
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "tests" / "fixtures" / "recipe"

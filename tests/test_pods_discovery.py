@@ -29,7 +29,8 @@ import yaml
 
 from pdctl import config
 from pdctl.gateway.discovery import DNS_SERVER_ENV
-from pdctl.invariants import (
+from pdctl.render.k8s import CONFIG_MOUNT, dump_yaml, render
+from pdctl.testing.invariants import (
     ClientTally,
     check_n1,
     check_n2,
@@ -38,13 +39,12 @@ from pdctl.invariants import (
     decode_requests_from_log,
     gateway_outcomes,
 )
-from pdctl.k8s import CONFIG_MOUNT, dump_yaml, render
-from pdctl.promtext import metric_value, samples
 from pdctl.testing.ports import free_port
 from pdctl.testing.sim import SimProcess
+from pdctl.vllm.promtext import metric_value, samples
 from tests.conftest import REPO
 from tests.fakes.dns_server import DnsServer
-from tests.test_render_pods import start_pod, wait_healthy
+from tests.render.test_pods import start_pod, wait_healthy
 
 KEY = "sk-pods-discovery-test"
 GATEWAY_IP = "127.0.0.6"

@@ -34,10 +34,10 @@ import psutil
 import pytest
 
 from pdctl.config import load
-from pdctl.eventstream import sse_events
-from pdctl.kvevents import request_matches
-from pdctl.recipe import CHAT, STREAM
+from pdctl.config.recipe import CHAT, STREAM
 from pdctl.testing import port_free
+from pdctl.vllm.kvlog import request_matches
+from pdctl.vllm.sse import sse_events
 from tests.conftest import REPO, listened_ports, move_to_free_ports
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]

@@ -50,7 +50,8 @@ import httpx
 import psutil
 import pytest
 
-from pdctl.invariants import (
+from pdctl.testing import free_port, kill_groups
+from pdctl.testing.invariants import (
     check_n1,
     check_n2,
     check_n4,
@@ -60,8 +61,7 @@ from pdctl.invariants import (
     run_census,
     sample_workers,
 )
-from pdctl.protocol import build_prefill_body, check_kv_params
-from pdctl.testing import free_port, kill_groups
+from pdctl.vllm.protocol import build_prefill_body, check_kv_params
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1500)]

@@ -16,9 +16,9 @@ import tomlkit
 
 from pdctl.check import Finding, run_checks
 from pdctl.config import Deployment, load
-from pdctl.init import write_templates
-from pdctl.plan import build_plan, detect_vllm
-from pdctl.vllm_args import Command, validate_commands
+from pdctl.config.templates import write_templates
+from pdctl.runtime.plan import build_plan, detect_vllm
+from pdctl.vllm.args import Command, validate_commands
 from tests.conftest import REPO
 
 pytestmark = [
@@ -93,7 +93,7 @@ def test_init_then_check_has_no_errors(tmp_path: Path, cli) -> None:  # type: ig
 
 def test_up_refuses_a_flag_vllm_refuses_before_starting_anything(tmp_path: Path) -> None:
     """Issue 14: `up` runs vLLM's parser over its vLLM workers' command lines (PD028) before anything starts."""
-    from tests.test_check_fixes import make_case, pdctl
+    from tests.check.test_check_fixes import make_case, pdctl
 
     edits: dict[str, object] = {"prefill.engine": "vllm", "decode.engine": "vllm", "prefill.model": "Qwen/Qwen3-0.6B",
                                 "decode.model": "Qwen/Qwen3-0.6B", "decode.extra_args": ["--no-such-flag"]}  # fmt: skip

@@ -11,7 +11,7 @@ Timing (``time.perf_counter``, seconds; ``t0`` is the run's start):
 ``vllm bench serve``. A chunk's time is when its bytes are read, before its JSON is parsed; vLLM takes it
 after parsing the event, a few microseconds later (docs/performance.md, section 3).
 
-Events are split as bytes arrive by :class:`pdctl.eventstream.SSEParser` (``:`` comments, vLLM's and
+Events are split as bytes arrive by :class:`pdctl.vllm.sse.SSEParser` (``:`` comments, vLLM's and
 proxies' keep-alive pings, skipped); the stream stops at ``data: [DONE]``. A stream that ends without ``[DONE]``, an SSE
 ``error`` event, an HTTP error and a timeout are all failures with a reason; none is dropped.
 """
@@ -27,8 +27,8 @@ from typing import Any, Literal
 import httpx
 
 from pdctl.bench.workload import BenchRequest
-from pdctl.eventstream import SSEParser
-from pdctl.transport import AiohttpTransport
+from pdctl.vllm.sse import SSEParser
+from pdctl.vllm.transport import AiohttpTransport
 
 __all__ = ["BenchClient", "Endpoint", "RequestResult"]
 

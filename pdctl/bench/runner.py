@@ -42,7 +42,7 @@ from pdctl.bench.client import BenchClient, Endpoint, RequestResult
 from pdctl.bench.metrics import SLO, Summary, percentile, summarize, tpot_s
 from pdctl.bench.workload import Workload, new_run_id
 from pdctl.errors import PdctlError
-from pdctl.promtext import samples
+from pdctl.vllm.promtext import samples
 
 __all__ = [
     "BenchError",

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pdctl.config.recipe import RECIPE_REQUESTS
 from pdctl.errors import PdctlError
-from pdctl.recipe import RECIPE_REQUESTS
 
 __all__ = [
     "DOC_PROMPTS",

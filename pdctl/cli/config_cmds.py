@@ -13,9 +13,9 @@ from rich.text import Text
 from pdctl import config
 from pdctl.check import Finding, finding_from_error, run_checks
 from pdctl.cli._app import app, console, handle_errors
+from pdctl.config.templates import write_templates
 from pdctl.errors import ConfigError
-from pdctl.init import write_templates
-from pdctl.plan import VllmInstall, build_plan, detect_vllm, render_sh
+from pdctl.runtime.plan import VllmInstall, build_plan, detect_vllm, render_sh
 
 ConfigOpt = Annotated[Path, typer.Option("-c", "--config", help="The cluster/worker file.")]
 SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="The gateway/routing file.")]

@@ -12,7 +12,7 @@ import typer
 
 from pdctl.cli._app import app, console, handle_errors
 from pdctl.config import DEFAULT_SETTINGS, load, load_settings
-from pdctl.plan import GATEWAY_HOLD_ENV
+from pdctl.runtime.plan import GATEWAY_HOLD_ENV
 
 
 @app.command("gateway")

@@ -34,7 +34,7 @@ def tiny(
     already holds the model for the same seed and size.
     """
     from pdctl.errors import PdctlError
-    from pdctl.model import SIZES, generate_tiny_model
+    from pdctl.vllm.tiny_model import SIZES, generate_tiny_model
 
     if size not in SIZES:
         raise PdctlError(f"--size: unknown size {size!r}", hint=f"use one of {', '.join(SIZES)}")

@@ -37,7 +37,7 @@ def k8s(
     The vLLM command lines and environment are `pdctl plan`'s. Keys are read from a Secret you create
     (the command is printed); none is ever written.
     """
-    from pdctl.k8s import K8sOptions, dump_yaml, next_steps, render, write
+    from pdctl.render.k8s import K8sOptions, dump_yaml, next_steps, render, write
 
     options = K8sOptions(
         namespace=namespace,
@@ -78,6 +78,6 @@ def vllm_router(
     """Print a vllm-router command line (PD mode, static workers) for the same prefill and decode instances."""
     import shlex
 
-    from pdctl.peers import vllm_router_argv
+    from pdctl.render.peers import vllm_router_argv
 
     typer.echo(shlex.join(vllm_router_argv(config.load(config_path, settings_path), cluster=k8s)))

@@ -20,16 +20,16 @@ from rich.markup import escape
 
 from pdctl.cli._app import app, console, err_console, exit_without_teardown, handle_errors
 from pdctl.config import DEFAULT_CONFIG, DEFAULT_SETTINGS, Deployment, load
+from pdctl.config.recipe import RECIPE_REQUESTS
 from pdctl.errors import ConfigError, LaunchError, PdctlError
-from pdctl.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
-from pdctl.plan import Plan, build_plan
-from pdctl.recipe import RECIPE_REQUESTS
-from pdctl.rundir import RunState
+from pdctl.runtime.logs import PDCTL_NAME, LogLine, Printer, follow_logs, read_logs
+from pdctl.runtime.plan import Plan, build_plan
+from pdctl.runtime.rundir import RunState
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from pdctl.supervisor import Event
+    from pdctl.runtime.supervisor import Event
 
 ConfigOpt = Annotated[Path, typer.Option("-c", "--config", help="config.toml of the deployment.")]
 SettingsOpt = Annotated[Path, typer.Option("-s", "--settings", help="settings.json of the deployment.")]
@@ -49,8 +49,8 @@ Item = LogLine | Callable[[], None] | None
 
 
 def _run_dir(config: Path, settings: Path, run_dir: Path | None, only: list[str] | None = None) -> Path:
-    from pdctl.control import split_only
-    from pdctl.rundir import part_dir
+    from pdctl.runtime.control import split_only
+    from pdctl.runtime.rundir import part_dir
 
     if run_dir is not None:
         return part_dir(run_dir, split_only(only))
@@ -164,8 +164,8 @@ def up(
     command lines of this host's vLLM workers (PD028). With ``--only``, just this host's part; where the gateway
     runs it first waits for the other hosts' workers.
     """
-    from pdctl.control import host_part, split_only
-    from pdctl.rundir import ensure_not_running, prepare_run_dir
+    from pdctl.runtime.control import host_part, split_only
+    from pdctl.runtime.rundir import ensure_not_running, prepare_run_dir
 
     selected = split_only(only)
     if not selected:
@@ -187,7 +187,7 @@ def up(
 
 
 def _up_foreground(dep: Deployment, plan: Plan, remote: tuple[tuple[str, str], ...], only: list[str]) -> None:
-    from pdctl.daemon import Runner
+    from pdctl.runtime.daemon import Runner
 
     q: queue.Queue[Item] = queue.Queue()
     printer = Printer(sys.stdout, [p.name for p in plan.processes])
@@ -237,7 +237,7 @@ def _up_foreground(dep: Deployment, plan: Plan, remote: tuple[tuple[str, str], .
 
 
 def _up_detached(dep: Deployment, plan: Plan, only: list[str]) -> None:
-    from pdctl.control import start_detached
+    from pdctl.runtime.control import start_detached
 
     printer = Printer(sys.stdout, [p.name for p in plan.processes])
     state = start_detached(dep, plan, lambda msg: printer.write(LogLine(PDCTL_NAME, msg, time.time())), only)
@@ -258,7 +258,7 @@ def down(
     only: OnlyOpt = None,
 ) -> None:
     """Stop a running deployment (from any shell): gateway, decode, prefill; nothing survives."""
-    from pdctl.control import stop_deployment
+    from pdctl.runtime.control import stop_deployment
 
     stop_deployment(_run_dir(config, settings, run_dir, only), timeout, say=console.print, warn=err_console.print)
     console.print("stopped")
@@ -293,7 +293,7 @@ def status(
     """
     from rich.table import Table
 
-    from pdctl.control import deployment_status
+    from pdctl.runtime.control import deployment_status
 
     rd = _run_dir(config, settings, run_dir, only)
     st = deployment_status(rd)
@@ -356,7 +356,7 @@ def logs(
     only: OnlyOpt = None,
 ) -> None:
     """Show the per-process log files of the deployment, merged by time."""
-    from pdctl.control import log_files
+    from pdctl.runtime.control import log_files
 
     rd = _run_dir(config, settings, run_dir, only)
     files = log_files(rd, list(names or []))
@@ -389,7 +389,7 @@ def _emit_line(ln: LogLine, printer: Printer, as_json: bool) -> None:
 
 
 def _print_kv(lines: list[LogLine], as_json: bool, tail: int | None) -> None:
-    from pdctl.kvevents import scan
+    from pdctl.vllm.kvlog import scan
 
     events = []
     for ln in lines:

@@ -57,7 +57,7 @@ from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
-from pdctl.protocol import connector_kind
+from pdctl.vllm.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
 

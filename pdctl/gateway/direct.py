@@ -4,7 +4,7 @@
 ASGI's ``send`` is a coroutine, so relaying a piece of decode's stream through it costs the relay task one
 wake-up per piece. Once a stream's headers are out, :func:`client_socket` gives a writer that frames a piece
 in HTTP/1.1 chunked encoding, byte for byte what uvicorn's ``send`` writes, and writes it to the client's
-transport from inside the worker connection's read callback (:meth:`pdctl.transport.Response.forward`).
+transport from inside the worker connection's read callback (:meth:`pdctl.vllm.transport.Response.forward`).
 :meth:`ClientSocket.writable` is false while uvicorn's flow control has writing paused (the client reads
 slower than decode writes), after the client left, or once the response is complete: the relay then goes back
 to ``send``, which waits for the client. The end of the response always goes through ``send`` (keep-alive and

@@ -7,7 +7,7 @@ One endpoint URL whose host is a name becomes one instance per address it resolv
     gone address ─> Instance "draining" (no new requests; in-flight ones finish) ──in_flight = 0──> removed
 
 The warm-up pairs a new instance with a healthy one of the other role (a serving one first), because NIXL's
-handshake is lazy: the first P→D request through a new pod performs it (:mod:`pdctl.probe` does the same for
+handshake is lazy: the first P→D request through a new pod performs it (:mod:`pdctl.runtime.probe` does the same for
 ``pdctl up``). With ``colocated`` routing a healthy probe is enough.
 
 Not discovered, kept as one static instance: IP literals, ``localhost`` and ``*.invalid`` (RFC 6761 names that
@@ -39,8 +39,8 @@ import dns.resolver
 
 from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import InstanceSpec
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params, connector_kind
-from pdctl.transport import TransportError
+from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params, connector_kind
+from pdctl.vllm.transport import TransportError
 
 __all__ = ["DNS_SERVER_ENV", "Discovery", "is_dns_name", "resolver_from_env"]
 

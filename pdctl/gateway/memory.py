@@ -10,11 +10,11 @@ For tests (``create_app(settings, key, clients=workers)``)::
 A :class:`MemoryWorker` answers ``GET /health`` (200 while ``healthy``, a ``connect`` failure otherwise, a
 ``timeout`` with ``health_times_out``) and
 ``GET /v1/models``; every other call takes the next scripted reply, or :attr:`MemoryWorker.default` once
-the script is used up. A reply is a :class:`MemoryReply` or a :class:`~pdctl.transport.TransportError` to
+the script is used up. A reply is a :class:`MemoryReply` or a :class:`~pdctl.vllm.transport.TransportError` to
 raise instead of answering. A reply's body parts are bytes (sent), floats (a pause in seconds) or a
 ``TransportError`` (raised at that point, as a connection that breaks mid-body). Every call is recorded
 (:attr:`MemoryWorker.calls`), with whether its response was closed before its end (the client left: vLLM
-would abort the request). As :class:`pdctl.transport.Client`, a call's ``total_timeout_s`` bounds a reply's
+would abort the request). As :class:`pdctl.vllm.transport.Client`, a call's ``total_timeout_s`` bounds a reply's
 ``delay_s`` (a ``timeout`` failure when it is not shorter).
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from pdctl.gateway.settings import InstanceSpec
 from pdctl.gateway.workers import WorkerClient, WorkerResponse
-from pdctl.transport import TransportError
+from pdctl.vllm.transport import TransportError
 
 __all__ = ["MemoryCall", "MemoryReply", "MemoryResponse", "MemoryWorker", "MemoryWorkers", "Part"]
 

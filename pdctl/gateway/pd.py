@@ -1,4 +1,4 @@
-"""The PD two-leg flow (and ``colocated``), built on :mod:`pdctl.protocol`.
+"""The PD two-leg flow (and ``colocated``), built on :mod:`pdctl.vllm.protocol`.
 
 Leg 1 goes to the least-loaded prefill, one attempt at a time, in the request's own task, which a client
 disconnect does not cancel meanwhile (:attr:`pdctl.gateway.sse.Exchange.in_leg1`): a prefill that finished holds
@@ -36,8 +36,8 @@ from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.gateway.upstream import Upstream
-from pdctl.protocol import ConnectorKind, build_decode_body, build_prefill_body, cap_output, check_kv_params
-from pdctl.transport import TransportError
+from pdctl.vllm.protocol import ConnectorKind, build_decode_body, build_prefill_body, cap_output, check_kv_params
+from pdctl.vllm.transport import TransportError
 
 __all__ = ["MAX_PD_RETRIES", "LegResult", "PdContext", "Spawn", "serve_colocated", "serve_pd"]
 
@@ -60,7 +60,7 @@ class PdContext:
     metrics: GatewayMetrics
     admission: Admission
     kind: ConnectorKind
-    """How the connector hands KV over (:func:`pdctl.protocol.connector_kind` of ``settings.connector``)."""
+    """How the connector hands KV over (:func:`pdctl.vllm.protocol.connector_kind` of ``settings.connector``)."""
     secrets: tuple[str, ...]
     """Keys to scrub from a worker's error message before it reaches the client."""
     spawn: Spawn

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdctl.gateway.errors import ApiError, Wire
-from pdctl.protocol import MESSAGES_PATH, RESPONSES_PATH
+from pdctl.vllm.protocol import MESSAGES_PATH, RESPONSES_PATH
 
 __all__ = [
     "AGENT_PATHS",

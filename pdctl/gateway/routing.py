@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
 from pdctl.gateway.workers import ClientFactory, WorkerClient, http_clients
-from pdctl.transport import TransportError
+from pdctl.vllm.transport import TransportError
 
 __all__ = ["Instance", "Pool"]
 

@@ -7,8 +7,8 @@ complete (never by waiting for it). Per chunk it only counts ``data:`` occurrenc
 routes end differently (:data:`END_EVENTS`: ``response.completed`` for Responses, ``message_stop`` for Anthropic
 Messages, neither followed by ``[DONE]``); their end is looked for in each chunk, since a Responses stream's last
 event carries the whole response and may be longer than the tail. It reads
-any :class:`Body` (a worker's :class:`pdctl.transport.Response`, or the upstream's adapter), whose failures are
-:class:`pdctl.transport.TransportError`.
+any :class:`Body` (a worker's :class:`pdctl.vllm.transport.Response`, or the upstream's adapter), whose failures are
+:class:`pdctl.vllm.transport.TransportError`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from pdctl.gateway.direct import ClientSocket, client_socket
 from pdctl.gateway.errors import ApiError, Wire, error_event
-from pdctl.transport import TransportError
+from pdctl.vllm.transport import TransportError
 
 __all__ = ["END_EVENTS", "Body", "Exchange", "RelayResult", "relay"]
 
@@ -141,7 +141,7 @@ class Exchange:
 
 class Body(Protocol):
     """A response body to relay: whole, or piece by piece (``b""`` at its end). A body may also have
-    ``at_end()``: True when everything has arrived and been read (:class:`pdctl.transport.Response` has it), so
+    ``at_end()``: True when everything has arrived and been read (:class:`pdctl.vllm.transport.Response` has it), so
     the relay sends the stream's last chunk and the end of the response in one write."""
 
     async def read(self) -> bytes: ...
@@ -168,7 +168,7 @@ class _Stream:
     """A relayed stream's bookkeeping, piece by piece: events counted, a short tail kept (usage and the end are
     read from it at the end), a partial event held back until its blank line arrives, arrival times.
 
-    :meth:`give` is the direct path's sink (:meth:`pdctl.transport.Response.forward`): it runs inside the worker
+    :meth:`give` is the direct path's sink (:meth:`pdctl.vllm.transport.Response.forward`): it runs inside the worker
     connection's read callback and writes to the client's socket (:mod:`pdctl.gateway.direct`), or declines while
     the relay task holds a piece it has not written yet (``busy``) or the client's socket cannot take one.
     """
@@ -224,7 +224,7 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
 
     Streams: ``first_timeout_s`` bounds the wait for the first chunk; every later wait is bounded by the
     client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``). A body that can
-    :meth:`~pdctl.transport.Response.forward` under a server with a direct path (:mod:`pdctl.gateway.direct`)
+    :meth:`~pdctl.vllm.transport.Response.forward` under a server with a direct path (:mod:`pdctl.gateway.direct`)
     goes to the client from the worker connection's read callback, from its first piece on (after it when
     ``first_timeout_s`` is given); this task then wakes for the end, a failure, or a piece the client's socket
     could not take at once.

@@ -28,7 +28,7 @@ from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, sanitize
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.sse import Exchange, relay
-from pdctl.transport import TransportError
+from pdctl.vllm.transport import TransportError
 
 __all__ = ["MAX_RETRY_AFTER_WAIT_S", "Upstream", "upstream_url"]
 

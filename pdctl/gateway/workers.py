@@ -1,4 +1,4 @@
-"""The typed interface the gateway talks to its workers through; :class:`pdctl.transport.Client` implements it.
+"""The typed interface the gateway talks to its workers through; :class:`pdctl.vllm.transport.Client` implements it.
 
 * :class:`WorkerClient` — one worker's base URL: ``request()`` returns once the status line is in.
 * :class:`WorkerResponse` — the body on demand, whole (``read``, ``json``) or piece by piece (``chunk``, ``b""``
@@ -6,7 +6,7 @@
 * :data:`ClientFactory` — how :class:`pdctl.gateway.routing.Pool` gets a client per instance:
   :func:`http_clients` in production, :class:`pdctl.gateway.memory.MemoryWorkers` in tests (no processes).
 
-Failures below HTTP raise :class:`pdctl.transport.TransportError`, whose ``kind`` the PD legs read to decide
+Failures below HTTP raise :class:`pdctl.vllm.transport.TransportError`, whose ``kind`` the PD legs read to decide
 between retry, breaker and health.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
-from pdctl.transport import Client
+from pdctl.vllm.transport import Client
 
 __all__ = ["ClientFactory", "WorkerClient", "WorkerResponse", "http_clients"]
 
@@ -56,7 +56,7 @@ ClientFactory = Callable[[InstanceSpec], WorkerClient]
 
 
 def http_clients(settings: GatewaySettings) -> ClientFactory:
-    """Pooled keep-alive clients (:class:`pdctl.transport.Client`) with the gateway's timeouts."""
+    """Pooled keep-alive clients (:class:`pdctl.vllm.transport.Client`) with the gateway's timeouts."""
     g = settings.gateway
 
     def connect(spec: InstanceSpec) -> WorkerClient:

@@ -19,14 +19,14 @@ from typing import Any
 
 import uvicorn
 
-from pdctl.modelinfo import context_length
-from pdctl.protocol import NIXL_CONNECTORS
 from pdctl.sim import logfmt as L
 from pdctl.sim.engine import EngineConfig, KVSettings, SideChannelInUse, SimEngine
 from pdctl.sim.faults import FaultSet
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.server import SimApp
 from pdctl.sim.timing import get_link, get_profile
+from pdctl.vllm.modelinfo import context_length
+from pdctl.vllm.protocol import NIXL_CONNECTORS
 
 __all__ = ["build_parser", "default_max_model_len", "main"]
 
@@ -87,7 +87,7 @@ def _model_context(model: str) -> int | None:
 
 def default_max_model_len(model: str, profile: str) -> int:
     """The simulator's ``max_model_len`` when none is given: the model's context length as vLLM derives it
-    (:mod:`pdctl.modelinfo`), else 32768 for the ``fast`` profile and Qwen3-8B's 40960 for the others."""
+    (:mod:`pdctl.vllm.modelinfo`), else 32768 for the ``fast`` profile and Qwen3-8B's 40960 for the others."""
     found = _model_context(model)
     return found if found is not None else (32768 if profile == "fast" else 40960)
 

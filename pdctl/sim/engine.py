@@ -29,7 +29,6 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdctl.protocol import REQUIRED_DECODE_FIELDS, connector_kind
 from pdctl.sim import kv as kvmod
 from pdctl.sim import logfmt as L
 from pdctl.sim import logprobs as lp
@@ -37,6 +36,7 @@ from pdctl.sim.faults import FaultSet
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.text import Tokenizer
 from pdctl.sim.timing import Link, Profile
+from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS, connector_kind
 
 __all__ = ["EngineConfig", "KVSettings", "SideChannelInUse", "SimEngine", "SimRequest", "StreamEvent"]
 

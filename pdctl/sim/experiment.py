@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdctl.bench.metrics import percentile
-from pdctl.protocol import PREFILL_REQUEST_PARAMS, check_kv_params
 from pdctl.sim.engine import EngineConfig, KVSettings, SimEngine, SimRequest
 from pdctl.sim.logfmt import VllmLog
 from pdctl.sim.text import VOCAB_SIZE
 from pdctl.sim.timing import get_link, get_profile
 from pdctl.sim.virtual import run_virtual
+from pdctl.vllm.protocol import PREFILL_REQUEST_PARAMS, check_kv_params
 
 __all__ = ["Mode", "ModeResult", "Workload", "run_mode"]
 

@@ -6,7 +6,7 @@ import random
 import socket
 from pathlib import Path
 
-from pdctl.invariants import port_free
+from pdctl.testing.invariants import port_free
 
 __all__ = ["free_port", "port_free"]
 

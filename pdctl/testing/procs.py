@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import psutil
 
-from pdctl.pgroup import signal_group
+from pdctl.runtime.pgroup import signal_group
 
 __all__ = ["alive", "kill_groups", "stop_group"]
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdctl import recipe
-from pdctl.config import Deployment, WorkerConfig
+from pdctl.config import Deployment, WorkerConfig, recipe
 from pdctl.verify import diagnoses as dg
 from pdctl.verify.report import CheckResult, Timer
 from pdctl.verify.wire import Http, Reply, StreamResult, error_message, read_stream, short

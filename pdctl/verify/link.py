@@ -28,17 +28,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pdctl import kvevents
 from pdctl.config import WorkerConfig
-from pdctl.identity import fetch_identity, identity_problems
-from pdctl.probe import two_legs
-from pdctl.protocol import ConnectorKind, connector_kind
+from pdctl.runtime.probe import two_legs
 from pdctl.verify import diagnoses as dg
 from pdctl.verify import proof
 from pdctl.verify.gateway_checks import CHAT_PROMPT
 from pdctl.verify.proof import TIE_TOLERANCE_NATS, TOP_K, Divergence, Sample, first_divergence, parse_sample, show_token
 from pdctl.verify.report import CheckResult, Timer
 from pdctl.verify.wire import Http, block_size, metric_total
+from pdctl.vllm import kvlog
+from pdctl.vllm.identity import fetch_identity, identity_problems
+from pdctl.vllm.protocol import ConnectorKind, connector_kind
 
 __all__ = [
     "EXTERNAL",
@@ -136,7 +136,7 @@ def connector_from_logs(logs_dir: Path | None, w: WorkerConfig) -> str | None:
     except OSError:
         return None
     found = None
-    for ev in kvevents.scan(lines, w.name):
+    for ev in kvlog.scan(lines, w.name):
         m = re.match(r"connector (\w+) created", ev.detail)
         if m:
             found = m.group(1)
@@ -427,12 +427,12 @@ def judge_logs(pair: Pair, probes: Sequence[Probe], plines: list[str] | None, dl
     timer = Timer()
     if plines is None or dlines is None:
         return CheckResult(name, None, "skipped: no log files in the run directory (started by hand?)", timer.ms)
-    pev = kvevents.scan(plines, pair.p.name, setup=False)
-    dev = kvevents.scan(dlines, pair.d.name, setup=False)
+    pev = kvlog.scan(plines, pair.p.name, setup=False)
+    dev = kvlog.scan(dlines, pair.d.name, setup=False)
     ids = [rid for pr in probes for rid in pr.request_ids]
 
-    def tied(events: list[kvevents.KVEvent]) -> list[kvevents.KVEvent]:
-        return [e for e in events if any(kvevents.request_matches(e.request_id, i) for i in ids)]
+    def tied(events: list[kvlog.KVEvent]) -> list[kvlog.KVEvent]:
+        return [e for e in events if any(kvlog.request_matches(e.request_id, i) for i in ids)]
 
     fails = [e for e in pev + dev if e.phase == "kv_failure"]
     fails = [e for e in fails if e.request_id is None or e in tied(pev + dev)]

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from pdctl.eventstream import SSEParser
-from pdctl.probe import describe_http_error
-from pdctl.promtext import metric_value, samples
+from pdctl.runtime.probe import describe_http_error
+from pdctl.vllm.promtext import metric_value, samples
+from pdctl.vllm.sse import SSEParser
 
 __all__ = ["Http", "Reply", "StreamResult", "block_size", "error_message", "metric_total", "read_stream", "short"]
 
@@ -170,7 +170,7 @@ def read_stream(http: Http, url: str, body: Mapping[str, Any], headers: Mapping[
 
 
 def _payloads(chunks: Iterator[bytes]) -> Iterator[str]:
-    """The ``data`` of each event of an SSE body as it arrives (:class:`pdctl.eventstream.SSEParser`)."""
+    """The ``data`` of each event of an SSE body as it arrives (:class:`pdctl.vllm.sse.SSEParser`)."""
     parser = SSEParser()
     for chunk in chunks:
         yield from parser.feed(chunk)

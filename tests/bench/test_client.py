@@ -13,7 +13,7 @@ import pytest
 
 from pdctl.bench.client import BenchClient, RequestResult
 from pdctl.bench.workload import BenchRequest
-from pdctl.eventstream import SSEParser
+from pdctl.vllm.sse import SSEParser
 
 REQ = BenchRequest(7, "[bench 0-7] hello", 16, 4, "random", ignore_eos=True)
 

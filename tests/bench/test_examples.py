@@ -6,7 +6,7 @@ import pytest
 
 from pdctl.check import run_checks
 from pdctl.config import load
-from pdctl.model import SIZES
+from pdctl.vllm.tiny_model import SIZES
 from tests.conftest import REPO
 
 AB = REPO / "examples" / "cpu-ab"

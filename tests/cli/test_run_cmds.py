@@ -391,7 +391,7 @@ def test_prefill_restart_then_disagg_still_works(deploy_dir: Path) -> None:
 
 
 def test_down_checks_pid_ownership(deploy_dir: Path) -> None:
-    from pdctl.rundir import RunState, kill_recorded, owned_process, write_state
+    from pdctl.runtime.rundir import RunState, kill_recorded, owned_process, write_state
 
     me = psutil.Process()
     assert owned_process(me.pid, me.create_time(), me.cmdline()) is not None
@@ -414,8 +414,8 @@ def test_down_checks_pid_ownership(deploy_dir: Path) -> None:
 
 
 def test_status_reads_tree_resources_and_gpu_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdctl.process import ManagedProcess
-    from pdctl.rundir import RunState, collect_status
+    from pdctl.runtime.process import ManagedProcess
+    from pdctl.runtime.rundir import RunState, collect_status
     from tests.fakes.helpers import fake_spec
 
     p = ManagedProcess(fake_spec("decode", "decode", "--spawn-grandchild"), tmp_path / "logs")
@@ -547,7 +547,7 @@ def test_status_json_when_nothing_ran(tmp_path: Path) -> None:
 
 
 def test_status_json_of_a_dead_supervisor_without_logs(tmp_path: Path) -> None:
-    from pdctl.rundir import RunState, write_state
+    from pdctl.runtime.rundir import RunState, write_state
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -566,7 +566,7 @@ def test_status_json_of_a_dead_supervisor_without_logs(tmp_path: Path) -> None:
 
 
 def test_down_after_a_killed_supervisor_removes_the_workers_ipc_folders(tmp_path: Path) -> None:
-    from pdctl.rundir import RunState, write_state
+    from pdctl.runtime.rundir import RunState, write_state
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -586,7 +586,7 @@ def test_down_after_a_killed_supervisor_removes_the_workers_ipc_folders(tmp_path
 def test_curl_commands_are_the_recipe_requests() -> None:
     from pdctl.cli.run_cmds import curl_commands
     from pdctl.config import load
-    from pdctl.recipe import RECIPE_REQUESTS
+    from pdctl.config.recipe import RECIPE_REQUESTS
 
     data = REPO / "pdctl" / "data"
     dep = load(data / "config.toml", data / "settings.json")

@@ -20,8 +20,8 @@ from pdctl.config import GatewayConfig, LoggingConfig, RateLimitConfig, RoutingC
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.direct import HttpProtocol
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
-from pdctl.promtext import metric_value, samples
 from pdctl.testing import free_port, kill_groups
+from pdctl.vllm.promtext import metric_value, samples
 
 HERE = Path(__file__).resolve().parent
 KEY = "sk-test-client-key-0123456789"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdctl.plan import ProcessSpec
+from pdctl.runtime.plan import ProcessSpec
 from pdctl.testing import free_port
 
 FAKE_WORKER = str(Path(__file__).with_name("fake_worker.py"))

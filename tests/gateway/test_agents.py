@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from pdctl.promtext import metric_value, samples
-from pdctl.protocol import build_prefill_body
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.promtext import metric_value, samples
+from pdctl.vllm.protocol import build_prefill_body
 from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings, wait_for
 
 ARGS = ["--max-model-len", "2048", "--sim-profile", "fast"]

@@ -1,7 +1,7 @@
 """The stream relay's direct path (pdctl.gateway.direct) under the gateway's own server, uvicorn with httptools.
 
 Each test serves a small ASGI app that relays one worker response with :func:`pdctl.gateway.sse.relay`, through
-:class:`pdctl.transport.Client`, from a fake worker (an asyncio server in the same loop) to a raw socket client.
+:class:`pdctl.vllm.transport.Client`, from a fake worker (an asyncio server in the same loop) to a raw socket client.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uvicorn
 from pdctl.gateway.direct import HttpProtocol, client_socket, watch_disconnect
 from pdctl.gateway.sse import Exchange, RelayResult, relay
 from pdctl.testing import free_port
-from pdctl.transport import Client
+from pdctl.vllm.transport import Client
 from tests.fakes._http import chunked
 
 Worker = Callable[[asyncio.StreamWriter], Awaitable[None]]

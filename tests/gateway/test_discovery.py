@@ -18,7 +18,7 @@ import pytest
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.discovery import DNS_SERVER_ENV, is_dns_name, resolver_from_env
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
-from pdctl.protocol import REQUIRED_DECODE_FIELDS
+from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 from tests.fakes.dns_server import DnsServer
 from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings, run_app
 

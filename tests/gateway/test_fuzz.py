@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdctl.gateway.settings import LocalModel
-from pdctl.invariants import (
+from pdctl.testing import SimProcess, start_sim
+from pdctl.testing.invariants import (
     ClientTally,
     check_n1,
     check_n2,
@@ -34,7 +35,6 @@ from pdctl.invariants import (
     client_outcome,
     gateway_outcomes,
 )
-from pdctl.testing import SimProcess, start_sim
 from tests.fakes.gateway_harness import KEY, UPSTREAM_KEY, FakeProc, GatewayThread, make_settings
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "150"))

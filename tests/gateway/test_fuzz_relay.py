@@ -21,10 +21,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdctl.eventstream import sse_events as parse_sse
 from pdctl.gateway.sse import Exchange, relay
-from pdctl.invariants import client_outcome
-from pdctl.transport import TransportError
+from pdctl.testing.invariants import client_outcome
+from pdctl.vllm.sse import sse_events as parse_sse
+from pdctl.vllm.transport import TransportError
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "300"))
 
@@ -33,7 +33,7 @@ class FakeDecodeStream:
     """A decode worker's body (the relay's ``Body``), chunk by chunk; optionally the connection breaks at the end.
 
     Empty chunks are dropped, as a transport never hands one over mid-stream (``b""`` means the end). With
-    ``peek``, it reports ``at_end()`` as :class:`pdctl.transport.Response` does (the whole body in and read), so
+    ``peek``, it reports ``at_end()`` as :class:`pdctl.vllm.transport.Response` does (the whole body in and read), so
     the relay sends the last chunk with the end of the response.
     """
 

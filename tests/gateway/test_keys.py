@@ -29,9 +29,9 @@ from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.server import tls_files
 from pdctl.gateway.settings import GatewaySettings, LocalModel
 from pdctl.gateway.tokens import TokenCounter, estimate_tokens
-from pdctl.rundir import gateway_counters
+from pdctl.runtime.rundir import gateway_counters
 from pdctl.testing import SimProcess, free_port
-from pdctl.transport import TransportError
+from pdctl.vllm.transport import TransportError
 from tests.conftest import REPO
 from tests.fakes.gateway_harness import (
     UPSTREAM_KEY,

@@ -15,8 +15,8 @@ from typing import Any
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.pd import MAX_PD_RETRIES
-from pdctl.protocol import REQUIRED_DECODE_FIELDS
-from pdctl.transport import TransportError
+from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
+from pdctl.vllm.transport import TransportError
 from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings, run_app
 
 CHAT = "/v1/chat/completions"

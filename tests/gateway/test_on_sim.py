@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from pdctl.promtext import metric_value, samples
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.promtext import metric_value, samples
 from tests.fakes.gateway_harness import KEY, GatewayThread, make_settings, wait_for
 
 ARGS = ["--max-model-len", "1024", "--sim-profile", "fast"]

@@ -23,9 +23,9 @@ import pytest
 from pdctl.config import RateLimitConfig
 from pdctl.gateway.keys import add_key
 from pdctl.gateway.ratelimit import share_of
-from pdctl.invariants import check_n1, gateway_outcomes
-from pdctl.promtext import metric_value, samples
 from pdctl.testing import SimProcess, free_port, start_sim
+from pdctl.testing.invariants import check_n1, gateway_outcomes
+from pdctl.vllm.promtext import metric_value, samples
 from tests.conftest import REPO
 from tests.fakes.gateway_harness import wait_for
 

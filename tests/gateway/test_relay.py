@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.gateway.sse import Exchange, relay
-from pdctl.transport import Client
+from pdctl.vllm.transport import Client
 from tests.fakes._http import chunked
 
 

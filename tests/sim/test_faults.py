@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.promtext import metric_value, samples
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.sim.faults import FaultSet, parse_fault
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.promtext import metric_value, samples
+from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params
 
 PROMPT = " ".join(f"fault{i % 11} case {i}." for i in range(30))
 

@@ -1,4 +1,4 @@
-"""Two simulator workers driven through the two-leg protocol by hand (pdctl.protocol), against colocated output."""
+"""Two simulator workers driven through the two-leg protocol by hand (pdctl.vllm.protocol), against colocated output."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.promtext import metric_value, samples
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.promtext import metric_value, samples
+from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params
 
 PROMPT = " ".join(f"word{i % 37} and stuff, line {i}." for i in range(60))
 

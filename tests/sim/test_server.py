@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdctl.protocol import build_decode_body, build_prefill_body, check_kv_params
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params
 from tests.conftest import REPO
 
 FIXTURES = REPO / "tests" / "fixtures" / "vllm-cpu"

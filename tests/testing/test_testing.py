@@ -1,4 +1,4 @@
-"""pdctl.testing and pdctl.pgroup: the helpers every process test relies on, on real processes."""
+"""pdctl.testing and pdctl.runtime.pgroup: the helpers every process test relies on, on real processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from pdctl.pgroup import signal_group
+from pdctl.runtime.pgroup import signal_group
 from pdctl.testing import alive, free_port, kill_groups, port_free, stop_group
 
 # A group leader that exits on SIGTERM but leaves a child (in its group) that ignores SIGTERM.

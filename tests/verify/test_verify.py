@@ -23,11 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdctl import config, kvevents
+from pdctl import config
 from pdctl.config import Deployment
-from pdctl.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
+from pdctl.runtime.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
 from pdctl.testing import free_port, kill_groups
 from pdctl.verify import CheckResult, VerifyReport, link, metric_total, proof, run_verify
+from pdctl.vllm import kvlog
 from tests.conftest import REPO
 
 KEY_ENV = "PDCTL_VERIFY_TEST_KEY"
@@ -217,9 +218,9 @@ def test_healthy_pair_workers_only(cluster: Callable[..., Cluster]) -> None:
     def phases(name: str) -> set[tuple[str, str]]:
         lines = (c.logs / f"{name}.log").read_text().split("\n")
         out = set()
-        for e in kvevents.scan(lines, name):
+        for e in kvlog.scan(lines, name):
             if e.request_id:
-                base = kvevents.base_request_id(e.request_id)
+                base = kvlog.base_request_id(e.request_id)
                 out.add((e.phase, re.sub(r"-[0-9a-f]{8}-0-0-", "-", base)))
         return out
 

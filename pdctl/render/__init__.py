@@ -1,0 +1,1 @@
+"""Files for other systems, from the same two files: Kubernetes manifests, peer routers' command lines."""

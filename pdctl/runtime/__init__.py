@@ -1,0 +1,1 @@
+"""The one-host runtime: plan -> processes -> supervision, the run directory, the detached daemon."""
