@@ -9,7 +9,6 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -97,15 +96,15 @@ def test_stream_is_not_buffered(workers: tuple[FakeProc, FakeProc]) -> None:
         ):
             it = r.iter_raw()
             first = next(it)
-            got_first = time.monotonic()
-            assert first.startswith(b"data: {")
-            # decode has not finished: its log entry is not marked finished yet
+            # one token in hand, five still to come: decode has not finished (its entry says so)
+            assert first.startswith(b"data: {") and first.count(b"data: ") == 1, first
             [entry] = slow.completions()
             assert entry["finished"] is False
             rest = b"".join(it)
-            done = time.monotonic()
         assert rest.endswith(b"data: [DONE]\n\n")
-        assert done > got_first
+        assert rest.count(b"data: {") == 5, rest
+        # the same entry, read again once the stream ended, has moved on: the first chunk left before the end
+        assert wait_for(lambda: slow.completions()[0]["finished"] is True, timeout=10), slow.completions()
     finally:
         g.stop()
         slow.kill()
