@@ -3,10 +3,10 @@
 # vllm-router, PD path, at 256 and 1,024 streams, latency and throughput modes (benchmarks/gateway_overhead.py).
 #
 #   scripts/device-gateway-scale.sh --fetch   # here, once: the wheels the device lacks, for its Python 3.12, in .whl/
-#   scripts/device-gateway-scale.sh           # there (the device tool's `run`, carry [".whl"]): the run, into $OUT
+#   scripts/device-gateway-scale.sh           # on the 16-core machine, with .whl/ copied beside it: the run, into $OUT
 #
-# The device can reach nothing outside it: its image holds aiohttp, httpx, prometheus-client, psutil, pyyaml, rich,
-# typer and uvloop (/work/.library/device/KINDS.md); --fetch downloads the rest of the gateway's dependencies at the
+# That machine is assumed to reach no package index: its image holds aiohttp, httpx, prometheus-client, psutil, pyyaml,
+# rich, typer and uvloop; --fetch downloads the rest of the gateway's dependencies at the
 # versions of this checkout's .venv, and vllm-router with its own. The run installs them into /tmp/site and
 # vllm-router into the venv gateway_overhead.py looks for, and writes gateway_overhead.json and the log to $OUT.
 # About 5 minutes of a 10-minute call: ARMS, STREAMS, MODES, MEASURE_S and ROUNDS override the run's shape.

@@ -88,7 +88,8 @@ def exit_without_teardown() -> None:
 
     For a command that leaves nothing of its own to clean up (``up -d``: the supervisor runs detached), whose
     return the teardown delays noticeably while vLLM CPU engines keep the cores busy (docs/performance.md,
-    section 5). Only the console script honours it; an in-process caller (``CliRunner``) is unaffected.
+    "Cutting pdctl's own share"). Only the console script honours it; an in-process caller (``CliRunner``) is
+    unaffected.
     """
     _Exit.fast = True
 

@@ -9,7 +9,7 @@ client's body refuses them at the door (:func:`pdctl.gateway.request.parse_body`
 
 The client's own body is not decoded here: it needs the standard library's hooks for duplicate keys and the
 ``NaN``/``Infinity`` constants, which msgspec has no way to report. The measured difference is in
-docs/performance.md §14.
+docs/performance.md, "CPU per chunk and per request".
 """
 
 from __future__ import annotations

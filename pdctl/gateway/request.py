@@ -58,7 +58,7 @@ Route = Literal["local", "upstream"]
 @dataclass(slots=True)
 class CompletionRequest:
     """What the gateway reads from a valid request body (not frozen: that is on every request's path, see
-    docs/performance.md, "The gateway without a god object")."""
+    docs/performance.md, "History")."""
 
     model: str
     stream: bool

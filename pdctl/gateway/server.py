@@ -14,7 +14,7 @@ TLS: ``gateway.tls_certfile``/``tls_keyfile`` go to uvicorn's ``ssl_certfile``/`
 SIGHUP re-reads the keys file (:meth:`pdctl.gateway.app.Gateway.reload_keys`) between ticks.
 
 Once started, :func:`settle_heap` takes everything startup allocated out of the cyclic collector's way and
-makes its young-generation passes rarer (docs/performance.md §12).
+makes its young-generation passes rarer (docs/performance.md, "Where the CPU goes").
 
 One of several processes (``gateway.workers``, :mod:`pdctl.gateway.processes`): :func:`run` serves on the
 process's own SO_REUSEPORT listener, and a server given ``parent_pid`` drains by itself when its parent is gone.
@@ -64,7 +64,7 @@ READY_GRACE_S = 1.0
 HOLD_POLL_S = 0.25
 #: Allocations (net of frees) that trigger a young-generation collection while serving; CPython's default is 700.
 #: Every in-flight request's objects are live at a young collection, so with hundreds of streams the default's
-#: frequent passes mostly promote and re-scan them (docs/performance.md §12).
+#: frequent passes mostly promote and re-scan them (docs/performance.md, "Where the CPU goes").
 GC_YOUNG_THRESHOLD = 10_000
 
 
@@ -159,7 +159,7 @@ def configure_logging(level: str, with_pid: bool = False) -> None:
     ``with_pid``, when several gateway processes share the log). For the gateway's own process: it also turns off
     what the logging module records per line that no line shows (the caller's frame, thread, process name, and the
     pid without ``with_pid``), as the logging HOWTO's "Optimization" section describes; with the time formatted
-    once a second that halves the cost of the access log's line per request (docs/performance.md §14)."""
+    once a second that halves the cost of the access log's line per request (docs/performance.md, "History")."""
     logging._srcfile = None  # the documented switch (the HOWTO's "Optimization")
     logging.logThreads = False
     logging.logMultiprocessing = False

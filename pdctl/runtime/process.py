@@ -417,7 +417,7 @@ class ManagedProcess:
 def _accepts(url: str) -> bool:
     """Whether anything listens at ``url``'s host and port: a bare TCP connect, a tenth of the CPU of an HTTP
     client's refused GET, which shows when a loading engine is polled 10 times a second on a machine the
-    engines keep busy (docs/performance.md, section 5)."""
+    engines keep busy (docs/performance.md, "Cutting pdctl's own share")."""
     try:
         with socket.create_connection(parse_endpoint(url), timeout=1.0):
             return True

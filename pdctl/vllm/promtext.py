@@ -24,7 +24,7 @@ def samples(text: str, names: Iterable[str] = ()) -> list[Sample]:
 
     ``names``: only the samples whose names start with one of these; the other lines are dropped before
     parsing. The parser is pure Python and slow on a whole vLLM body, so loops that poll a few metrics
-    pass their names (docs/performance.md, section 7).
+    pass their names (docs/performance.md, "Shared client-side parsers").
     """
     wanted = tuple(names)
     if wanted:
