@@ -17,8 +17,8 @@ States of one process (supervisord's, simplified)::
     any --shutdown--> STOPPING --> STOPPED
 
 A run counts as a failure only if the process exits less than ``start_secs`` after it was started;
-a process that ran longer starts a fresh count. :func:`decide_restart` is that rule as a pure function
-of the process's run history and the clock. While ``up`` is still starting, nothing is restarted: a
+a process that ran longer starts a fresh count. :func:`~pdctl.runtime.restart.decide_restart` is that rule as a
+pure function of the process's run history and the clock. While ``up`` is still starting, nothing is restarted: a
 crash fails the start at once with the exit code, the log tail and a diagnosis, and so does a starting process
 that still runs but printed a line after which it can never become ready (a port it binds is taken:
 :meth:`ManagedProcess.never_ready`) instead of waiting ``ready_timeout_s`` for it. Later, a restarted process
@@ -62,6 +62,7 @@ from pdctl.errors import LaunchError
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.plan import Plan, ProcessSpec
 from pdctl.runtime.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
+from pdctl.runtime.restart import RestartDecision, Run, decide_restart
 from pdctl.runtime.watchdog import Watchdog
 
 __all__ = [
@@ -128,49 +129,6 @@ class SupervisorOptions:
     def from_config(cls, cfg: SupervisorConfig, drain_timeout_s: float | None = None) -> SupervisorOptions:
         """Options from ``[supervisor]``; the gateway gets its drain time plus a margin to exit."""
         return cls(cfg, gateway_stop_timeout_s=None if drain_timeout_s is None else drain_timeout_s + 5.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One run of a process, in the supervisor's clock: when it was started and when it was seen exited."""
-
-    started: float
-    ended: float
-
-
-@dataclass(frozen=True, slots=True)
-class RestartDecision:
-    """What to do after an exit: restart at ``at`` (after ``delay_s``), or give up (``restart`` False)."""
-
-    restart: bool
-    failures: int  # quick failures in a row, this exit included
-    delay_s: float = 0.0
-    at: float = 0.0
-    reason: str = ""
-
-
-def decide_restart(policy: str, history: Sequence[Run], now: float, options: SupervisorOptions) -> RestartDecision:
-    """The restart rule, a pure function of the run ``history`` (oldest first, the run that just ended
-    last) and ``now``.
-
-    A run shorter than ``start_secs`` is a failure; the trailing failures count. More than
-    ``max_restarts`` of them in a row gives up; otherwise the delay doubles from ``backoff_base_s`` with
-    each failure, capped at ``backoff_max_s`` (a run that outlived ``start_secs`` restarts after the base
-    delay). ``policy = "never"`` always gives up.
-    """
-    if policy != "on-failure":
-        return RestartDecision(False, 0, reason="its restart policy is 'never'")
-    failures = 0
-    for run in reversed(history):
-        if run.ended - run.started >= options.config.start_secs:
-            break
-        failures += 1
-    if failures > options.config.max_restarts:
-        return RestartDecision(False, failures, reason=(
-            f"failed {failures} time(s) in a row, each within start_secs ({options.config.start_secs:g} s); "
-            f"max_restarts = {options.config.max_restarts} reached"))  # fmt: skip
-    delay = min(options.config.backoff_max_s, options.backoff_base_s * 2 ** (max(failures, 1) - 1))
-    return RestartDecision(True, failures, delay, now + delay)
 
 
 @dataclass(slots=True)
