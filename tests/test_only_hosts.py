@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from pdctl.config import load
 from pdctl.testing import alive, free_port, kill_groups
 from tests.cli.test_run_cmds import KEY, KEY_VAR, env, pdctl
-from tests.real_engine import require_engine
+from tests.real_engine import kv_counters, kv_moved, require_engine, tiny_model, two_legs_move_kv
 
 HOSTS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
 
@@ -81,12 +82,22 @@ def run_two_hosts(d: Path, gateway: str, model: str, timeout_s: float) -> None:
 
         assert [p["name"] for p in part_state(d, "prefill")["processes"]] == ["prefill"]
         assert sorted(p["name"] for p in part_state(d, "decode+gateway")["processes"]) == ["decode", "gateway"]
+        p_url, d_url = (_endpoint(d, role) for role in ("prefill", "decode"))
+        before = kv_counters(d_url)
         body = {"model": model, "prompt": "two hosts, one deployment " * 8, "max_tokens": 4}
         r = httpx.post(f"{gateway}/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"},
                        timeout=300.0)  # fmt: skip
         assert r.status_code == 200, r.text
         assert (r.headers["x-pd-path"], r.headers["x-pd-prefill"], r.headers["x-pd-decode"]) == (
             "disagg", "prefill", "decode")  # fmt: skip
+        rise = kv_moved(d_url, before)  # decode loaded the prompt's KV from the other host, not computed it
+        assert rise.external > 0 and (rise.nixl is None or rise.nixl > 0), rise
+        # Prefill's kv_transfer_params name its own host and side channel, where decode pulls from.
+        remote = (HOSTS["prefill"], _prefill_side_port(d))
+        rise = two_legs_move_kv(
+            p_url, d_url, model, "two hosts, the legs by hand " * 8, remote, f"only-{time.time_ns()}"
+        )
+        assert rise.external > 0 and (rise.nixl is None or rise.nixl > 0), rise
 
         st = pdctl(d, "status", "--only", "prefill", "--json")
         assert st.returncode == 0, st.stderr
@@ -111,9 +122,19 @@ def run_two_hosts(d: Path, gateway: str, model: str, timeout_s: float) -> None:
         kill_groups(part_pids(d))
 
 
-def _health(d: Path, role: str) -> str:
+def _endpoint(d: Path, role: str) -> str:
     settings = json.loads((d / "settings.json").read_text())
-    return f"{settings['routing'][f'{role}_endpoint']}/health"
+    endpoint: str = settings["routing"][f"{role}_endpoint"]
+    return endpoint
+
+
+def _health(d: Path, role: str) -> str:
+    return f"{_endpoint(d, role)}/health"
+
+
+def _prefill_side_port(d: Path) -> int:
+    (prefill,) = [w for w in load(d / "config.toml", d / "settings.json").workers if w.role == "prefill"]
+    return prefill.side_channel_port
 
 
 def test_only_runs_each_hosts_part_and_the_gateway_host_waits_and_warms_up(tmp_path: Path) -> None:
@@ -133,10 +154,7 @@ def test_only_names_an_unknown_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(1800)
 def test_only_on_two_hosts_with_real_vllm_cpu(tmp_path: Path) -> None:
     require_engine()
-    model = tmp_path / "tiny-qwen3"
-    made = subprocess.run([sys.executable, "-m", "pdctl", "model", "tiny", str(model)], capture_output=True,
-                          timeout=600)  # fmt: skip
-    assert made.returncode == 0, made.stderr
+    model = tiny_model(tmp_path / "tiny-qwen3")
     workers = "".join(
         f"""[{role}]
 model = "{model}"

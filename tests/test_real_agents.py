@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.real_engine import KVCounters, kv_counters, kv_moved
 from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
 
 __all__ = ["_require_engine", "root"]  # the fixtures this module borrows
@@ -39,9 +40,17 @@ def nixl(root: Path) -> Iterator[Deployment]:
         dep.teardown()
 
 
+def _assert_kv_moved(dep: Deployment, before: KVCounters, route: str) -> KVCounters:
+    """Decode loaded KV over NIXL for ``route``'s requests since ``before`` (a 200 could be decode alone)."""
+    rise = kv_moved(dep.decode, before)
+    assert rise.external > 0 and rise.nixl is not None and rise.nixl > 0, f"{route}: no KV reached decode ({rise})"
+    return kv_counters(dep.decode)
+
+
 def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
     nixl.up()
     try:
+        before = kv_counters(nixl.decode)
         claude = anthropic.Anthropic(
             base_url=nixl.gateway, api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
         )
@@ -59,6 +68,7 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         )
         assert raw.headers["x-pd-path"] == "disagg", "vLLM's /v1/messages returned no usable kv_transfer_params"
         assert raw.parse().usage.output_tokens >= 1
+        before = _assert_kv_moved(nixl, before, "/v1/messages")
 
         oai = openai.OpenAI(
             base_url=nixl.gateway + "/v1", api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
@@ -72,6 +82,7 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
             done = rstream.get_final_response()
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
         assert done.usage is not None and done.usage.output_tokens >= 1
+        before = _assert_kv_moved(nixl, before, "/v1/responses")
 
         # A named tool: vLLM constrains decode's output to the tool's schema and streams it as tool_use deltas
         # (raw events: a cut-off JSON object is fine here, the SDK would try to parse it).
@@ -84,6 +95,7 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         assert '"type": "tool_use"' in r.text or '"type":"tool_use"' in r.text, r.text[:2000]
         assert "input_json_delta" in r.text and r.text.rstrip().endswith("}")
         assert "event: message_stop" in r.text
+        before = _assert_kv_moved(nixl, before, "/v1/messages with a named tool")
 
         # The same on /v1/responses: a forced function call streamed as argument deltas.
         rbody = {"model": "tiny", "max_output_tokens": 24, "stream": True, "input": "run the tests",
@@ -94,5 +106,6 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
         assert "response.function_call_arguments.delta" in r.text, r.text[:2000]
         assert "event: response.completed" in r.text
+        _assert_kv_moved(nixl, before, "/v1/responses with a named function")
     finally:
         nixl.down()

@@ -38,7 +38,7 @@ from pdctl.testing import port_free
 from pdctl.vllm.kvlog import request_matches
 from pdctl.vllm.sse import sse_events
 from tests.conftest import REPO, listened_ports, move_to_free_ports
-from tests.real_engine import require_engine
+from tests.real_engine import kv_counters, kv_moved, require_engine
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
 
@@ -120,6 +120,7 @@ class Deployment:
         shutil.copytree(REPO / "examples" / example, self.dir, ignore=shutil.ignore_patterns(".pdctl"))
         moved = move_to_free_ports(self.dir)
         self.gateway = moved.gateway.url
+        self.decode = next(w.url for w in moved.workers if w.role == "decode")
         self.ports = listened_ports(moved)
         if settings_edits:
             settings = json.loads((self.dir / "settings.json").read_text(encoding="utf-8"))
@@ -269,6 +270,7 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
 
         # One request with our own id, long enough to move more than one KV block.
         rid = f"e2e-kv-{uuid.uuid4().hex[:12]}"
+        before = kv_counters(nixl.decode)
         r = client.post(
             "/v1/completions",
             json={"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0},
@@ -276,6 +278,11 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
         )
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == rid
+        # The 200 is no proof: decode must have loaded the prompt's KV over NIXL rather than computed it.
+        assert r.json()["usage"]["prompt_tokens"] > 128, r.json()["usage"]
+        rise = kv_moved(nixl.decode, before)
+        assert rise.external >= 128, f"decode loaded {rise.external:g} external tokens for a >128-token prompt"
+        assert rise.nixl is not None and rise.nixl >= 1, f"no NIXL transfer counted ({rise})"
 
     # logs --kv: the handshake (done by the warm-up probe) and per-request transfer events on both sides.
     proc = nixl.pdctl("logs", "--kv", "--json", timeout=120)

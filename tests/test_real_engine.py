@@ -1,10 +1,14 @@
-"""tests/real_engine.py: a real test without its engine skips, and fails instead under PDCTL_REQUIRE_REAL."""
+"""tests/real_engine.py: a real test without its engine skips (fails under PDCTL_REQUIRE_REAL); the KV counters
+the real tests read are those of a real vLLM CPU decode's /metrics (tests/fixtures/vllm-cpu)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.real_engine import engine_missing, require_engine
+from tests.conftest import REPO
+from tests.real_engine import KVCounters, engine_missing, parse_kv_counters, require_engine
+
+FIXTURES = REPO / "tests" / "fixtures" / "vllm-cpu"
 
 MISSING = ("pdctl-no-such-distribution",)
 
@@ -26,3 +30,19 @@ def test_a_missing_engine_skips_and_fails_when_real_runs_are_required(
     monkeypatch.setenv("PDCTL_REQUIRE_REAL", "1")
     with pytest.raises(pytest.fail.Exception, match=f"PDCTL_REQUIRE_REAL is set but {named}"):
         require_engine(dists, modules)
+
+
+def test_kv_counters_of_real_vllm_cpu_workers() -> None:
+    def read(name: str) -> KVCounters:
+        return parse_kv_counters((FIXTURES / f"{name}.metrics.txt").read_text(encoding="utf-8"))
+
+    assert read("nixl-decode") == KVCounters(external=1049.0, nixl=3.0)  # the prompts pulled over NIXL
+    assert read("nixl-prefill") == KVCounters(external=0.0, nixl=0.0)  # prefill computed them: nothing came in
+    assert read("example-connector-decode") == KVCounters(external=1792.0, nixl=None)  # shared storage: no NIXL
+    assert read("nixl-decode").since(read("nixl-prefill")) == KVCounters(1049.0, 3.0)
+    assert read("example-connector-decode").since(read("nixl-prefill")) == KVCounters(1792.0, None)
+
+
+def test_a_body_without_the_external_token_counter_proves_nothing() -> None:
+    with pytest.raises(AssertionError, match="nothing could prove KV moved"):
+        parse_kv_counters("vllm:num_requests_running 0.0\n")

@@ -28,12 +28,10 @@ import yaml
 
 from pdctl import config
 from pdctl.render.k8s import CONFIG_MOUNT, dump_yaml, render
-from pdctl.runtime.probe import two_legs as probe_two_legs
 from pdctl.testing.ports import free_port
 from pdctl.testing.sim import SimProcess
-from pdctl.vllm.promtext import metric_value, samples
 from tests.conftest import REPO
-from tests.real_engine import require_engine
+from tests.real_engine import require_engine, tiny_model, two_legs_move_kv
 
 POD_IPS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
 
@@ -92,18 +90,12 @@ def wait_healthy(pod: SimProcess, url: str, timeout_s: float = 60.0) -> None:
     pytest.fail(f"{url} not healthy within {timeout_s} s:\n{pod.output()[-2000:]}")
 
 
-def two_legs(prefill_url: str, decode_url: str, model: str, prompt: str, side_port: int) -> float:
-    """One request through both legs; asserts prefill advertised its pod IP. Returns decode's external tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    with httpx.Client(timeout=600.0) as client:
-        legs = probe_two_legs(client, prefill_url, decode_url, body, "params", f"render-pods-{time.monotonic_ns()}")
-        assert legs.error is None, legs.error
-        assert legs.params is not None and legs.params.params is not None
-        assert (legs.params.params["remote_host"], legs.params.params["remote_port"]) == (POD_IPS["prefill"], side_port)
-        assert legs.decode_body["choices"][0]["text"]
-        metrics = client.get(f"{decode_url}/metrics").text
-    parsed = samples(metrics, ["vllm:prompt_tokens_by_source"])
-    return metric_value(parsed, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") or 0.0
+def pd_request(pods: dict[str, SimProcess], p_url: str, d_url: str, model: str, prompt: str) -> None:
+    """One request through both legs: prefill advertises its pod IP and side-channel port, decode's external
+    KV tokens (and NIXL transfers, where counted) rise."""
+    remote = (POD_IPS["prefill"], pods["prefill"].side_port)
+    rise = two_legs_move_kv(p_url, d_url, model, prompt, remote, f"render-pods-{time.monotonic_ns()}")
+    assert rise.external > 0 and (rise.nixl is None or rise.nixl > 0), rise
 
 
 def worker_containers(dep: config.Deployment) -> dict[str, dict[str, Any]]:
@@ -149,7 +141,7 @@ def test_rendered_sim_pods_serve_pd_with_the_pod_ip_as_side_channel_host(tmp_pat
     dep = config.load(*write_config(tmp_path))
     pods, p_url, d_url = run_pods(dep, tmp_path, 60.0)
     try:
-        assert two_legs(p_url, d_url, "sim-model", "pods on loopback " * 20, pods["prefill"].side_port) > 0
+        pd_request(pods, p_url, d_url, "sim-model", "pods on loopback " * 20)
     finally:
         stop(pods)
 
@@ -188,11 +180,7 @@ def test_the_prestop_hook_waits_for_the_request_in_flight(tmp_path: Path) -> Non
 @pytest.mark.timeout(1800)
 def test_rendered_vllm_cpu_pods_move_kv(tmp_path: Path) -> None:
     require_engine()
-    model = tmp_path / "tiny-qwen3"
-    made = subprocess.run(
-        [sys.executable, "-m", "pdctl", "model", "tiny", str(model)], capture_output=True, timeout=600
-    )
-    assert made.returncode == 0, made.stderr
+    model = tiny_model(tmp_path / "tiny-qwen3")
     ports = {role: (free_port(), free_port()) for role in POD_IPS}
     workers = "".join(
         f"""[{role}]
@@ -216,6 +204,6 @@ env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
     pods, p_url, d_url = run_pods(config.load(cpath, spath), tmp_path, 900.0)
     try:
         prompt = " ".join(f"Sentence {i}: prefill and decode run in separate pods." for i in range(24))
-        assert two_legs(p_url, d_url, "tiny", prompt, pods["prefill"].side_port) > 0
+        pd_request(pods, p_url, d_url, "tiny", prompt)
     finally:
         stop(pods)
