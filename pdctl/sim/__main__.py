@@ -266,7 +266,7 @@ async def _serve(cfg: EngineConfig, faults: FaultSet, log: L.VllmLog, args: argp
     except SideChannelInUse:
         # As vLLM: its engine core waits for the dead listener (VLLM_ENGINE_READY_TIMEOUT_S), never healthy.
         await asyncio.Event().wait()
-    if engine.side_port is not None:
+    if engine.connector.side_port is not None:
         log.info(L.W_CONNECTOR, f"Creating v1 connector with name: NixlPullConnector and engine_id: {cfg.kv.engine_id}")
     elif cfg.kv.kind == "shared_storage":
         log.info(
@@ -301,7 +301,7 @@ async def _serve(cfg: EngineConfig, faults: FaultSet, log: L.VllmLog, args: argp
     try:
         await server.serve()
     finally:
-        engine.flush_kv_metrics()
+        engine.connector.flush_metrics()
         await engine.stop()
     if not server.started:
         raise _Fatal(f"could not bind http://{args.host}:{args.port}", code=1)
