@@ -1,6 +1,6 @@
 """The bounded soak (reliability case L1): ``pdctl up`` with simulator workers, traffic at concurrency 32
 with random client disconnects, one SIGKILL of decode's process group and one of prefill's, then the
-"nothing lost" invariants N1–N6 (pdctl/testing/invariants.py, docs/reliability.md) and ``pdctl down``.
+"nothing lost" invariants N1–N6 (pdctl/testing/invariants/, docs/reliability.md) and ``pdctl down``.
 
     .venv/bin/python -m benchmarks.soak                          # 500 requests, the documented long soak
     .venv/bin/python -m benchmarks.soak --requests 2000 --seed 7 --json soak.json

@@ -1,4 +1,4 @@
-"""The invariant checker (pdctl/testing/invariants.py) against real processes: each check passes when the invariant
+"""The invariant checker (pdctl/testing/invariants/) against real processes: each check passes when the invariant
 holds and fails, naming the culprit, when it is broken on purpose."""
 
 from __future__ import annotations
