@@ -1,0 +1,224 @@
+"""settings.json's objects: what the gateway runs from.
+
+One frozen dataclass per object, each key declared on its field with :func:`~pdctl.config.schema.key`:
+``gateway`` (:class:`GatewayConfig`, with its ``rate_limit`` sub-table :class:`RateLimitConfig`), ``routing``
+(:class:`RoutingConfig`), ``slo`` (:class:`SLOConfig`) and ``logging`` (:class:`LoggingConfig`), together a
+:class:`Settings`. :data:`SETTINGS_SECTIONS` names the objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pdctl.config.schema import (
+    as_bool,
+    as_choice,
+    as_endpoints,
+    as_http_url,
+    as_int,
+    as_listen,
+    as_num,
+    as_str,
+    key,
+    section,
+)
+
+Strategy = Literal["pd_disagg", "colocated"]
+Fallback = Literal["none", "decode", "upstream"]
+"""``gateway.fallback``: no prefill can serve a PD request -> answer the error, let decode compute the prompt
+itself, or send it to the upstream."""
+
+#: Long-context agents send whole repositories: 256 MiB, between the peers' 192 MiB and 512 MiB (docs/gateway.md).
+DEFAULT_MAX_BODY_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitConfig:
+    """``gateway.rate_limit`` (pdctl extension), and a key's own limits (:mod:`pdctl.gateway.keys`); None: unlimited."""
+
+    # fmt: off
+    requests_per_minute: int | None = key(
+        None, as_int(1), "an integer >= 1", use="gateway", type="integer", default="none",
+        doc="*extension*: 429 + Retry-After above it",
+    )
+    tokens_per_minute: int | None = key(
+        None, as_int(1), "an integer >= 1", use="gateway", type="integer", default="none", doc="*extension*",
+    )
+    max_concurrency: int | None = key(
+        None, as_int(1), "an integer >= 1", use="gateway", type="integer", default="none", doc="*extension*",
+    )
+    # fmt: on
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """``settings.json`` ``gateway``: the single entry point."""
+
+    # fmt: off
+    listen_host: str = key(
+        "127.0.0.1", as_listen, '"host:port" with a port 1-65535', name="listen", into=("listen_host", "listen_port"),
+        use="gateway", type='`"host:port"`', default='`"127.0.0.1:8000"`', doc="gateway bind address",
+    )
+    listen_port: int = 8000  # set with listen_host from the one key `listen` (its Key.into)
+    upstream_base_url: str | None = key(
+        None, as_http_url, "an http(s) URL", use="gateway", type="URL", default="none",
+        doc="OpenAI-compatible API for models not served locally (docs/gateway.md)",
+    )
+    api_key_env: str = key(
+        "PDCTL_API_KEY", as_str, "an environment variable name", use="gateway", type="env var name",
+        doc="the variable holding the one key (never the key itself, PD007)",
+    )
+    upstream_api_key_env: str | None = key(
+        None, as_str, "an environment variable name", use="gateway", type="env var name", default="`api_key_env`",
+        doc="*extension*: a different key for the upstream (required with `keys_file` and an upstream; PD030 until "
+        "set)",
+    )
+    request_timeout_s: float = key(
+        120.0, as_num(0), "a number of seconds > 0", use="gateway", type="number", doc="overall deadline of a request",
+    )
+    max_retries: int = key(
+        2, as_int(0, 10), "an integer 0-10", use="gateway", type="integer",
+        doc="retries before the first byte reached the client: upstream calls, and PD pipelines (at most 3 there)",
+    )
+    max_body_bytes: int = key(
+        DEFAULT_MAX_BODY_BYTES, as_int(1024), "an integer >= 1024", use="gateway", type="integer",
+        default="`268435456` (256 MiB)",
+        doc="*extension*: larger bodies get 413, counted while reading (long-context agents: docs/gateway.md)",
+    )
+    drain_timeout_s: float = key(
+        30.0, as_num(-1), "a number of seconds >= 0", use="gateway", type="number",
+        doc="*extension*: how long in-flight streams may finish on shutdown",
+    )
+    rate_limit: RateLimitConfig = section(RateLimitConfig)
+    keys_file: str | None = key(
+        None, as_str, "a path to a keys file (`pdctl keys add` makes one)", beside_file=True, use="gateway",
+        type="path", default="none",
+        doc="*extension*: per-user keys with their own limits (digests only; `pdctl keys add`); `$api_key_env` "
+        "becomes optional (when set, the operator's key `default`); relative to settings.json",
+    )
+    tls_certfile: str | None = key(
+        None, as_str, "a path to a PEM certificate", beside_file=True, use="gateway", type="path", default="none",
+        doc="*extension*: PEM certificate, with `tls_keyfile` (both or neither): HTTPS only; checked at start "
+        "(exists, not expired, key matches); relative to settings.json",
+    )
+    tls_keyfile: str | None = key(
+        None, as_str, "a path to a PEM private key", beside_file=True, use="gateway", type="path", default="none",
+        doc="*extension*: PEM private key of `tls_certfile`; relative to settings.json",
+    )
+    metrics_public: bool = key(
+        False, as_bool, "true or false", use="gateway", type="bool",
+        doc="*extension*: `/metrics` without a key even when `listen` is not loopback",
+    )
+    fallback: Fallback = key(
+        "none", as_choice("none", "decode", "upstream"), "none, decode or upstream", use="gateway",
+        type="`none` \\| `decode` \\| `upstream`",
+        doc="*extension*: where a PD request goes when no prefill can serve it: the error, decode computing the "
+        "prompt itself (`x-pd-path: fallback`), or the upstream",
+    )
+    workers: int = key(
+        1, as_int(1, 64), "an integer 1-64", use="gateway", type="integer 1-64",
+        doc="*extension*: gateway processes on the one port (SO_REUSEPORT); each enforces its share of every rate "
+        "limit (docs/gateway.md, \"Several gateway processes\")",
+    )
+    # fmt: on
+
+    @property
+    def url(self) -> str:
+        """The URL a local client uses to reach the gateway."""
+        host = "127.0.0.1" if self.listen_host in ("0.0.0.0", "", "::") else self.listen_host
+        return f"{'https' if self.tls_certfile else 'http'}://{host}:{self.listen_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """``settings.json`` ``routing``."""
+
+    # fmt: off
+    prefill_endpoints: tuple[str, ...] = key(
+        ("http://127.0.0.1:8100",), as_endpoints, "an http URL or a list of them", name="prefill_endpoint",
+        use="gateway", type="URL or list of URLs", default='`"http://127.0.0.1:8100"`',
+        doc="prefill instances (their `--port`)",
+    )
+    decode_endpoints: tuple[str, ...] = key(
+        ("http://127.0.0.1:8200",), as_endpoints, "an http URL or a list of them", name="decode_endpoint",
+        use="gateway", type="URL or list of URLs", default='`"http://127.0.0.1:8200"`', doc="decode instances",
+    )
+    strategy: Strategy = key(
+        "pd_disagg", as_choice("pd_disagg", "colocated"), "pd_disagg or colocated", use="gateway",
+        type="`pd_disagg` \\| `colocated`", doc="two legs P→D, or whole requests to one worker (A/B)",
+    )
+    kv_connector: str | None = key(
+        None, as_str, "a connector name", use="gateway", type="string", default="`[connector]`",
+        doc="must equal config.toml's connector (PD001)",
+    )
+    # fmt: on
+
+
+@dataclass(frozen=True, slots=True)
+class SLOConfig:
+    """``settings.json`` ``slo``: targets, and the gateway's early rejection."""
+
+    # fmt: off
+    ttft_ms: float = key(
+        400.0, as_num(0), "a number of milliseconds > 0", use="gateway", type="number > 0",
+        doc="time-to-first-token target",
+    )
+    tpot_ms: float = key(
+        40.0, as_num(0), "a number of milliseconds > 0", use="gateway", type="number > 0",
+        doc="time-per-output-token target",
+    )
+    p90: bool = key(
+        True, as_bool, "true or false", use="gateway", type="bool",
+        doc="targets apply to the 90th percentile (bench goodput)",
+    )
+    admission: bool = key(
+        True, as_bool, "true or false", use="gateway", type="bool",
+        doc="*extension*: early rejection when the prediction misses the SLO",
+    )
+    overflow: Literal["reject", "upstream"] = key(
+        "reject", as_choice("reject", "upstream"), "reject or upstream", use="gateway",
+        type="`reject` \\| `upstream`", doc="*extension*: send would-miss requests upstream instead of 503",
+    )
+    # fmt: on
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """``settings.json`` ``logging``."""
+
+    # fmt: off
+    level: Literal["debug", "info", "warning", "error"] = key(
+        "info", as_choice("debug", "info", "warning", "error"), "one of debug, info, warning, error", use="gateway",
+        type="`debug` \\| `info` \\| `warning` \\| `error`",
+        doc="gateway log level, and the workers' (`VLLM_LOGGING_LEVEL`, set when not `info`)",
+    )
+    log_kv_transfer: bool = key(
+        True, as_bool, "true or false", use="gateway", type="bool",
+        doc="the gateway logs each KV handoff (engine id, blocks, remote host:port); below `debug`, the workers' KV "
+        "loggers (`vllm.distributed.kv_transfer`: every connector; `vllm.v1.core.sched.scheduler`: \"Finished "
+        "sending/recving KV transfer for request …\") run at DEBUG while the rest of vLLM stays at `level`, "
+        "through a logging config pdctl writes to `<run_dir>/vllm-logging.json` and names in "
+        "`VLLM_LOGGING_CONFIG_PATH` (vLLM 0.32's default config plus those two loggers), so `pdctl logs --kv` and "
+        "verify's `kv_logs` see per-request KV lines",
+    )
+    # fmt: on
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """``settings.json``: what the gateway runs from (:func:`.load_settings`; a :class:`.Deployment` has the same)."""
+
+    gateway: GatewayConfig
+    routing: RoutingConfig
+    slo: SLOConfig
+    logging: LoggingConfig
+
+
+#: settings.json's objects, each with the dataclass declaring its keys (the fields of :class:`Settings`).
+SETTINGS_SECTIONS: dict[str, type] = {
+    "gateway": GatewayConfig,
+    "routing": RoutingConfig,
+    "slo": SLOConfig,
+    "logging": LoggingConfig,
+}
