@@ -8,10 +8,8 @@ One run = warm-up requests (sent one by one, excluded), then the measured reques
 * a trace replays its own timestamps.
 
 A run is bounded by ``num_requests`` or ``duration_s``. Around it, the workers' and the gateway's ``/metrics``
-are scraped before and after: the deltas of the KV-transfer counters (:func:`kv_summary`) and of vLLM's own
-latency histograms (:func:`engine_summary`, to cross-check the client's TTFT/TPOT/ITL against the engines').
-While it runs, the engines' batch gauges (``vllm:num_requests_running``/``_waiting``) are sampled every
-:data:`GAUGE_INTERVAL_S` (:class:`GaugeSeries`): a gauge read only before and after would show two idle engines.
+are scraped before and after, and the engines' batch gauges sampled while it runs (:mod:`pdctl.bench.engine_metrics`).
+Model discovery (:func:`discover_model`): the first model a target lists, for a target given without a model.
 
 Every run (each rate of a sweep, each side of an A/B, each probe of the search) draws a fresh run id for its
 prompt tags (:func:`pdctl.bench.workload.new_run_id`), so no run finds an earlier run's prompts in a prefix
@@ -39,25 +37,20 @@ import httpx
 
 from pdctl.bench.arrivals import arrival_offsets
 from pdctl.bench.client import BenchClient, Endpoint, RequestResult
+from pdctl.bench.engine_metrics import GaugeSeries, kv_summary, metric_deltas, sample_gauges, scrape
 from pdctl.bench.metrics import SLO, Summary, percentile, summarize, tpot_s
 from pdctl.bench.workload import Workload, new_run_id
 from pdctl.errors import PdctlError
-from pdctl.vllm.promtext import samples
 
 __all__ = [
     "BenchError",
     "BenchTarget",
-    "GaugeSeries",
     "LiveStats",
     "LoadShape",
     "PairResult",
     "RunResult",
     "SearchResult",
     "discover_model",
-    "engine_summary",
-    "kv_summary",
-    "metric_deltas",
-    "parse_metrics",
     "run_ab",
     "run_async",
     "run_once",
@@ -68,24 +61,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-# vLLM 0.32's per-request latency histograms (vllm/v1/metrics/loggers.py), by what pdctl calls them. There is
-# no ``vllm:time_per_output_token_seconds`` in 0.32: the per-request TPOT is ``request_time_per_output_token``.
-ENGINE_HISTOGRAMS: dict[str, str] = {
-    "ttft": "vllm:time_to_first_token_seconds",
-    "tpot": "vllm:request_time_per_output_token_seconds",
-    "itl": "vllm:inter_token_latency_seconds",
-    "e2el": "vllm:e2e_request_latency_seconds",
-    "queue": "vllm:request_queue_time_seconds",
-    "prefill": "vllm:request_prefill_time_seconds",
-    "decode": "vllm:request_decode_time_seconds",
-}
-# Counters (and histogram sums/counts) whose deltas tell what the KV link, the engines and the gateway did.
-_METRIC_PREFIXES = (
-    "vllm:nixl_", "vllm:prompt_tokens_by_source", "vllm:num_preemptions", "pdctl_", *ENGINE_HISTOGRAMS.values()
-)  # fmt: skip
-_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-GAUGE_INTERVAL_S = 1.0
-_IGNORED_LABELS = ("engine", "model_name", "le")
 LAG_WARN_MS = 20.0
 
 
@@ -162,27 +137,6 @@ class LiveStats:
 
 
 @dataclass(slots=True)
-class GaugeSeries:
-    """One endpoint's batch gauges sampled during a run: ``(seconds since the run started, running, waiting)``."""
-
-    samples: list[tuple[float, float, float]] = field(default_factory=list)
-
-    def stats(self) -> dict[str, float]:
-        """Mean and max of the running and waiting requests over the samples (empty without samples)."""
-        if not self.samples:
-            return {}
-        running = [s[1] for s in self.samples]
-        waiting = [s[2] for s in self.samples]
-        return {
-            "samples": float(len(self.samples)),
-            "running_mean": sum(running) / len(running),
-            "running_max": max(running),
-            "waiting_mean": sum(waiting) / len(waiting),
-            "waiting_max": max(waiting),
-        }
-
-
-@dataclass(slots=True)
 class RunResult:
     """One run's inputs, per-request results, summary, metric deltas and warnings."""
 
@@ -213,112 +167,6 @@ class PairResult:
 
     a: list[RunResult]
     b: list[RunResult]
-
-
-# ------------------------------------------------------------------------------------------- metrics
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{"name{label=value,...}": value}`` for the counters pdctl tracks.
-
-    ``engine``/``model_name`` labels are dropped (summed), ``_bucket``/``_created`` samples skipped.
-    """
-    out: dict[str, float] = {}
-    for name, sample_labels, value in samples(text, _METRIC_PREFIXES):
-        if name.endswith(("_bucket", "_created")):
-            continue
-        labels = ",".join(f"{k}={v}" for k, v in sorted(sample_labels.items()) if k not in _IGNORED_LABELS)
-        key = f"{name}{{{labels}}}" if labels else name
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
-def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """``after - before`` for every series present after the run (new series count from 0)."""
-    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v - before.get(k, 0.0) != 0.0}
-
-
-def kv_summary(deltas: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Totals over all scraped endpoints: transfers, bytes, mean transfer ms, failures, token sources."""
-
-    def total(prefix: str) -> float:
-        return sum(v for d in deltas.values() for k, v in d.items() if k.startswith(prefix))
-
-    count = total("vllm:nixl_xfer_time_seconds_count")
-    out = {
-        "kv_transfers": count,
-        "kv_bytes": total("vllm:nixl_bytes_transferred_sum"),
-        "kv_failed_transfers": total("vllm:nixl_num_failed_transfers"),
-        "kv_expired_requests": total("vllm:nixl_num_kv_expired_reqs"),
-        "external_kv_tokens": total("vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"),
-        "local_compute_tokens": total("vllm:prompt_tokens_by_source_total{source=local_compute}"),
-        "local_cache_hit_tokens": total("vllm:prompt_tokens_by_source_total{source=local_cache_hit}"),
-        "gateway_fallbacks": total("pdctl_pd_fallback_total"),
-        "gateway_rejected": total("pdctl_rejected_total"),
-    }
-    out["kv_xfer_ms_mean"] = 1000.0 * total("vllm:nixl_xfer_time_seconds_sum") / count if count else 0.0
-    return out
-
-
-def engine_summary(deltas: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Per endpoint that served requests during the run: how many (``requests``, vLLM's e2e count) and the
-    mean of each of :data:`ENGINE_HISTOGRAMS` in ms (``ttft_ms``, ``tpot_ms``, ...), from the sums' and
-    counts' deltas. On PD, prefill's TTFT is its whole leg and decode's starts when decode got the request."""
-    out: dict[str, dict[str, float]] = {}
-    for url, d in deltas.items():
-        row: dict[str, float] = {}
-        for short, name in ENGINE_HISTOGRAMS.items():
-            count, total = d.get(f"{name}_count", 0.0), d.get(f"{name}_sum", 0.0)
-            # vLLM observes a TPOT of 0 for a one-token output (PD's prefill leg): no decode step, no mean.
-            if count > 0 and (total > 0 or short not in ("tpot", "itl")):
-                row[f"{short}_ms"] = 1000.0 * total / count
-        if row:
-            row["requests"] = d.get(f"{ENGINE_HISTOGRAMS['e2el']}_count", 0.0)
-            out[url] = row
-    return out
-
-
-async def _sample_gauges(
-    client: httpx.AsyncClient, urls: Sequence[str], t0: float, into: dict[str, GaugeSeries]
-) -> None:
-    """Append each URL's batch gauges to ``into`` every :data:`GAUGE_INTERVAL_S` until cancelled; an endpoint
-    without them (a gateway, a server that is not vLLM) gets no series."""
-
-    async def one(url: str) -> None:
-        try:
-            resp = await client.get(url, timeout=GAUGE_INTERVAL_S * 5)
-        except httpx.HTTPError:
-            return
-        if resp.status_code != 200:
-            return
-        parsed = samples(resp.text, _GAUGES)
-        if parsed:
-            running = sum(v for n, _, v in parsed if n == _GAUGES[0])
-            waiting = sum(v for n, _, v in parsed if n == _GAUGES[1])
-            into.setdefault(url, GaugeSeries()).samples.append((time.perf_counter() - t0, running, waiting))
-
-    while True:
-        await asyncio.gather(*(one(u) for u in urls))
-        await asyncio.sleep(GAUGE_INTERVAL_S)
-
-
-async def _scrape(
-    client: httpx.AsyncClient, urls: Sequence[str], target: BenchTarget | None = None
-) -> dict[str, dict[str, float] | None]:
-    """Each URL's metrics; the target's key goes to the target's own ``/metrics`` only (a gateway listening
-    beyond loopback asks for one), never to other URLs."""
-    own = f"{target.base_url}/" if target is not None and target.api_key else None
-
-    async def one(url: str) -> dict[str, float] | None:
-        auth = {"Authorization": f"Bearer {target.api_key}"} if target and own and url.startswith(own) else {}
-        try:
-            resp = await client.get(url, timeout=10.0, headers=auth)
-        except httpx.HTTPError:
-            return None
-        return parse_metrics(resp.text) if resp.status_code == 200 else None
-
-    values = await asyncio.gather(*(one(u) for u in urls))
-    return dict(zip(urls, values, strict=True))
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -423,14 +271,14 @@ async def run_once(
             )
             if not wres.success:
                 warm_failures.append(wres.error)
-        before = await _scrape(scraper, target.metrics_urls, target)
+        before = await scrape(scraper, target.metrics_urls, target.base_url, target.api_key)
 
         results: list[RequestResult] = []
         live.phase = "running"
         sem = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
         t0 = time.perf_counter()
         gauges: dict[str, GaugeSeries] = {}
-        sampler = asyncio.create_task(_sample_gauges(scraper, target.metrics_urls, t0, gauges))
+        sampler = asyncio.create_task(sample_gauges(scraper, target.metrics_urls, t0, gauges))
 
         async def one(index: int, scheduled: float) -> None:
             req = wl.request(index, run_id)
@@ -482,7 +330,7 @@ async def run_once(
         # cancelling this task right here, and the sweep would go on to its next run.
         await asyncio.wait([sampler])
         live.phase = "collecting"
-        after = await _scrape(scraper, target.metrics_urls, target)
+        after = await scrape(scraper, target.metrics_urls, target.base_url, target.api_key)
 
     results.sort(key=lambda r: r.index)
     summary = summarize(results, duration, percentiles=shape.percentiles, slo=shape.slo)

@@ -99,7 +99,9 @@ def bench(
     """
     # The bench machinery (aiohttp, httpx) is imported here, not at the top: every other command pays nothing for it.
     from pdctl.bench.arrivals import parse_rates
-    from pdctl.bench.report import load_results, render_html, result_json, write_plots, write_results
+    from pdctl.bench.html import render_html
+    from pdctl.bench.plots import write_plots
+    from pdctl.bench.report import load_results, result_json, write_results
     from pdctl.bench.runner import (
         BenchError,
         BenchTarget,

@@ -19,9 +19,10 @@ from rich.table import Table
 from rich.text import Text
 
 from pdctl import config
+from pdctl.bench.engine_metrics import engine_summary, kv_summary
 from pdctl.bench.metrics import SLO, Summary, parse_goodput
 from pdctl.bench.report import best_swept_rate, compare
-from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult, engine_summary, kv_summary
+from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult
 from pdctl.bench.workload import WorkloadSpec
 from pdctl.cli._app import console, err_console
 

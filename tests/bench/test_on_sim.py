@@ -21,8 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from pdctl.bench.engine_metrics import kv_summary
 from pdctl.bench.metrics import SLO
-from pdctl.bench.runner import BenchTarget, LoadShape, kv_summary, run_ab, run_async, run_once
+from pdctl.bench.runner import BenchTarget, LoadShape, run_ab, run_async, run_once
 from pdctl.bench.workload import WorkloadSpec, make_workload
 from pdctl.sim.timing import get_profile
 from pdctl.testing import SimProcess, free_port, start_sim, stop_group
