@@ -1,4 +1,4 @@
-"""docs/config.md's key tables against the declarations in pdctl/config/__init__.py (:func:`pdctl.config.key`)."""
+"""docs/config.md's key tables against the declarations in pdctl/config/ (:func:`pdctl.config.schema.key`)."""
 
 from __future__ import annotations
 
