@@ -62,7 +62,7 @@ from pdctl.testing.invariants import (
 )
 from pdctl.vllm.protocol import build_prefill_body, check_kv_params
 from tests.conftest import REPO
-from tests.real_engine import require_engine
+from tests.real_engine import require_engine, tiny_model
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1500)]
 
@@ -112,9 +112,7 @@ class Run:
         self.ports = _write(d, defaults=defaults)
         env = {k: v for k, v in os.environ.items() if k != "PDCTL_API_KEY"}
         env.update({"PDCTL_API_KEY": self.key, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"})
-        model = subprocess.run([sys.executable, "-m", "pdctl", "model", "tiny", str(d / "models" / "tiny-qwen3")],
-                               capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-        assert model.returncode == 0, model.stdout + model.stderr
+        tiny_model(d / "models" / "tiny-qwen3")
         argv = [sys.executable, "-m", "pdctl"]
         if defaults:
             # As from systemd or cron: pdctl by its absolute path, no venv on PATH (PYTHONPATH kept for a worktree).
@@ -157,14 +155,28 @@ class Run:
         self.out.close()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    r = Run(tmp_path_factory.mktemp("real-rel"))
+@contextlib.contextmanager
+def _ready_run(d: Path) -> Iterator[Run]:
+    r = Run(d)
     try:
         r.wait(lambda: r.state()["status"] == "ready", READY_TIMEOUT_S, "pdctl up to be ready")
         yield r
     finally:
         r.stop()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """The deployment P2-P4 share: each test leaves it serving (the supervisor restarts what a test kills)."""
+    with _ready_run(tmp_path_factory.mktemp("real-rel")) as r:
+        yield r
+
+
+@pytest.fixture
+def own_run(tmp_path: Path) -> Iterator[Run]:
+    """A deployment of its own, for a test that ends it."""
+    with _ready_run(tmp_path) as r:
+        yield r
 
 
 def _leg1(url: str, rid: str) -> dict[str, Any]:
@@ -265,9 +277,17 @@ def test_p2_prefill_dies_before_decode_pulls(run: Run) -> None:
     assert outcome.kind == "errored" or r.headers.get("x-pd-path") == "disagg", r.text[:500]
 
 
-def test_p5_sigkill_of_foreground_pdctl_leaves_no_engine(run: Run) -> None:
-    run.wait(lambda: run.procs()["prefill"]["restarts"] >= 1, 120, "prefill's restart to begin")
-    time.sleep(2.0)  # one state.json refresh, so the restarted prefill's descendants are recorded
+def test_p5_sigkill_of_foreground_pdctl_leaves_no_engine(own_run: Run) -> None:
+    """pdctl itself SIGKILLed, after a restart of prefill (its new engine's processes were recorded anew)."""
+    run = own_run
+    old = run.procs()["prefill"]
+    os.killpg(int(old["pgid"]), signal.SIGKILL)
+
+    def restarted_and_recorded() -> bool:
+        p = run.procs()["prefill"]
+        return p["restarts"] >= 1 and p["pid"] != old["pid"] and bool(p.get("descendants"))
+
+    run.wait(restarted_and_recorded, READY_TIMEOUT_S, "prefill's restart, its descendants in state.json")
     census = run_census(run.dir / ".pdctl")
     engines_before = [p.pid for p in _engine_processes(census.pgids)]
     print(f"P5: {len(census.pids)} recorded pids, {len(engines_before)} VLLM:: engine processes before the kill")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -24,6 +25,14 @@ from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_setti
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait on the event loop until ``cond()`` holds (the test fails at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
 
 
 def _prefill(delay_s: float = 0.0) -> MemoryReply:
@@ -175,10 +184,14 @@ def test_a_vanished_address_drains_its_in_flight_request(dns_server: DnsServer) 
         stays.script(_decoded(delay_s=0.5))
         gone.script(_decoded(delay_s=1.0))
         workers["prefill"].script(_prefill(), _prefill())
+
+        def decoding() -> int:
+            return sum(i.in_flight for i in app.pool.instances if i.name.startswith("decode@"))
+
         first = asyncio.ensure_future(asgi_request(app, CHAT, BODY))
-        await asyncio.sleep(0.1)
+        await _until(lambda: decoding() == 1)
         second = asyncio.ensure_future(asgi_request(app, CHAT, BODY))
-        await asyncio.sleep(0.2)
+        await _until(lambda: decoding() == 2)
         dns_server.set("decode.pods.test", ["127.0.0.3"])
         await app.discovery.refresh()
         assert (await _ready(app))["decode@127.0.0.4"] == "draining"

@@ -30,7 +30,9 @@ from pdctl import config
 from pdctl.render.k8s import CONFIG_MOUNT, dump_yaml, render
 from pdctl.testing.ports import free_port
 from pdctl.testing.sim import SimProcess
+from pdctl.verify.wire import metric_total
 from tests.conftest import REPO
+from tests.fakes.gateway_harness import wait_for
 from tests.real_engine import require_engine, tiny_model, two_legs_move_kv
 
 POD_IPS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
@@ -130,6 +132,13 @@ def run_pods(dep: config.Deployment, tmp_path: Path, ready_timeout_s: float) -> 
     return pods, p_url, d_url
 
 
+def _running(url: str) -> float:
+    """The worker's requests running now (vllm:num_requests_running), 0 when /metrics does not answer."""
+    with contextlib.suppress(httpx.HTTPError):
+        return metric_total(httpx.get(f"{url}/metrics", timeout=5.0).text, "vllm:num_requests_running") or 0.0
+    return 0.0
+
+
 def stop(pods: dict[str, SimProcess]) -> None:
     for pod in pods.values():
         pod.stop(grace_s=30.0)
@@ -163,7 +172,7 @@ def test_the_prestop_hook_waits_for_the_request_in_flight(tmp_path: Path) -> Non
     try:
         thread = threading.Thread(target=long_request)
         thread.start()
-        time.sleep(0.5)
+        assert wait_for(lambda: _running(p_url) >= 1, timeout=60), "the long request never reached the pod"
         hook_started = time.monotonic()
         subprocess.run([sys.executable, *hook[1:]], check=True, timeout=120)
         hook_done = time.monotonic()

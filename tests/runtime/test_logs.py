@@ -16,6 +16,7 @@ import pytest
 
 from pdctl.runtime.logs import LogLine, Printer, follow_logs, line_time, read_logs, start_reader, use_colour
 from pdctl.vllm.kvlog import scan
+from tests.fakes.gateway_harness import wait_for
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-cpu"
 
@@ -111,25 +112,40 @@ def test_read_logs_merges_by_time_and_filters(tmp_path: Path) -> None:
     assert len(read_logs({"prefill": p, "decode": d}, tail=1)) == 1
 
 
+class _Followed(dict[str, Path]):
+    """The files handed to follow_logs; ``positioned`` is set once it has gone through them all the first time,
+    which is when it takes each file's end as its starting offset."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        super().__init__(files)
+        self.positioned = threading.Event()
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        yield from super().items()
+        self.positioned.set()
+
+
 def test_follow_logs_yields_appended_complete_lines(tmp_path: Path) -> None:
     f = tmp_path / "decode.log"
     f.write_text("old line\n")
+    files = _Followed({"decode": f})
     stop = threading.Event()
     got: list[LogLine] = []
 
     def run() -> None:
-        for ln in follow_logs({"decode": f}, stop=stop, poll_s=0.05):
+        for ln in follow_logs(files, stop=stop, poll_s=0.05):
             got.append(ln)
             if len(got) == 2:
                 stop.set()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    time.sleep(0.3)
+    assert files.positioned.wait(10), "follow_logs never looked at the file"  # it starts at the end from here
     with f.open("a") as fh:
         fh.write("new 1\nnew ")
         fh.flush()
-        time.sleep(0.3)
+        # "new 1" came out, so the half line after it was read too: the rest of it ends the line
+        assert wait_for(lambda: len(got) == 1, timeout=10), got
         fh.write("2\n")
     t.join(timeout=10)
     assert [ln.text for ln in got] == ["new 1", "new 2"]
