@@ -25,11 +25,14 @@ import json
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdctl.gateway.settings import InstanceSpec
-from pdctl.gateway.workers import WorkerClient, WorkerResponse
+from pdctl.gateway.workers import RequestOptions, WorkerClient, WorkerResponse
 from pdctl.vllm.transport import TransportError
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 __all__ = ["MemoryCall", "MemoryReply", "MemoryResponse", "MemoryWorker", "MemoryWorkers", "Part"]
 
@@ -152,16 +155,9 @@ class _Client:
     def __init__(self, worker: MemoryWorker) -> None:
         self.worker = worker
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        total_timeout_s: float | None = None,
-    ) -> WorkerResponse:
-        call = MemoryCall(method, path, body, dict(headers or {}), total_timeout_s)
+    async def request(self, method: str, path: str, **options: Unpack[RequestOptions]) -> WorkerResponse:
+        total_timeout_s = options.get("total_timeout_s")
+        call = MemoryCall(method, path, options.get("body"), dict(options.get("headers") or {}), total_timeout_s)
         self.worker.calls.append(call)
         reply = self.worker._reply(path)
         if isinstance(reply, TransportError):

@@ -1,6 +1,7 @@
 """The typed interface the gateway talks to its workers through; :class:`pdctl.vllm.transport.Client` implements it.
 
-* :class:`WorkerClient` — one worker's base URL: ``request()`` returns once the status line is in.
+* :class:`WorkerClient` — one worker's base URL: ``request()`` returns once the status line is in; its keyword
+  options (body, headers, the call's total timeout) are :class:`RequestOptions`.
 * :class:`WorkerResponse` — the body on demand, whole (``read``, ``json``) or piece by piece (``chunk``, ``b""``
   at its end); ``close()`` before the end drops the connection, which makes vLLM abort the request.
 * :data:`ClientFactory` — how :class:`pdctl.gateway.routing.Pool` gets a client per instance:
@@ -13,12 +14,24 @@ between retry, breaker and health.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
 from pdctl.vllm.transport import Client
 
-__all__ = ["ClientFactory", "WorkerClient", "WorkerResponse", "http_clients"]
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11's; only mypy reads it here, pdctl runs on 3.10 too
+
+__all__ = ["ClientFactory", "RequestOptions", "WorkerClient", "WorkerResponse", "http_clients"]
+
+
+class RequestOptions(TypedDict, total=False):
+    """A worker call's keyword options, each None by default; :meth:`pdctl.vllm.transport.Client.request` takes
+    them as plain keyword arguments (no dict per call on the gateway's path), mypy holds it to this list."""
+
+    body: bytes | None
+    headers: Mapping[str, str] | None
+    total_timeout_s: float | None
 
 
 class WorkerResponse(Protocol):
@@ -39,15 +52,7 @@ class WorkerResponse(Protocol):
 class WorkerClient(Protocol):
     """Calls to one worker."""
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        total_timeout_s: float | None = None,
-    ) -> WorkerResponse: ...
+    async def request(self, method: str, path: str, **options: Unpack[RequestOptions]) -> WorkerResponse: ...
 
     async def aclose(self) -> None: ...
 
