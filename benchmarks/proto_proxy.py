@@ -40,7 +40,36 @@ async def _read(receive: Receive) -> bytes:
             return b"".join(parts)
 
 
-class _HttpxApp:
+class _AsgiApp:
+    """What both raw-ASGI variants do alike: the lifespan, ``/health`` and the request's JSON body; a variant's
+    :meth:`proxy` makes the two legs."""
+
+    async def startup(self) -> None:
+        """Before the first request."""
+
+    async def shutdown(self) -> None:
+        """After the last request."""
+
+    async def proxy(self, path: str, body: dict[str, Any], send: Send) -> None:
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                while (await receive())["type"] != "lifespan.shutdown":
+                    await self.startup()
+                    await send({"type": "lifespan.startup.complete"})
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": _JSON})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        await self.proxy(scope["path"], json.loads(await _read(receive)), send)
+
+
+class _HttpxApp(_AsgiApp):
     def __init__(self, prefill: str, decode: str) -> None:
         import httpx
 
@@ -48,19 +77,7 @@ class _HttpxApp:
         self.p = httpx.AsyncClient(base_url=prefill, limits=limits, timeout=300)
         self.d = httpx.AsyncClient(base_url=decode, limits=limits, timeout=300)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                while (await receive())["type"] != "lifespan.shutdown":
-                    await send({"type": "lifespan.startup.complete"})
-                await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["path"] == "/health":
-            await send({"type": "http.response.start", "status": 200, "headers": _JSON})
-            await send({"type": "http.response.body", "body": b"{}"})
-            return
-        body = json.loads(await _read(receive))
-        path = scope["path"]
+    async def proxy(self, path: str, body: dict[str, Any], send: Send) -> None:
         r1 = await self.p.post(path, content=json.dumps(build_prefill_body(body)).encode(),
                                headers={"content-type": "application/json"})  # fmt: skip
         params = r1.json().get("kv_transfer_params")
@@ -76,13 +93,13 @@ class _HttpxApp:
             await resp.aclose()
 
 
-class _AiohttpClientApp:
+class _AiohttpClientApp(_AsgiApp):
     def __init__(self, prefill: str, decode: str) -> None:
         self.prefill, self.decode = prefill, decode
         self.p: Any = None
         self.d: Any = None
 
-    def _sessions(self) -> None:
+    async def startup(self) -> None:
         import aiohttp
 
         def session(base: str) -> aiohttp.ClientSession:
@@ -92,22 +109,11 @@ class _AiohttpClientApp:
 
         self.p, self.d = session(self.prefill), session(self.decode)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                while (await receive())["type"] != "lifespan.shutdown":
-                    self._sessions()
-                    await send({"type": "lifespan.startup.complete"})
-                await self.p.close()
-                await self.d.close()
-                await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["path"] == "/health":
-            await send({"type": "http.response.start", "status": 200, "headers": _JSON})
-            await send({"type": "http.response.body", "body": b"{}"})
-            return
-        body = json.loads(await _read(receive))
-        path = scope["path"]
+    async def shutdown(self) -> None:
+        await self.p.close()
+        await self.d.close()
+
+    async def proxy(self, path: str, body: dict[str, Any], send: Send) -> None:
         h = {"content-type": "application/json"}
         async with self.p.post(path, data=json.dumps(build_prefill_body(body)).encode(), headers=h) as r1:
             params = (await r1.json(content_type=None)).get("kv_transfer_params")
