@@ -1,11 +1,11 @@
 """Fixtures shared by the tests, and the guard that keeps them off the machine's well-known ports.
 
-* :func:`_hold_well_known_ports` (session, autouse): every port a shipped example listens on (its gateway, its
-  workers, their NIXL side channels) is held for the whole session, as a running demo holds them. A test that
+* :func:`_hold_well_known_ports` (session-scoped, autouse): every port a shipped example listens on (its gateway, its
+  workers, their NIXL side channels) is held for the whole test run, as a running demo holds them. A test that
   binds one fails to bind; a test that connects to one fails at teardown, naming the port. So a test that
   hard-codes 8000 or 5600 fails on every machine, not only beside the demo. A port already taken (the demo is
-  up, or another test session holds it) is taken as soon as it is let go.
-* :func:`pytest_configure`: SIGTERM ends the session as Ctrl-C does, so each test's cleanup still stops what it
+  up, or another pytest run on the machine holds it) is taken as soon as it is let go.
+* :func:`pytest_configure`: SIGTERM ends the test run as Ctrl-C does, so each test's cleanup still stops what it
   started.
 * :func:`recipe_files`, :func:`cli`, :func:`sim_procs`: the recipe's files in tmp_path, the CLI in-process,
   simulator workers stopped at teardown.
@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from typer.testing import CliRunner
@@ -30,12 +31,13 @@ from pdctl.vllm.protocol import NIXL_CONNECTORS
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "tests" / "fixtures" / "recipe"
+T = TypeVar("T")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # CI cancels a job, and a supervisor stops one, with SIGTERM, which ends Python at once: the deployments the
     # running test started (in their own process groups) would outlive pytest. As KeyboardInterrupt, pytest runs
-    # the test's finally blocks and teardowns, then stops the session.
+    # the test's finally blocks and teardowns, then stops the run.
     signal.signal(signal.SIGTERM, _interrupt)
 
 
@@ -84,7 +86,7 @@ def listened_ports(dep: Deployment) -> list[int]:
 
 class PortHolder:
     """Listens on 127.0.0.1 at each of ``ports`` that is free, and takes one that is busy as soon as it is free
-    (a demo stopped, another test session ended); closes every connection at once and counts it per port."""
+    (a demo stopped, another pytest run ended); closes every connection at once and counts it per port."""
 
     RETRY_S = 0.5
 
@@ -110,7 +112,7 @@ class PortHolder:
             if port in held:
                 continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            # Our own closed connections leave TIME_WAIT behind: the next session must still bind the port.
+            # Our own closed connections leave TIME_WAIT behind: the next pytest run must still bind the port.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
@@ -212,10 +214,18 @@ def cli() -> Callable[..., object]:
     return invoke
 
 
+def stopped_at_teardown(stop: Callable[[T], object]) -> Iterator[list[T]]:
+    """The body of a fixture that yields a list for the test to append what it starts; ``stop`` ends each at
+    teardown, in the order started (``yield from stopped_at_teardown(SimProcess.stop)``)."""
+    started: list[T] = []
+    try:
+        yield started
+    finally:
+        for item in started:
+            stop(item)
+
+
 @pytest.fixture
 def sim_procs() -> Iterator[list[SimProcess]]:
     """Simulator processes a test starts (append them); stopped at teardown."""
-    started: list[SimProcess] = []
-    yield started
-    for s in started:
-        s.stop()
+    yield from stopped_at_teardown(SimProcess.stop)

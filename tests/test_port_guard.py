@@ -1,4 +1,4 @@
-"""The guards in tests/conftest.py: the examples' ports held for the session, example copies on free ports, and a
+"""The guards in tests/conftest.py: the examples' ports held for the whole test run, example copies on free ports, and a
 SIGTERM that still lets each test clean up.
 
 A test that needs 8000 or 5600 to be free passes on a quiet machine and fails beside the demo (issue 15);
@@ -27,8 +27,8 @@ def test_every_examples_port_is_taken_during_the_session(_hold_well_known_ports:
     ports = well_known_ports()
     assert {8000, 8100, 8200, 5600, 5700} <= set(ports)  # examples/cpu, the demo's
     assert set(_hold_well_known_ports.held) <= set(ports)
-    # Held by this session or by someone else (a running demo, another test session): either way a test cannot
-    # bind it. One that someone else let go of is this session's within PortHolder.RETRY_S.
+    # Held by this run or by someone else (a running demo, another pytest run): either way a test cannot
+    # bind it. One that someone else let go of is this run's within PortHolder.RETRY_S.
     deadline = time.monotonic() + 10 * PortHolder.RETRY_S
     while (free := [p for p in ports if port_free(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -51,7 +51,7 @@ def test_the_holder_counts_connections_per_port_and_frees_the_port() -> None:
             deadline = time.monotonic() + 10 * PortHolder.RETRY_S
             while not other.held and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert other.held == [port]  # ...until it is let go (a demo stopped, another test session ended)
+            assert other.held == [port]  # ...until it is let go (a demo stopped, another pytest run ended)
         finally:
             other.close()
     finally:

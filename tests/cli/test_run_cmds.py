@@ -231,7 +231,9 @@ def test_foreground_multiplexed_view_ctrl_c(deploy_dir: Path) -> None:
     try:
         _wait_ready(d, proc)
         tree = all_tree_pids(d)
-        time.sleep(1.0)
+        view = d / "foreground.out"
+        wait_for(lambda: all(s in view.read_text() for s in (" prefill | ", " decode  | ", "all processes are ready")),
+                 60, "both workers' lines and the ready line in the view")  # fmt: skip
         proc.send_signal(signal.SIGINT)
         out = _output(d, proc)
     finally:
@@ -253,7 +255,9 @@ def test_sigkill_of_foreground_pdctl_takes_children_down(deploy_dir: Path) -> No
     proc = _start_foreground(d)
     try:
         _wait_ready(d, proc)
-        time.sleep(2.5)  # one refresh of recorded descendants
+        # prefill's orphan-to-be child is in state.json once a refresh has recorded descendants
+        wait_for(lambda: any(p.get("descendants") for p in state(d)["processes"] if p["name"] == "prefill"), 60,
+                 "prefill's child recorded in state.json")  # fmt: skip
         tree = all_tree_pids(d) - {proc.pid}
         s = state(d)
         workers = [p["pid"] for p in s["processes"]]

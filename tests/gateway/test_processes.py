@@ -26,7 +26,7 @@ from pdctl.gateway.ratelimit import share_of
 from pdctl.testing import SimProcess, free_port, start_sim
 from pdctl.testing.invariants import check_n1, gateway_outcomes
 from pdctl.vllm.promtext import metric_value, samples
-from tests.conftest import REPO
+from tests.conftest import REPO, stopped_at_teardown
 from tests.fakes.gateway_harness import wait_for
 
 KEY = "sk-test-processes"
@@ -104,10 +104,7 @@ class Gateway:
 
 @pytest.fixture
 def gateways() -> Iterator[list[Gateway]]:
-    started: list[Gateway] = []
-    yield started
-    for g in started:
-        g.stop()
+    yield from stopped_at_teardown(Gateway.stop)
 
 
 def _total(text: str, name: str, **labels: str) -> float:

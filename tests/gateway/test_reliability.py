@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pdctl.config import RateLimitConfig
+from tests.conftest import stopped_at_teardown
 from tests.fakes.gateway_harness import FakeProc, GatewayThread, make_settings, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
@@ -21,10 +22,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
 
 @pytest.fixture
 def fakes() -> Iterator[list[FakeProc]]:
-    started: list[FakeProc] = []
-    yield started
-    for f in started:
-        f.kill()
+    yield from stopped_at_teardown(FakeProc.kill)
 
 
 def _fake(fakes: list[FakeProc], **spec: object) -> FakeProc:
@@ -35,10 +33,7 @@ def _fake(fakes: list[FakeProc], **spec: object) -> FakeProc:
 
 @pytest.fixture
 def gateways() -> Iterator[list[GatewayThread]]:
-    started: list[GatewayThread] = []
-    yield started
-    for g in started:
-        g.stop()
+    yield from stopped_at_teardown(GatewayThread.stop)
 
 
 def _gw(gateways: list[GatewayThread], *args: object, http: str | None = None, **kw: object) -> GatewayThread:
@@ -295,9 +290,9 @@ def test_colocated_whole_request_least_loaded(fakes: list[FakeProc], gateways: l
             results.append(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4}))
 
     threads = [threading.Thread(target=one) for _ in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
+    for n, t in enumerate(threads, 1):
+        t.start()  # the second starts once the first is on a worker: least-loaded must pick the other one
+        assert wait_for(lambda n=n: len(a.completions()) + len(b.completions()) == n, timeout=10)  # type: ignore[misc]
     for t in threads:
         t.join(30)
     assert [r.status_code for r in results] == [200, 200]
