@@ -7,8 +7,8 @@
   over as they arrive (everything that arrived since the last read in one piece), and reading pauses while
   more than 256 KiB wait unread. :meth:`Response.forward` hands each later piece to a callback from inside the
   socket's read callback instead (no task wake-up per piece: the gateway's stream relay). Why not aiohttp's
-  client, which it replaced: per request, aiohttp's header preparation, connection pool and request writer
-  were 28 % of the gateway's CPU (docs/performance.md §9; the measured difference is in §10).
+  client, which it replaced: 36–44 µs per prefill call against aiohttp's 83–104 (docs/performance.md, "Choosing
+  the gateway's libraries").
 
 Failures below HTTP raise :class:`TransportError` with a ``kind``: ``connect`` (refused, unresolvable, TLS
 failed), ``connect_timeout``, ``timeout`` (a read timeout, or the call's total) or ``broken`` (the connection

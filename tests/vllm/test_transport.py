@@ -1,4 +1,4 @@
-"""pdctl.vllm.transport.AiohttpTransport against small real asyncio HTTP servers: httpx's API and errors over aiohttp."""
+"""pdctl.bench.aiohttp_transport.AiohttpTransport against small real asyncio HTTP servers: httpx's API and errors over aiohttp."""
 
 from __future__ import annotations
 
