@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdctl.sim import logprobs as lp
 from pdctl.sim.agentapi import MESSAGES, RESPONSES, AgentStream, chat_request, messages_reply, responses_reply
@@ -42,6 +42,18 @@ class HTTPError(Exception):
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """vLLM's ``ErrorResponse``: ``code`` is the status, ``type`` its phrase."""
     return {"error": {"message": message, "type": _PHRASES.get(status, "Error"), "param": param, "code": status}}
+
+
+class _Reply(NamedTuple):
+    """One completion's answer side: where it goes, the engine's request, the client's body and the reply's id."""
+
+    send: Send
+    req: SimRequest
+    body: Mapping[str, Any]
+    chat: bool
+    resp_id: str
+    extra: list[tuple[bytes, bytes]]
+    watcher: asyncio.Future[None]
 
 
 class SimApp:
@@ -234,10 +246,8 @@ class SimApp:
         extra = [(b"x-request-id", rid.encode("latin-1"))]
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            if body.get("stream"):
-                await self._stream(send, req, body, chat, resp_id, extra, watcher)
-            else:
-                await self._complete(send, req, body, chat, resp_id, extra, watcher)
+            reply = _Reply(send, req, body, chat, resp_id, extra, watcher)
+            await (self._stream(reply) if body.get("stream") else self._complete(reply))
         finally:
             watcher.cancel()
             self.engine.abort(req)
@@ -358,16 +368,8 @@ class SimApp:
         getter.cancel()
         return None
 
-    async def _complete(
-        self,
-        send: Send,
-        req: SimRequest,
-        body: Mapping[str, Any],
-        chat: bool,
-        resp_id: str,
-        extra: list[tuple[bytes, bytes]],
-        watcher: asyncio.Future[None],
-    ) -> None:
+    async def _complete(self, r: _Reply) -> None:
+        send, req, body, chat, resp_id, extra, watcher = r
         if not await self._finished(req, watcher):
             return
         text = self.engine.tokenizer.decode(req.output_ids)
@@ -427,16 +429,8 @@ class SimApp:
             }
         await _json(send, 200, out, extra)
 
-    async def _stream(
-        self,
-        send: Send,
-        req: SimRequest,
-        body: Mapping[str, Any],
-        chat: bool,
-        resp_id: str,
-        extra: list[tuple[bytes, bytes]],
-        watcher: asyncio.Future[None],
-    ) -> None:
+    async def _stream(self, r: _Reply) -> None:
+        send, req, body, chat, resp_id, extra, watcher = r
         first = await self._open_stream(send, req, extra, watcher)
         if first is None:
             return
