@@ -41,7 +41,7 @@ def main() -> None:
     rows = [
         ("promtext.samples, whole body", best(lambda: samples(BODY), 20, args.repeat) * 1e3, "ms / body"),
         ("invariants.worker_load (5 names)", best(lambda: worker_load(BODY), 200, args.repeat) * 1e3, "ms / body"),
-        ("eventstream.SSEParser.feed", best(lambda: parser.feed(CHUNK), 100_000, args.repeat) * 1e6, "µs / chunk"),
+        ("vllm.sse.SSEParser.feed", best(lambda: parser.feed(CHUNK), 100_000, args.repeat) * 1e6, "µs / chunk"),
     ]
     print("| parser | cost | unit |\n|---|---:|---|")
     for name, value, unit in rows:
