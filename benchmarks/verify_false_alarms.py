@@ -41,7 +41,7 @@ import tomlkit
 
 from pdctl import config
 from pdctl.runtime.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
-from pdctl.testing import free_port
+from pdctl.testing import free_port, wait_until_ready
 from pdctl.verify import metric_total, run_verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,18 +173,6 @@ def _spawn(spec: ProcessSpec, logs: Path) -> subprocess.Popen[bytes]:
         )  # fmt: skip
 
 
-def _wait_ready(spec: ProcessSpec, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{spec.name} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(spec.ready_url, timeout=2.0, trust_env=False).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{spec.name} not ready after {timeout_s:g} s")
-
-
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
@@ -222,11 +210,11 @@ def broken_run(seed0: Path, seed1: Path, lock: str, ready_timeout_s: float = 900
         try:
             pspec, dspec = plan.get("prefill"), plan.get("decode")
             procs.append(_spawn(pspec, logs))
-            _wait_ready(pspec, procs[-1], ready_timeout_s)
+            wait_until_ready(procs[-1], pspec.ready_url, ready_timeout_s, name=pspec.name)
             link.unlink()
             link.symlink_to(seed1.resolve())  # decode loads the seed-1 weights from the same path
             procs.append(_spawn(dspec, logs))
-            _wait_ready(dspec, procs[-1], ready_timeout_s)
+            wait_until_ready(procs[-1], dspec.ready_url, ready_timeout_s, name=dspec.name)
             report = run_verify(dep, logs_dir=logs, timeout_s=300.0, api_key=KEY)
         except RuntimeError as exc:
             rec["error"] = str(exc)

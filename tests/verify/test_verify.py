@@ -8,13 +8,11 @@ the worker's ``extra_args``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,7 +23,7 @@ import pytest
 from pdctl import config
 from pdctl.config import Deployment
 from pdctl.runtime.plan import GATEWAY_HOLD_ENV, ProcessSpec, build_plan
-from pdctl.testing import free_port, kill_groups
+from pdctl.testing import free_port, kill_groups, wait_until_ready
 from pdctl.verify import CheckResult, VerifyReport, link, metric_total, proof, run_verify
 from pdctl.vllm import kvlog
 from tests.conftest import REPO
@@ -140,17 +138,8 @@ def _spawn(spec: ProcessSpec, logs: Path, extra_env: dict[str, str]) -> subproce
         )
 
 
-def _wait_ready(spec: ProcessSpec, proc: subprocess.Popen[bytes], logs: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (logs / f"{spec.name}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{spec.name} exited with {proc.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(spec.ready_url, timeout=1.0, trust_env=False).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{spec.name} not ready after {timeout_s} s")
+def _wait_ready(spec: ProcessSpec, proc: subprocess.Popen[bytes], logs: Path) -> None:
+    wait_until_ready(proc, spec.ready_url, 60.0, name=spec.name, log=logs / f"{spec.name}.log")
 
 
 @pytest.fixture
