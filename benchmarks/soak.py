@@ -30,26 +30,7 @@ from typing import Any
 import httpx
 
 from pdctl.testing import free_port
-from pdctl.testing.invariants import (
-    ClientTally,
-    InvariantReport,
-    InvariantResult,
-    ResourceSample,
-    RunCensus,
-    check_loopback,
-    check_n1,
-    check_n2,
-    check_n3,
-    check_n4,
-    check_n5,
-    check_n6,
-    client_outcome,
-    decode_requests_from_log,
-    gateway_outcomes,
-    run_census,
-    sample_resources,
-    sample_workers,
-)
+from pdctl.testing import invariants as inv
 from pdctl.vllm.promtext import metric_value, samples
 
 KEY_VAR = "PDCTL_SOAK_KEY"
@@ -89,7 +70,7 @@ class SoakReport:
     faults: list[str] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
-    invariants: InvariantReport | None = None
+    invariants: inv.InvariantReport | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -224,7 +205,7 @@ class Traffic:
         self.key = key
         self.cfg = cfg
         self.rng = rng
-        self.tally = ClientTally()
+        self.tally = inv.ClientTally()
         self.bodies: list[bytes] = []
         self.started = 0
 
@@ -250,7 +231,7 @@ class Traffic:
                 try:
                     await asyncio.wait_for(go(), timeout=cancel_after)
                 except TimeoutError:
-                    self.tally.record(client_outcome(status, bytes(data), stream=stream, cancelled=True))
+                    self.tally.record(inv.client_outcome(status, bytes(data), stream=stream, cancelled=True))
                     return 499
             else:
                 await asyncio.wait_for(go(), timeout=deadline)
@@ -262,7 +243,7 @@ class Traffic:
             self.tally.violations.append(f"{label}-{i}: transport error from the gateway: {type(exc).__name__}")
             return 0
         self.bodies.append(bytes(data))
-        self.tally.record(client_outcome(status, bytes(data), stream=stream), f"{label}-{i}")
+        self.tally.record(inv.client_outcome(status, bytes(data), stream=stream), f"{label}-{i}")
         if status in (429, 503) and (resp_headers is None or "retry-after" not in resp_headers):
             self.tally.violations.append(f"{label}-{i}: HTTP {status} without Retry-After")
         return status
@@ -330,7 +311,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
     t0 = time.monotonic()
     up = pdctl(workdir, key, "up", "-d")
     captured = {"pdctl up output": up.stdout + up.stderr}
-    census = run_census(workdir / ".pdctl")
+    census = inv.run_census(workdir / ".pdctl")
     try:
         if up.returncode != 0:
             report.notes.append(f"pdctl up failed ({up.returncode}): {(up.stdout + up.stderr)[-1500:]}")
@@ -340,18 +321,18 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         gw_pid = census.gateway_pid
         assert gw_pid is not None
         worker_urls = dict(census.worker_urls)
-        kv_base = sample_workers(worker_urls)
+        kv_base = inv.sample_workers(worker_urls)
         traffic = Traffic(gw_url, key, cfg, rng)
 
         asyncio.run(traffic.run(cfg.warm_requests, "warm"))
-        _wait(lambda: gateway_outcomes(_metrics(gw_url)).in_flight == 0, 30)  # type: ignore[union-attr]
-        warm = sample_resources(gw_pid, _metrics(gw_url))
+        _wait(lambda: inv.gateway_outcomes(_metrics(gw_url)).in_flight == 0, 30)  # type: ignore[union-attr]
+        warm = inv.sample_resources(gw_pid, _metrics(gw_url))
 
-        censuses: list[RunCensus] = [census]
+        censuses: list[inv.RunCensus] = [census]
 
         def kill(name: str) -> Callable[[], None]:
             def hook() -> None:
-                censuses.append(run_census(workdir / ".pdctl"))
+                censuses.append(inv.run_census(workdir / ".pdctl"))
                 _kill_group(workdir, name, report)
 
             return hook
@@ -378,7 +359,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
 
         if not _wait(recovered, cfg.recovery_timeout_s):
             report.notes.append(f"workers not restarted and ready within {cfg.recovery_timeout_s:g} s")
-        censuses.append(run_census(workdir / ".pdctl"))
+        censuses.append(inv.run_census(workdir / ".pdctl"))
         # Recovery: after the restarts (and the gateway's breaker cooldown) requests succeed again.
         ok_again = False
         deadline = time.monotonic() + cfg.recovery_timeout_s
@@ -394,26 +375,26 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
             report.notes.append("no clean batch of 4 requests after the restarts")
 
         # N2 uses the restarted workers' URLs (same ports); their KV baseline is an idle engine's: 0.
-        x4 = check_loopback(run_census(workdir / ".pdctl"))
-        n2 = check_n2(worker_urls, kv_base, timeout_s=LEASE_S + 5.0)
-        _wait(lambda: gateway_outcomes(_metrics(gw_url)).in_flight == 0, 30)  # type: ignore[union-attr]
+        x4 = inv.check_loopback(inv.run_census(workdir / ".pdctl"))
+        n2 = inv.check_n2(worker_urls, kv_base, timeout_s=LEASE_S + 5.0)
+        _wait(lambda: inv.gateway_outcomes(_metrics(gw_url)).in_flight == 0, 30)  # type: ignore[union-attr]
         text = _metrics(gw_url)
-        outcomes = gateway_outcomes(text)
-        n1 = check_n1(outcomes, traffic.tally)
+        outcomes = inv.gateway_outcomes(text)
+        n1 = inv.check_n1(outcomes, traffic.tally)
         parsed = samples(text, ("pdctl_retries_total", "pdctl_kv_release_total"))
         retries = metric_value(parsed, "pdctl_retries_total") or 0.0
         decode_log = Path(_procs(workdir)["decode"]["log_file"]).read_text(encoding="utf-8", errors="replace")
-        n3 = check_n3(decode_requests_from_log(decode_log.splitlines()), retries=retries)
+        n3 = inv.check_n3(inv.decode_requests_from_log(decode_log.splitlines()), retries=retries)
         after = _settled(gw_pid, gw_url, warm)
-        n6 = check_n6(warm, after)
+        n6 = inv.check_n6(warm, after)
         status = pdctl(workdir, key, "status", "--json")
         captured["pdctl status output"] = status.stdout + status.stderr
         with contextlib.suppress(ValueError):
             report.restarts = {p["name"]: p["restarts"] for p in json.loads(status.stdout)["processes"]}
         workers_now = [p["pid"] for p in _procs(workdir).values() if p["role"] != "gateway"]
         bodies = {f"response body {i}": b for i, b in enumerate(traffic.bodies)}
-        n5_pre = check_n5([key], files=[workdir / ".pdctl"], texts={**captured, **bodies, "gateway /metrics": text},
-                          environ_pids=workers_now)  # fmt: skip
+        n5_pre = inv.check_n5([key], files=[workdir / ".pdctl"], texts={**captured, **bodies, "gateway /metrics": text},
+                              environ_pids=workers_now)  # fmt: skip
         report.sent, report.succeeded = traffic.tally.sent, traffic.tally.succeeded
         report.errored, report.cancelled, report.hung = (
             traffic.tally.errored,
@@ -425,7 +406,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
             report.gateway = {"accepted": outcomes.accepted, "succeeded": outcomes.succeeded,
                               "errored": outcomes.errored, "cancelled": outcomes.cancelled, "retries": retries,
                               "kv_release_legs": metric_value(parsed, "pdctl_kv_release_total") or 0.0}  # fmt: skip
-        census = census.merge(run_census(workdir / ".pdctl"))
+        census = census.merge(inv.run_census(workdir / ".pdctl"))
         for c in censuses:
             census = census.merge(c)
     finally:
@@ -436,22 +417,22 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         report.duration_s = time.monotonic() - t0
     if report.sent == 0:
         return report
-    n4 = check_n4(census, timeout_s=15.0)
-    n5_post = check_n5([key], files=[workdir / ".pdctl"], texts=captured, all_cmdlines=False)
+    n4 = inv.check_n4(census, timeout_s=15.0)
+    n5_post = inv.check_n5([key], files=[workdir / ".pdctl"], texts=captured, all_cmdlines=False)
     n5 = n5_pre if not n5_pre.ok else n5_post
     if n5_pre.ok and n5_post.ok:
-        n5 = InvariantResult("N5", True, f"while running: {n5_pre.detail}; after down: {n5_post.detail}")
-    report.invariants = InvariantReport((n1, n2, n3, n4, n5, n6, x4))
+        n5 = inv.InvariantResult("N5", True, f"while running: {n5_pre.detail}; after down: {n5_post.detail}")
+    report.invariants = inv.InvariantReport((n1, n2, n3, n4, n5, n6, x4))
     return report
 
 
-def _settled(pid: int, url: str, warm: ResourceSample) -> ResourceSample:
+def _settled(pid: int, url: str, warm: inv.ResourceSample) -> inv.ResourceSample:
     """Resources once the gateway settles (closed client connections and finished tasks take a moment)."""
-    after = sample_resources(pid, _metrics(url))
+    after = inv.sample_resources(pid, _metrics(url))
     deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and not check_n6(warm, after).ok:
+    while time.monotonic() < deadline and not inv.check_n6(warm, after).ok:
         time.sleep(0.5)
-        after = sample_resources(pid, _metrics(url))
+        after = inv.sample_resources(pid, _metrics(url))
     return after
 
 
