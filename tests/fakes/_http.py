@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -151,3 +152,20 @@ async def serve(host: str, port: int, handler: Handler, ready: Callable[[int], N
     ready(server.sockets[0].getsockname()[1])
     async with server:
         await server.serve_forever()
+
+
+def main(handler: Handler, spec: dict[str, Any], on_port: Callable[[int], None] | None = None) -> None:
+    """A fake's command line: ``--port`` (0: any free one) and ``--spec`` (JSON merged into ``spec``); serves
+    ``handler`` on 127.0.0.1 and prints ``PORT <n>`` once listening (after ``on_port(n)``)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--spec", default="{}")
+    args = ap.parse_args()
+    spec.update(json.loads(args.spec))
+
+    def ready(port: int) -> None:
+        if on_port is not None:
+            on_port(port)
+        print(f"PORT {port}", flush=True)
+
+    asyncio.run(serve("127.0.0.1", args.port, handler, ready))

@@ -19,7 +19,6 @@ which frees the prefill's held blocks, like NIXL's read notification.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,7 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx
-from _http import Request, Response, chunk_event, completion_body, serve
+from _http import Request, Response, chunk_event, completion_body, main
 
 SPEC: dict[str, Any] = {}
 LOG: list[dict[str, Any]] = []
@@ -214,19 +213,5 @@ async def _answer(req: Request, res: Response, body: dict[str, Any], entry: dict
         entry["aborted"] = True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--spec", default="{}")
-    args = ap.parse_args()
-    SPEC.update(json.loads(args.spec))
-
-    def ready(port: int) -> None:
-        STATE["port"] = port
-        print(f"PORT {port}", flush=True)
-
-    asyncio.run(serve("127.0.0.1", args.port, handler, ready))
-
-
 if __name__ == "__main__":
-    main()
+    main(handler, SPEC, lambda port: STATE.update(port=port))

@@ -9,16 +9,14 @@ last one repeats), each ``{"status": 200|429|503|..., "retry_after": "7", "delay
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _http import Request, Response, chunk_event, completion_body, serve
+from _http import Request, Response, chunk_event, completion_body, main
 
 SPEC: dict[str, Any] = {}
 LOG: list[dict[str, Any]] = []
@@ -80,14 +78,5 @@ async def handler(req: Request, res: Response) -> None:
     await res.end_stream()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--spec", default="{}")
-    args = ap.parse_args()
-    SPEC.update(json.loads(args.spec))
-    asyncio.run(serve("127.0.0.1", args.port, handler, lambda p: print(f"PORT {p}", flush=True)))
-
-
 if __name__ == "__main__":
-    main()
+    main(handler, SPEC)
