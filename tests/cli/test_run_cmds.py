@@ -283,6 +283,12 @@ def test_port_conflict_caught_before_starting(deploy_dir: Path) -> None:
     assert not (d / ".pdctl" / "state.json").exists()
 
 
+def _failed_and_cleaned_up(d: Path) -> None:
+    """The run's state says it failed, and every process it recorded is gone within 30 s."""
+    assert state(d)["status"] == "failed"
+    wait_for(lambda: not any(alive(p) for p in recorded_pids(d)), 30, "cleanup after a failed start")
+
+
 @pytest.mark.parametrize(
     ("port", "ended", "finding"),
     [
@@ -313,9 +319,7 @@ def test_a_port_taken_after_the_check_fails_the_start_at_once_with_pd018(
     assert f"127.0.0.1:{ports[port]}" in err.split("last ")[1]  # the log line that said so, quoted
     assert finding.format(ports[port]) + " on 127.0.0.1" in err  # check's PD018 for that port, and its hint:
     assert f"stop what listens on 127.0.0.1:{ports[port]}" in err
-    s = state(d)
-    assert s["status"] == "failed"
-    wait_for(lambda: not any(alive(p) for p in recorded_pids(d)), 30, "cleanup after a failed start")
+    _failed_and_cleaned_up(d)
 
 
 def test_crash_at_start_reports_and_cleans_up(deploy_dir: Path) -> None:
@@ -325,9 +329,7 @@ def test_crash_at_start_reports_and_cleans_up(deploy_dir: Path) -> None:
     assert r.returncode == 1, r.stdout
     assert "decode exited (exit code 3)" in r.stderr
     assert "last " in r.stderr and "decode.log" in r.stderr
-    s = state(d)
-    assert s["status"] == "failed"
-    wait_for(lambda: not any(alive(p) for p in recorded_pids(d)), 30, "cleanup after a failed start")
+    _failed_and_cleaned_up(d)
 
 
 def test_warmup_retries_a_failed_handshake_and_fails_without_kv_params(deploy_dir: Path) -> None:

@@ -7,6 +7,7 @@ huge and malformed bodies answered in each API's own shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,10 +50,15 @@ def _pulled(url: str) -> float:
     return metric_value(samples(text), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") or 0.0
 
 
-def _gateway(p: SimProcess, d: SimProcess, **kw: object) -> GatewayThread:
+@contextlib.contextmanager
+def _gateway(p: SimProcess, d: SimProcess, **kw: object) -> Iterator[GatewayThread]:
+    """A gateway in front of ``p`` and ``d`` (settings ``kw``), once ready; stopped at the end."""
     g = GatewayThread(make_settings([p.url], [d.url], models=(), **kw))  # type: ignore[arg-type]
-    assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
-    return g
+    try:
+        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+        yield g
+    finally:
+        g.stop()
 
 
 def test_prefill_leg_caps_per_route() -> None:
@@ -78,8 +84,7 @@ def test_prefill_leg_caps_per_route() -> None:
 
 def test_claude_code_style_messages_stream_through_pd(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d)
-    try:
+    with _gateway(p, d) as g:
         before = _pulled(d.url)
         client = anthropic.Anthropic(base_url=g.url, api_key=KEY, max_retries=0)
         with client.messages.stream(
@@ -96,14 +101,11 @@ def test_claude_code_style_messages_stream_through_pd(pair: tuple[SimProcess, Si
         )
         assert raw.headers["x-pd-path"] == "disagg"
         assert raw.parse().usage.output_tokens == 5 and raw.parse().stop_reason == "max_tokens"
-    finally:
-        g.stop()
 
 
 def test_messages_streaming_tool_use_deltas(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d)
-    try:
+    with _gateway(p, d) as g:
         client = anthropic.Anthropic(base_url=g.url, api_key=KEY, max_retries=0)
         partial: list[str] = []
         with client.messages.stream(
@@ -118,14 +120,11 @@ def test_messages_streaming_tool_use_deltas(pair: tuple[SimProcess, SimProcess])
         (block,) = final.content
         assert block.type == "tool_use" and block.name == "Bash"
         assert block.input == json.loads("".join(partial)) and final.stop_reason == "tool_use"
-    finally:
-        g.stop()
 
 
 def test_responses_through_pd_with_openai_sdk(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d)
-    try:
+    with _gateway(p, d) as g:
         before = _pulled(d.url)
         client = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0)
         raw = client.responses.with_raw_response.create(
@@ -153,14 +152,11 @@ def test_responses_through_pd_with_openai_sdk(pair: tuple[SimProcess, SimProcess
         (call,) = done.output
         assert call.type == "function_call" and call.name == "read_file"
         assert json.loads(call.arguments) == json.loads("".join(args))
-    finally:
-        g.stop()
 
 
 def test_prefill_outage_with_decode_fallback_loses_no_request(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d, fallback="decode")
-    try:
+    with _gateway(p, d, fallback="decode") as g:
         p.stop()  # the prefill is gone for good
         client = anthropic.Anthropic(base_url=g.url, api_key=KEY, max_retries=0)
         oai = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0)
@@ -184,14 +180,11 @@ def test_prefill_outage_with_decode_fallback_loses_no_request(pair: tuple[SimPro
             for r in ("no_prefill", "prefill_failed")
         )
         assert counted == 9
-    finally:
-        g.stop()
 
 
 def test_prefill_outage_without_fallback_is_an_error_in_each_shape(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d, max_retries=0)
-    try:
+    with _gateway(p, d, max_retries=0) as g:
         p.stop()
         with g.client() as c:
             r = c.post("/v1/messages", json={"model": "sim-model", "max_tokens": 3,
@@ -200,8 +193,6 @@ def test_prefill_outage_without_fallback_is_an_error_in_each_shape(pair: tuple[S
             assert r.json()["type"] == "error" and r.json()["error"]["type"] in ("api_error", "overloaded_error")
             r = c.post("/v1/responses", json={"model": "sim-model", "input": "x"})
             assert r.status_code in (502, 503) and "code" in r.json()["error"]
-    finally:
-        g.stop()
 
 
 def _chunks(size: int) -> Iterator[bytes]:
@@ -213,8 +204,7 @@ def _chunks(size: int) -> Iterator[bytes]:
 
 def test_huge_and_malformed_bodies_in_each_apis_shape(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d, max_body_bytes=256 * 1024)
-    try:
+    with _gateway(p, d, max_body_bytes=256 * 1024) as g:
         with g.client() as c:
             # Streamed without a Content-Length: the limit holds while reading.
             r = c.post("/v1/responses", content=_chunks(1 << 20))
@@ -242,21 +232,16 @@ def test_huge_and_malformed_bodies_in_each_apis_shape(pair: tuple[SimProcess, Si
         assert "sk-wrong" not in str(info.value)
         assert info.value.body["type"] == "error"  # type: ignore[index]  # Anthropic's shape, not OpenAI's
         assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
-    finally:
-        g.stop()
 
 
 def test_tokenize_passes_through_to_a_worker(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
-    g = _gateway(p, d)
-    try:
+    with _gateway(p, d) as g:
         with g.client() as c:
             r = c.post("/tokenize", json={"model": "sim-model", "prompt": "one two three"})
             assert r.status_code == 200 and r.json()["count"] >= 3
             r = c.post("/v1/embeddings", json={"model": "nope", "input": "x"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    finally:
-        g.stop()
 
 
 def test_prefill_outage_with_upstream_fallback(pair: tuple[SimProcess, SimProcess]) -> None:
@@ -295,11 +280,8 @@ def test_forced_tool_on_messages_prefill_leg_is_not_a_400(pair: tuple[SimProcess
             "tool_choice": {"type": "tool", "name": "Bash"}, "messages": [{"role": "user", "content": "run it"}]}  # fmt: skip
     direct = httpx.post(p.url + "/v1/messages", json=body, timeout=30)
     assert direct.status_code == 400 and direct.json()["type"] == "error"
-    g = _gateway(p, d)
-    try:
+    with _gateway(p, d) as g:
         with g.client() as c:
             r = c.post("/v1/messages", json={**body, "max_tokens": 6, "stream": True})
         assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg", r.text
         assert '"tool_use"' in r.text and "event: message_stop" in r.text
-    finally:
-        g.stop()

@@ -131,6 +131,26 @@ async def _get(
         body = body[size + 2 :]
 
 
+def _relay_once(
+    worker: Worker,
+    read_timeout_s: float | None = None,
+    sndbuf: int | None = None,
+    read_delay_s: float = 0.0,
+    rcvbuf: int | None = None,
+    mark: tuple[int, asyncio.Event] | None = None,
+) -> tuple[bytes, RelayResult]:
+    """One request through :func:`_setup`'s app (its options) read by :func:`_get` (its options): the body the
+    client got and the app's one relay result."""
+
+    async def go() -> tuple[bytes, RelayResult]:
+        async with _setup(worker, read_timeout_s, sndbuf) as (port, results):
+            body = await _get(port, read_delay_s, rcvbuf, mark)
+            [result] = results
+            return body, result
+
+    return asyncio.run(go())
+
+
 def test_paced_stream_goes_the_direct_path_byte_for_byte() -> None:
     """Events arriving one by one (some split mid-event) reach the client exactly, written by the direct path."""
     events = [_event(i) for i in range(12)]
@@ -148,14 +168,10 @@ def test_paced_stream_goes_the_direct_path_byte_for_byte() -> None:
             await asyncio.sleep(0.01)
         writer.write(chunked(done) + b"0\r\n\r\n")
 
-    async def go() -> None:
-        async with _setup(worker) as (port, results):
-            assert await _get(port) == b"".join(events) + done
-            [result] = results
-            assert result.error is None and result.done and result.events == 13
-            assert result.direct >= 8, result.direct  # the last piece goes through send, with the end
-
-    asyncio.run(go())
+    body, result = _relay_once(worker)
+    assert body == b"".join(events) + done
+    assert result.error is None and result.done and result.events == 13
+    assert result.direct >= 8, result.direct  # the last piece goes through send, with the end
 
 
 def test_the_first_token_goes_the_direct_path_too() -> None:
@@ -171,14 +187,10 @@ def test_the_first_token_goes_the_direct_path_too() -> None:
         await asyncio.sleep(0.05)
         writer.write(chunked(done) + b"0\r\n\r\n")
 
-    async def go() -> None:
-        async with _setup(worker) as (port, results):
-            assert await _get(port) == first + done
-            [result] = results
-            assert result.error is None and result.done and result.events == 2
-            assert result.direct == 1  # the first event; the last goes with the end of the response, via send
-
-    asyncio.run(go())
+    body, result = _relay_once(worker)
+    assert body == first + done
+    assert result.error is None and result.done and result.events == 2
+    assert result.direct == 1  # the first event; the last goes with the end of the response, via send
 
 
 def test_slow_client_gets_everything_in_order() -> None:
@@ -200,15 +212,11 @@ def test_slow_client_gets_everything_in_order() -> None:
             await asyncio.sleep(0.02)
         writer.write(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
-    async def go() -> None:
-        async with _setup(worker, sndbuf=4096) as (port, results):
-            body = await _get(port, read_delay_s=0.5, rcvbuf=4096, mark=(len(b"".join(events)), caught_up))
-            assert body == b"".join(events) + b"".join(paced) + b"data: [DONE]\n\n"
-            [result] = results
-            assert result.error is None and result.done and result.events == 1500 + 12 + 1
-            assert result.direct >= 10, result.direct  # the paced events, once the client reads again
-
-    asyncio.run(go())
+    body, result = _relay_once(worker, sndbuf=4096, read_delay_s=0.5, rcvbuf=4096,
+                               mark=(len(b"".join(events)), caught_up))  # fmt: skip
+    assert body == b"".join(events) + b"".join(paced) + b"data: [DONE]\n\n"
+    assert result.error is None and result.done and result.events == 1500 + 12 + 1
+    assert result.direct >= 10, result.direct  # the paced events, once the client reads again
 
 
 def test_read_timeout_counts_direct_pieces_and_still_fires_on_a_stall() -> None:
@@ -222,16 +230,11 @@ def test_read_timeout_counts_direct_pieces_and_still_fires_on_a_stall() -> None:
             await asyncio.sleep(0.1)
         await asyncio.sleep(5)  # then nothing
 
-    async def go() -> None:
-        async with _setup(worker, read_timeout_s=0.3) as (port, results):
-            body = await _get(port)
-            assert body.startswith(b"".join(_event(i) for i in range(8)))
-            assert body.count(b'"error"') == 1 and body.endswith(b"\n\n")
-            [result] = results
-            assert result.error is not None and result.error.code == "upstream_timeout"
-            assert result.direct >= 6
-
-    asyncio.run(go())
+    body, result = _relay_once(worker, read_timeout_s=0.3)
+    assert body.startswith(b"".join(_event(i) for i in range(8)))
+    assert body.count(b'"error"') == 1 and body.endswith(b"\n\n")
+    assert result.error is not None and result.error.code == "upstream_timeout"
+    assert result.direct >= 6
 
 
 def test_no_direct_path_without_uvicorn_or_before_a_chunked_start() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,16 +35,25 @@ def _pair(
     return p, d
 
 
+@contextlib.contextmanager
+def _gateway(p: SimProcess, d: SimProcess) -> Iterator[GatewayThread]:
+    """A gateway in front of ``p`` and ``d`` that learns its models from their /v1/models (settings.json alone),
+    once ready; stopped at the end."""
+    g = GatewayThread(make_settings([p.url], [d.url], models=()))
+    try:
+        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+        yield g
+    finally:
+        g.stop()
+
+
 def _metric(url: str, name: str, **labels: str) -> float:
     return metric_value(samples(httpx.get(url + "/metrics", timeout=10).text), name, **labels) or 0.0
 
 
 def test_sim_pd_end_to_end_with_openai_sdk(sims: list[SimProcess], tmp_path: Path) -> None:
     p, d = _pair(sims, tmp_path)
-    # models learned from the workers' /v1/models (settings.json alone)
-    g = GatewayThread(make_settings([p.url], [d.url], models=()))
-    try:
-        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+    with _gateway(p, d) as g:
         before = _metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
         client = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0)
         stream = client.chat.completions.with_raw_response.create(
@@ -64,29 +74,21 @@ def test_sim_pd_end_to_end_with_openai_sdk(sims: list[SimProcess], tmp_path: Pat
         assert {m.id for m in client.models.list().data} == {"sim-model"}
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="sim-model", prompt="x", max_tokens=5000)
-    finally:
-        g.stop()
 
 
 def test_sim_no_kv_params_is_a_counted_fallback(sims: list[SimProcess], tmp_path: Path) -> None:
     p, d = _pair(sims, tmp_path, prefill_args=("--sim-fault", "no-kv-params"))
-    g = GatewayThread(make_settings([p.url], [d.url], models=()))
-    try:
-        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+    with _gateway(p, d) as g:
         with g.client() as c:
             r = c.post("/v1/completions", json={"model": "sim-model", "prompt": "hello " * 30, "max_tokens": 3})
         assert r.status_code == 200
         assert r.headers["x-pd-path"] == "fallback"
         assert g.metric("pdctl_pd_fallback_total", reason="missing") == 1
-    finally:
-        g.stop()
 
 
 def test_sim_handshake_failure_absorbed_by_one_retry(sims: list[SimProcess], tmp_path: Path) -> None:
     p, d = _pair(sims, tmp_path, decode_args=("--sim-fault", "handshake-fail"))
-    g = GatewayThread(make_settings([p.url], [d.url], models=()))
-    try:
-        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+    with _gateway(p, d) as g:
         with g.client() as c:
             r = c.post(
                 "/v1/completions",
@@ -96,15 +98,11 @@ def test_sim_handshake_failure_absorbed_by_one_retry(sims: list[SimProcess], tmp
         assert r.status_code == 200, r.text
         assert r.headers["x-pd-path"] == "disagg"
         assert g.metric("pdctl_retries_total", leg="decode") == 1
-    finally:
-        g.stop()
 
 
 def test_sim_decode_crash_mid_stream_ends_with_error_event(sims: list[SimProcess], tmp_path: Path) -> None:
     p, d = _pair(sims, tmp_path, decode_args=("--sim-fault", "crash-mid-stream:3"))
-    g = GatewayThread(make_settings([p.url], [d.url], models=()))
-    try:
-        assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+    with _gateway(p, d) as g:
         with (
             g.client() as c,
             c.stream(
@@ -117,5 +115,3 @@ def test_sim_decode_crash_mid_stream_ends_with_error_event(sims: list[SimProcess
         assert b"[DONE]" not in raw
         assert raw.rstrip().endswith(b"}}")
         assert b'"error"' in raw.split(b"\n\n")[-2]
-    finally:
-        g.stop()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
 import openai
 import pytest
 
@@ -40,6 +43,17 @@ def _start(
     return up, g, worker
 
 
+def _chat(g: GatewayThread) -> httpx.Response:
+    """POST ``CHAT`` (a non-local model: the upstream's) to the gateway."""
+    with g.client() as c:
+        return c.post("/v1/chat/completions", json=CHAT)
+
+
+def _completion_calls(up: FakeProc) -> list[dict[str, Any]]:
+    """The completion requests the fake upstream saw (its log has the /models calls too)."""
+    return [e for e in up.log() if e["path"].endswith("completions")]
+
+
 def test_upstream_serves_non_local_models_with_upstream_key(procs: tuple) -> None:
     up, g, worker = _start(procs, {})
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=KEY, max_retries=0)
@@ -49,14 +63,13 @@ def test_upstream_serves_non_local_models_with_upstream_key(procs: tuple) -> Non
     assert text == "up up up "
     comp = client.completions.create(model="gpt-up", prompt="x", max_tokens=3)
     assert comp.choices[0].text == "up up up "
-    calls = [e for e in up.log() if e["path"].endswith("completions")]
+    calls = _completion_calls(up)
     assert [e["path"] for e in calls] == ["/api/v1/chat/completions"] * 2 + ["/api/v1/completions"]
     assert all(e["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}" for e in calls)
     assert worker.completions() == []
     ids = {m.id for m in client.models.list().data}
     assert ids == {"tiny", "gpt-up"}
-    with g.client() as c:
-        r = c.post("/v1/chat/completions", json=CHAT)
+    r = _chat(g)
     assert r.headers["x-pd-path"] == "upstream"
 
 
@@ -65,46 +78,42 @@ def test_retries_before_first_byte_with_fresh_ids(procs: tuple) -> None:
     with g.client() as c:
         r = c.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "upreq"})
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
-    ids = [e["headers"]["x-request-id"] for e in up.log() if e["path"].endswith("completions")]
+    ids = [e["headers"]["x-request-id"] for e in _completion_calls(up)]
     assert ids == ["upreq", "upreq-retry1", "upreq-retry2"]
     assert g.metric("pdctl_retries_total", leg="upstream") == 2
 
 
 def test_retries_bounded_by_max_retries(procs: tuple) -> None:
     up, g, _ = _start(procs, {"script": [{"status": 502}]}, max_retries=1)
-    with g.client() as c:
-        r = c.post("/v1/chat/completions", json=CHAT)
+    r = _chat(g)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
-    assert len([e for e in up.log() if e["path"].endswith("completions")]) == 2
+    assert len(_completion_calls(up)) == 2
 
 
 def test_g12_upstream_429_retry_after_passed_on(procs: tuple) -> None:
     up, g, _ = _start(procs, {"script": [{"status": 429, "retry_after": "7"}, {"status": 200}]})
-    with g.client() as c:
-        r = c.post("/v1/chat/completions", json=CHAT)
+    r = _chat(g)
     assert r.status_code == 429
     assert r.headers["retry-after"] == "7"
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
-    assert len([e for e in up.log() if e["path"].endswith("completions")]) == 1
+    assert len(_completion_calls(up)) == 1
 
 
 def test_short_retry_after_is_honoured(procs: tuple) -> None:
     up, g, _ = _start(procs, {"script": [{"status": 429, "retry_after": "0"}, {"status": 200}]})
-    with g.client() as c:
-        r = c.post("/v1/chat/completions", json=CHAT)
+    r = _chat(g)
     assert r.status_code == 200
-    assert len([e for e in up.log() if e["path"].endswith("completions")]) == 2
+    assert len(_completion_calls(up)) == 2
 
 
 def test_g13_upstream_401_is_502_and_key_not_leaked(procs: tuple, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("DEBUG")
     up, g, _ = _start(procs, {"key": "sk-some-other-key-000000"})
-    with g.client() as c:
-        r = c.post("/v1/chat/completions", json=CHAT)
+    r = _chat(g)
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_auth_error"
     assert UPSTREAM_KEY not in r.text and KEY not in r.text
-    assert len([e for e in up.log() if e["path"].endswith("completions")]) == 1
+    assert len(_completion_calls(up)) == 1
     logs = "\n".join(rec.getMessage() for rec in caplog.records)
     assert UPSTREAM_KEY not in logs and KEY not in logs
     assert UPSTREAM_KEY not in g.metrics_text()
@@ -117,6 +126,5 @@ def test_models_answer_when_upstream_is_down(procs: tuple) -> None:
         r = c.get("/v1/models")
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == ["tiny"]
-    with g.client() as c:
-        r = c.post("/v1/chat/completions", json=CHAT)
+    r = _chat(g)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"

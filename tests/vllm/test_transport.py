@@ -71,6 +71,16 @@ def _header(head: bytes, name: bytes) -> bytes:
     return b""
 
 
+def _sse_noting_peers(peers: set[int]) -> Handler:
+    """:func:`_sse`, adding each connection's client port to ``peers`` (one keep-alive connection: one port)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.add(writer.get_extra_info("peername")[1])
+        await _sse(reader, writer)
+
+    return handler
+
+
 async def _server(handler: Handler) -> tuple[asyncio.Server, str]:
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -80,15 +90,10 @@ async def _server(handler: Handler) -> tuple[asyncio.Server, str]:
 def test_post_stream_and_connection_reuse() -> None:
     peers: set[int] = set()
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peers.add(writer.get_extra_info("peername")[1])
-        await _sse(reader, writer)
-
     async def main() -> None:
-        server, base = await _server(handler)
+        server, base = await _server(_sse_noting_peers(peers))
         async with server:
-            client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
-            try:
+            async with httpx.AsyncClient(base_url=base, transport=AiohttpTransport()) as client:
                 r = await client.post("/echo", content=b"x" * 100, headers={"x-request-id": "abc"})
                 assert r.status_code == 201
                 assert r.json() == {"got": 100, "rid": "abc"}
@@ -97,8 +102,6 @@ def test_post_stream_and_connection_reuse() -> None:
                         assert resp.headers["content-type"] == "text/event-stream"
                         data = b"".join([c async for c in resp.aiter_raw()])
                     assert data.count(b"data:") == 4 and data.endswith(b"data: [DONE]\n\n")
-            finally:
-                await client.aclose()
         assert len(peers) == 1  # one keep-alive connection served all four requests
 
     asyncio.run(main())
@@ -109,12 +112,9 @@ def test_connect_error_on_a_closed_port() -> None:
         server, base = await _server(_sse)
         server.close()
         await server.wait_closed()
-        client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport())
-        try:
+        async with httpx.AsyncClient(base_url=base, transport=AiohttpTransport()) as client:
             with pytest.raises(httpx.ConnectError):
                 await client.get("/health")
-        finally:
-            await client.aclose()
 
     asyncio.run(main())
 
@@ -123,12 +123,10 @@ def test_read_timeout_from_the_request_timeout() -> None:
     async def main() -> None:
         server, base = await _server(_sse)
         async with server:
-            client = httpx.AsyncClient(base_url=base, transport=AiohttpTransport(), timeout=httpx.Timeout(0.3))
-            try:
+            timeout = httpx.Timeout(0.3)
+            async with httpx.AsyncClient(base_url=base, transport=AiohttpTransport(), timeout=timeout) as client:
                 with pytest.raises(httpx.ReadTimeout):
                     await client.get("/stall")
-            finally:
-                await client.aclose()
 
     asyncio.run(main())
 
@@ -171,12 +169,8 @@ def test_closing_a_stream_early_closes_the_connection() -> None:
 def test_client_reads_whole_and_chunked_bodies_over_one_connection() -> None:
     peers: set[int] = set()
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peers.add(writer.get_extra_info("peername")[1])
-        await _sse(reader, writer)
-
     async def main() -> None:
-        server, base = await _server(handler)
+        server, base = await _server(_sse_noting_peers(peers))
         async with server:
             client = Client(base, read_timeout_s=5.0, headers={"x-request-id": "default"})
             try:
