@@ -48,6 +48,7 @@ import zmq
 
 from benchmarks import _harness as H
 from pdctl.testing import free_port, stop_group
+from pdctl.vllm.sse import sse_events
 from pdctl.vllm.tiny_model import generate_tiny_model
 
 TOPIC = "kv"
@@ -155,17 +156,13 @@ def _replay(ctx: zmq.Context[Any], endpoint: str, start_seq: int, timeout_s: flo
     return out
 
 
-def _sse_lines(text: str) -> list[str]:
-    return [line[len("data:") :].strip() for line in text.splitlines() if line.startswith("data:")]
-
-
 def _call(client: httpx.Client, base: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
     streamed = bool(body and body.get("stream"))
     t0 = time.monotonic()
     resp = client.post(base + path, json=body) if body is not None else client.post(base + path)
     rec: dict[str, Any] = {"path": path, "request": body, "status": resp.status_code}
     if streamed:
-        rec["sse_data"] = _sse_lines(resp.text)
+        rec["sse_data"] = sse_events(resp.content)
     else:
         try:
             rec["response"] = resp.json()
