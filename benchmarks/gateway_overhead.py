@@ -5,8 +5,8 @@ Two groups of arms, each with its own no-proxy baseline, measured side by side i
 * colocated (one hop):  ``direct`` (client -> decode worker) | ``pdctl-colocated`` | ``vllm-router`` and
   ``sglang-router`` in their plain (non-PD) modes.
 * PD (two legs):        ``direct-pd`` (the client itself runs leg 1 on prefill and leg 2 on decode with
-  :mod:`pdctl.vllm.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``pdctl-pd-w4``
-  (``gateway.workers`` = 2 / 4; any ``-wN`` runs) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio
+  :mod:`pdctl.vllm.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``-w4`` / ``-w8``
+  (``gateway.workers`` = 2 / 4 / 8) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio
   runtime has a worker thread per core) | ``vllm-router-pd-t1`` (the same on one worker thread,
   ``TOKIO_WORKER_THREADS=1``) |
   ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
@@ -62,6 +62,7 @@ PD = [
     "pdctl-pd",
     "pdctl-pd-w2",
     "pdctl-pd-w4",
+    "pdctl-pd-w8",
     "vllm-router-pd",
     "vllm-router-pd-t1",
     "toy-proxy-pd",
