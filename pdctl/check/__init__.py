@@ -18,6 +18,7 @@ findings; :data:`RULES` lists them once, in the order they run):
 | `memory` | PD009-PD016 | memory, GPUs, cores, the installed vLLM |
 | `ports` | PD017, PD018 | ports, and ``port_findings`` for ``up`` |
 | `agents` | PD032 | vLLM's tool calling for the agent routes |
+| `routing` | PD033 | adaptive PD's thresholds |
 | `keys_table` | | ``describe_key``: where each configuration key ends up |
 
 Besides pdctl's own rules: the model's context length (:mod:`pdctl.vllm.modelinfo`) for what vLLM refuses at
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import os
 
-from pdctl.check import agents, connector, engine, keys, memory, ports
+from pdctl.check import agents, connector, engine, keys, memory, ports, routing
 from pdctl.check.connector import known_connectors
 from pdctl.check.findings import SETTINGS, Action, Ctx, Finding, Rule, Severity, finding_from_error
 from pdctl.check.keys_table import KeyUse, describe_key
@@ -58,7 +59,7 @@ __all__ = [
 RULES: tuple[Rule, ...] = (
     connector.connectors, connector.backend, connector.connector_exists, engine.models, keys.key_env,
     keys.shared_key, keys.keys_file, keys.tokenizers, memory.memory, engine.lengths, engine.identity,
-    memory.devices, ports.ports, connector.mappings, agents.tools, engine.sim,
+    memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive, engine.sim,
 )  # fmt: skip
 
 

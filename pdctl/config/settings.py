@@ -25,6 +25,9 @@ from pdctl.config.schema import (
 )
 
 Strategy = Literal["pd_disagg", "colocated"]
+PdMode = Literal["always", "adaptive"]
+"""``routing.pd_mode``: every request takes both legs, or the gateway decides per request from what the chosen
+decode already holds (:mod:`pdctl.gateway.prefix`)."""
 Fallback = Literal["none", "decode", "upstream"]
 """``gateway.fallback``: no prefill can serve a PD request -> answer the error, let decode compute the prompt
 itself, or send it to the upstream."""
@@ -151,6 +154,28 @@ class RoutingConfig:
     kv_connector: str | None = key(
         None, as_str, "a connector name", use="gateway", type="string", default="`[connector]`",
         doc="must equal config.toml's connector (PD001)",
+    )
+    pd_mode: PdMode = key(
+        "always", as_choice("always", "adaptive"), "always or adaptive", use="gateway",
+        type="`always` \\| `adaptive`",
+        doc="*extension*: `adaptive` serves a request on the chosen decode alone (no prefill leg, `x-pd-path: local`) "
+        "when little of its prompt is uncached there (docs/gateway.md, Adaptive PD)",
+    )
+    local_max_uncached_tokens: int = key(
+        512, as_int(0), "an integer >= 0", use="gateway", type="integer",
+        doc="*extension*, `adaptive`: at most this many prompt tokens not yet cached on the decode go local",
+    )
+    local_max_uncached_share: float = key(
+        1.0, as_num(0.0, 1.0), "a number in (0, 1]", use="gateway", type="number",
+        doc="*extension*, `adaptive`: and at most this share of the prompt uncached (1: no share rule)",
+    )
+    local_max_decode_requests: int | None = key(
+        None, as_int(1), "an integer >= 1", use="gateway", type="integer", default="none",
+        doc="*extension*, `adaptive`: no local prefill on a decode with this many requests in flight",
+    )
+    prefix_cache_blocks: int = key(
+        31250, as_int(1), "an integer >= 1", use="gateway", type="integer",
+        doc="*extension*, `adaptive`: blocks (about 64 tokens each) the gateway remembers per instance",
     )
     # fmt: on
 

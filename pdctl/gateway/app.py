@@ -37,6 +37,7 @@ from pdctl.gateway.errors import ApiError, Wire
 from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
+from pdctl.gateway.prefix import PrefixRouter
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
@@ -127,8 +128,9 @@ class Gateway:
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
+        prefix = PrefixRouter(settings.routing) if settings.routing.pd_mode == "adaptive" else None
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
-                              self.secrets, self.spawn, self.upstream)  # fmt: skip
+                              self.secrets, self.spawn, self.upstream, prefix)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 

@@ -49,6 +49,10 @@ class GatewayMetrics:
             "pdctl_prefill_fallback", "PD requests no prefill could serve, by where they went (gateway.fallback).",
             ["to", "reason"], registry=r,
         )  # fmt: skip
+        self.pd_decisions = Counter(
+            "pdctl_pd_decisions", "routing.pd_mode = adaptive: requests by path (local, disagg) and reason.",
+            ["path", "reason"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter("pdctl_rejected", "Requests rejected before any worker call.", ["reason"], registry=r)
         self.upstream_calls = Counter(
             "pdctl_upstream_calls", "Calls to the upstream channel, by outcome.", ["outcome"], registry=r

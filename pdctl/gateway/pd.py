@@ -10,6 +10,11 @@ retried with a fresh request id, at most ``gateway.max_retries`` times (capped a
 never after a byte reached the client; decode's ``kv_transfer_params`` are never replayed (they are
 single-use): a retry is a whole new pipeline.
 
+With ``routing.pd_mode = "adaptive"`` a :class:`pdctl.gateway.prefix.PrefixRouter` decides first, per request,
+whether the chosen decode serves it alone (``x-pd-path: local``, counted in ``pdctl_pd_decisions_total``); a
+local attempt that fails before any byte reached the client takes the two legs instead. On the two legs the
+prefill and the decode are then chosen by their cached prefix too.
+
 When no prefill can serve the request (none available, or leg 1 failed on every attempt) ``gateway.fallback``
 decides: ``none`` answers the error, ``decode`` has decode compute the prompt itself (``x-pd-path: fallback``),
 ``upstream`` sends it to the upstream (``x-pd-path: upstream``); ``pdctl_prefill_fallback_total{to,reason}``
@@ -32,6 +37,7 @@ from pdctl.gateway import codec
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange, relay
@@ -66,6 +72,8 @@ class PdContext:
     spawn: Spawn
     upstream: Upstream | None = None
     """The upstream channel, for ``gateway.fallback = "upstream"``."""
+    prefix: PrefixRouter | None = None
+    """The per-request decision and cached-prefix choice (``routing.pd_mode = "adaptive"``); None: always two legs."""
 
 
 @dataclass(slots=True)
@@ -151,6 +159,12 @@ async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, 
     or after a decode that failed before sending anything (vLLM's lazy NIXL handshake failure is a decode 500).
     When leg 1 cannot succeed, ``gateway.fallback`` decides (module docstring).
     """
+    plan = None
+    if ctx.prefix is not None:
+        plan = ctx.prefix.decide(ctx.pool, body, prompt_tokens)
+        ex.decision = plan.log_fields()
+        if plan.local and await _serve_local(ctx, ex, endpoint, body, prompt_tokens, plan):
+            return
     attempts = 1 + min(ctx.settings.gateway.max_retries, MAX_PD_RETRIES)
     for attempt in range(attempts):
         rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
@@ -158,7 +172,7 @@ async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, 
         if ctx.pool.least_loaded(("prefill",)) is None:
             await _fallback(ctx, ex, endpoint, body, prompt_tokens, _no_instance(ctx, ("prefill",), "prefill"))
             return
-        leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid)
+        leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid, plan)
         if leg.error is not None:
             if not leg.retryable:
                 raise leg.error
@@ -172,8 +186,9 @@ async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, 
         dbody = _decode_body(ctx, ex, body, leg)
         try:
             await _decode(
-                ctx, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode", source=leg.instance
-            )
+                ctx, ex, endpoint, dbody, leg.request_id, prompt_tokens, ("decode",), "decode", source=leg.instance,
+                plan=plan if attempt == 0 else None,
+            )  # fmt: skip
             return
         except _DecodeFailed as err:
             if last or ex.headers_sent or ex.remaining() <= 0.05:
@@ -181,6 +196,28 @@ async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, 
             ctx.metrics.retries.labels("decode").inc()
             log.warning("request %s: decode failed before any output (%s); retrying the whole pipeline as "
                         "%s-retry%d", ex.request_id, err.message, ex.request_id, attempt + 1)  # fmt: skip
+
+
+async def _serve_local(
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: Decision
+) -> bool:
+    """The whole request on the decode ``plan`` chose, no prefill leg. False when that decode failed before any
+    byte reached the client (the caller then takes the two legs)."""
+    assert ctx.prefix is not None
+    ctx.metrics.child(ctx.metrics.pd_decisions, "local", plan.reason).inc()
+    ex.path = "local"
+    try:
+        await _decode(ctx, ex, endpoint, build_decode_body(body, None), ex.request_id, prompt_tokens, ("decode",),
+                      "decode", plan=plan)  # fmt: skip
+    except _DecodeFailed as err:
+        if ex.headers_sent or ex.remaining() <= 0.05:
+            raise ApiError(err.status, err.message, code=err.code) from None
+        ctx.metrics.retries.labels("local").inc()
+        log.warning("request %s: local decode failed before any output (%s); taking the two legs",
+                    ex.request_id, err.message)  # fmt: skip
+        ex.path = "-"
+        return False
+    return True
 
 
 async def _fallback(
@@ -209,9 +246,19 @@ async def _fallback(
 
 
 async def _leg1(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str
+    ctx: PdContext,
+    ex: Exchange,
+    endpoint: str,
+    body: dict[str, Any],
+    prompt_tokens: int,
+    rid: str,
+    plan: Decision | None = None,
 ) -> LegResult:
-    inst = ctx.pool.choose(("prefill",))
+    if plan is not None and ctx.prefix is not None:
+        ctx.metrics.child(ctx.metrics.pd_decisions, "disagg", plan.reason).inc()
+        inst, _ = ctx.prefix.pick(ctx.pool, "prefill", plan.hashes)
+    else:
+        inst = ctx.pool.choose(("prefill",))
     if inst is None:
         raise _no_instance(ctx, ("prefill",), "prefill")
     pbody = codec.encode(build_prefill_body(body, ctx.kind, endpoint))
@@ -227,6 +274,8 @@ async def _leg1(
             ctx.spawn(_release(ctx, leg, endpoint, body))
         raise asyncio.CancelledError
     if leg.reply is not None:
+        if plan is not None and ctx.prefix is not None:
+            ctx.prefix.view(inst).insert(plan.hashes)
         ctx.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
         ctx.metrics.child(ctx.metrics.leg, "prefill").observe(leg.elapsed_s)
         ex.prefill = inst.name
@@ -290,10 +339,13 @@ async def _decode(
     roles: tuple[Role, ...],
     what: str,
     source: Instance | None = None,
+    plan: Decision | None = None,
 ) -> None:
     """Leg 2 (or the whole colocated request) on the least-loaded of ``roles``; ``source``: the prefill holding
-    the KV this request pulls."""
-    inst = ctx.pool.choose(roles)
+    the KV this request pulls; ``plan``: the adaptive decision, whose decode is taken while it is available and
+    whose prompt blocks that decode then holds."""
+    inst = plan.decode if plan is not None and plan.decode is not None and plan.decode.available() else None
+    inst = inst or ctx.pool.choose(roles)
     if inst is None:
         raise _no_instance(ctx, roles, what)
     ex.decode = inst.name
@@ -338,6 +390,8 @@ async def _decode(
             resp.close()
     if result.error is None:
         ctx.pool.record_success(inst)
+        if plan is not None and ctx.prefix is not None:
+            ctx.prefix.view(inst).insert(plan.hashes)
     else:
         # After a first token the KV was already pulled: whatever broke is decode's.
         _count_failure(ctx, inst, source if result.first_chunk_at is None else None)

@@ -146,9 +146,11 @@ class Pool:
         """Instances of one role."""
         return [i for i in self.instances if i.role == role]
 
-    def choose(self, roles: tuple[Role, ...]) -> Instance | None:
-        """Least in-flight requests, then tokens; ties rotate. None when no instance is available."""
-        candidates = [i for i in self.instances if i.role in roles and i.available()]
+    def choose(self, roles: tuple[Role, ...], among: list[Instance] | None = None) -> Instance | None:
+        """Least in-flight requests, then tokens; ties rotate. None when no instance is available.
+
+        ``among``: choose only from these (the available instances of ``roles`` that hold most of a prompt)."""
+        candidates = among if among is not None else [i for i in self.instances if i.role in roles and i.available()]
         if not candidates:
             return None
         turn = next(self._rr.setdefault(roles, itertools.count()))

@@ -62,6 +62,8 @@ class Exchange:
     prompt_tokens: int | None = None
     error_code: str | None = None
     fallback_reason: str | None = None
+    decision: str | None = None
+    """``routing.pd_mode = "adaptive"``: the decision's access-log fields (``prefix.Decision.log_fields``)."""
     kv: dict[str, Any] = field(default_factory=dict)
     wire: Wire = "openai"
     upstream_allowed: bool = True
@@ -92,13 +94,15 @@ class Exchange:
             parts.append(f"error={self.error_code}")
         if self.fallback_reason:
             parts.append(f"fallback={self.fallback_reason}")
+        if self.decision:
+            parts.append(self.decision)
         if self.kv:
             parts.append(f"kv_engine={self.kv['engine']} kv_blocks={self.kv['blocks']} kv_remote={self.kv['remote']}")
         return " ".join(parts)
 
     def _headers(self, content_type: bytes, extra: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
         h = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]
-        if self.path in ("disagg", "fallback", "upstream", "colocated"):
+        if self.path in ("disagg", "local", "fallback", "upstream", "colocated"):
             h.append((b"x-pd-path", self.path.encode()))
         if self.prefill:
             h.append((b"x-pd-prefill", self.prefill.encode()))

@@ -207,6 +207,12 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "unknown-protocol": (INIT, {"connector.kv_connector": "OffloadingConnector",
                                 f"{SETTINGS}routing.kv_connector": "OffloadingConnector"}, {"PD023"}),
     "sim-kv-scale": (INIT, {"sim": {"profile": "h100", "kv_scale": 0.5}}, {"PD025"}),
+    "adaptive-never-local": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive",
+                                    f"{SETTINGS}routing.local_max_uncached_tokens": 0}, {"PD033"}),
+    "adaptive-always-local": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive",
+                                     f"{SETTINGS}routing.local_max_uncached_tokens": 1 << 20}, {"PD033"}),
+    "adaptive-colocated": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive",
+                                  f"{SETTINGS}routing.strategy": "colocated"}, {"PD033"}),
 }  # fmt: skip
 
 

@@ -1,0 +1,46 @@
+"""Rules about how the gateway routes: adaptive PD's thresholds.
+
+- :func:`adaptive` PD033: ``routing.pd_mode = "adaptive"`` with thresholds that send every request one way
+  (``local_max_uncached_tokens = 0``: always the two legs; a threshold at the decode's context length with no
+  share rule and no request cap: always local, colocated in all but name), or with ``strategy = "colocated"``,
+  where it changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdctl.check.findings import SETTINGS, Ctx, Finding
+from pdctl.config import RoutingConfig
+
+#: ``routing.local_max_uncached_tokens``' declared default, offered as the way back to a decision that splits.
+_DEFAULT_TOKENS = RoutingConfig().local_max_uncached_tokens
+
+
+def adaptive(c: Ctx) -> Iterable[Finding]:
+    """PD033: adaptive PD whose thresholds send every request one way, or that the strategy ignores."""
+    r = c.dep.routing
+    if r.pd_mode != "adaptive":
+        return
+    if r.strategy == "colocated":
+        yield c.at("PD033", "info", "settings", "routing.pd_mode",
+                   "pd_mode \"adaptive\" changes nothing under strategy \"colocated\" (every request already goes "
+                   "to one worker)", fixes=({f"{SETTINGS}routing.pd_mode": "always"},))  # fmt: skip
+        return
+    key = "routing.local_max_uncached_tokens"
+    if r.local_max_uncached_tokens == 0:
+        yield c.at("PD033", "warning", "settings", key,
+                   "local_max_uncached_tokens = 0 sends every request over both legs: a prompt always has at least "
+                   "one token the decode has not cached",
+                   fixes=({f"{SETTINGS}{key}": _DEFAULT_TOKENS}, {f"{SETTINGS}routing.pd_mode": "always"}))  # fmt: skip
+        return
+    lens = [n for n in (c.max_model_len(w) for w in c.dep.decode) if n is not None]
+    longest = min(lens, default=None)
+    if (longest is not None and r.local_max_uncached_tokens >= longest and r.local_max_uncached_share >= 1.0
+            and r.local_max_decode_requests is None):  # fmt: skip
+        yield c.at("PD033", "warning", "settings", key,
+                   f"local_max_uncached_tokens = {r.local_max_uncached_tokens} is at least decode's max_model_len "
+                   f"({longest}), with no share rule and no request cap: every request goes to decode alone and "
+                   "long prompts stall its streams as on a colocated engine",
+                   fixes=({f"{SETTINGS}{key}": min(_DEFAULT_TOKENS, longest - 1)},
+                          {f"{SETTINGS}routing.pd_mode": "always"}))  # fmt: skip
