@@ -246,14 +246,9 @@ async def _fallback(
 
 
 async def _leg1(
-    ctx: PdContext,
-    ex: Exchange,
-    endpoint: str,
-    body: dict[str, Any],
-    prompt_tokens: int,
-    rid: str,
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str,
     plan: Decision | None = None,
-) -> LegResult:
+) -> LegResult:  # fmt: skip
     if plan is not None and ctx.prefix is not None:
         ctx.metrics.child(ctx.metrics.pd_decisions, "disagg", plan.reason).inc()
         inst, _ = ctx.prefix.pick(ctx.pool, "prefill", plan.hashes)

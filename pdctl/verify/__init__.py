@@ -8,7 +8,10 @@ Checks, in order (each a :class:`CheckResult`; ``ok`` is ``None`` when skipped),
       chat                    the recipe's non-stream chat through the gateway, with the key
       stream                  the recipe's stream: SSE chunks, [DONE], TTFT and TPOT against the SLOs
       auth                    no key / a wrong key -> 401 in OpenAI's error shape
-      gateway_pd_path         the gateway ran both legs (x-pd-path: disagg)
+      gateway_pd_path         the gateway ran both legs (x-pd-path: disagg; under pd_mode adaptive, local or disagg)
+    adaptive.py, under routing.pd_mode = "adaptive":
+      adaptive_decision       a short fresh probe served by decode alone, a long one on both legs, both
+                              token-identical to the colocated reference
     link.py, per prefill->decode pair, with unique short / typical / long probe prompts:
       identity[p->d]          same model id and root, max_model_len, vLLM version, connector, /tokenize
       kv_params[p->d]         leg 1 returned usable kv_transfer_params (connectors that return them)
@@ -37,6 +40,7 @@ import httpx
 from pdctl.config import Deployment
 from pdctl.verify import gateway_checks as gw
 from pdctl.verify import link
+from pdctl.verify.adaptive import check_adaptive
 from pdctl.verify.gateway_checks import CHAT_PROMPT, STREAM_PROMPT, Target
 from pdctl.verify.report import CheckResult, Timer, VerifyReport
 from pdctl.verify.wire import Http, metric_total
@@ -146,7 +150,9 @@ def run_verify(
             results += [
                 CheckResult(n, None, "skipped: the gateway is not reachable") for n in ("chat", "stream", "auth")
             ]
-        results.append(gw.check_gateway_path(dep.routing.strategy, headers_seen))
+        results.append(gw.check_gateway_path(dep.routing, headers_seen))
+        if gateway_up and dep.routing.pd_mode == "adaptive" and dep.routing.strategy == "pd_disagg":
+            results.append(check_adaptive(t))
         results += _check_pairs(t, worker_up, tail, uuid.uuid4().hex[:8], probes)
         if compare_colocated:
             results.append(gw.check_compare_colocated(t, stream_ttft, bool(worker_up.get(dep.decode[0].name))))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdctl.config import Deployment, WorkerConfig, recipe
+from pdctl.config import Deployment, RoutingConfig, WorkerConfig, recipe
 from pdctl.verify import diagnoses as dg
 from pdctl.verify.report import CheckResult, Timer
 from pdctl.verify.wire import Http, Reply, StreamResult, error_message, read_stream, short
@@ -219,8 +219,9 @@ def check_auth(t: Target) -> CheckResult:
     return CheckResult("auth", True, ", ".join(seen) + " (OpenAI error shape)", timer.ms)
 
 
-def check_gateway_path(strategy: str, headers_seen: list[tuple[str, Mapping[str, str]]]) -> CheckResult:
-    """``gateway_pd_path``: the successful requests ran both legs (``x-pd-path: disagg`` under pd_disagg)."""
+def check_gateway_path(routing: RoutingConfig, headers_seen: list[tuple[str, Mapping[str, str]]]) -> CheckResult:
+    """``gateway_pd_path``: the successful requests ran both legs (``x-pd-path: disagg`` under pd_disagg; ``local``
+    too under ``pd_mode = "adaptive"``, where short requests go to decode alone)."""
     timer = Timer()
     name = "gateway_pd_path"
     if not headers_seen:
@@ -228,8 +229,9 @@ def check_gateway_path(strategy: str, headers_seen: list[tuple[str, Mapping[str,
     paths = {label: h.get("x-pd-path") for label, h in headers_seen}
     if all(v is None for v in paths.values()):
         return CheckResult(name, None, "skipped: the gateway sends no x-pd-path header", timer.ms)
-    want = "disagg" if strategy == "pd_disagg" else "colocated"
-    wrong = {k: v for k, v in paths.items() if v != want}
+    want = "disagg" if routing.strategy == "pd_disagg" else "colocated"
+    allowed = {want, "local"} if want == "disagg" and routing.pd_mode == "adaptive" else {want}
+    wrong = {k: v for k, v in paths.items() if v not in allowed}
     shown = ", ".join(f"{k}: {v}" for k, v in paths.items())
     legs = [
         f"prefill {h.get('x-pd-prefill')} ({h.get('x-pd-prefill-ms', '?')} ms) -> decode {h.get('x-pd-decode')}"

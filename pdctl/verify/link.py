@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,13 @@ __all__ = [
     "Pair",
     "Probe",
     "check_identity",
+    "greedy_body",
     "judge_correctness",
     "judge_logs",
     "judge_metrics",
     "judge_params",
     "probe_link",
+    "probe_prompt",
 ]
 
 PROBE_MAX_TOKENS = 8
@@ -180,14 +182,20 @@ def _tokens(http: Http, w: WorkerConfig, text: str) -> int | None:
     return None
 
 
-def _prompt(http: Http, d: WorkerConfig, head: str, size: str, target: int) -> tuple[str, int]:
-    """A prompt starting with ``head`` of about ``target`` tokens (``short``: ``head`` alone)."""
+def _numbered(i: int) -> str:
+    return f"w{i % 97}"
+
+
+def probe_prompt(
+    http: Http, d: WorkerConfig, head: str, size: str, target: int, word: Callable[[int], str] = _numbered
+) -> tuple[str, int]:
+    """A prompt starting with ``head`` of about ``target`` tokens (``short``: ``head`` alone), then ``word(i)``s."""
     if size == "short":
         return head, _tokens(http, d, head) or 0
     words = 8
     text, count = head, _tokens(http, d, head) or 0
     for _ in range(6):
-        text = head + " " + " ".join(f"w{i % 97}" for i in range(words))
+        text = head + " " + " ".join(word(i) for i in range(words))
         c = _tokens(http, d, text)
         if c is None:
             return text, 0
@@ -197,7 +205,7 @@ def _prompt(http: Http, d: WorkerConfig, head: str, size: str, target: int) -> t
         words = max(1, int(words * target / max(c, 1) * 0.97))
     while count > target and words > 1:
         words = max(1, int(words * 0.9))
-        text = head + " " + " ".join(f"w{i % 97}" for i in range(words))
+        text = head + " " + " ".join(word(i) for i in range(words))
         count = _tokens(http, d, text) or 0
     return text, count
 
@@ -248,7 +256,7 @@ def _max_model_len(http: Http, d: WorkerConfig) -> int:
     return d.max_model_len or 2048
 
 
-def _greedy(model: str, prompt: str) -> dict[str, Any]:
+def greedy_body(model: str, prompt: str) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
@@ -266,7 +274,7 @@ def _reference(pair: Pair, prompt: str, rid: str) -> tuple[Sample | None, float 
     # does, cache_salt or not), so the reference is computed on prefill.
     w = pair.p if pair.kind == "shared_storage" else pair.d
     load = wait_idle(pair.http, w)
-    body = {**_greedy(w.model_name, prompt), "cache_salt": uuid.uuid4().hex}
+    body = {**greedy_body(w.model_name, prompt), "cache_salt": uuid.uuid4().hex}
     r = pair.http.call("POST", f"{w.url}/v1/completions", body=body, headers={"X-Request-Id": rid + "-ref"})
     return (parse_sample(r.body) if r.ok else None), load
 
@@ -287,7 +295,7 @@ def _one_probe(pair: Pair, size: str, rid: str, prompt: str, n: int, ext0: float
         http.client,
         p.url,
         d.url,
-        _greedy(d.model_name, prompt),
+        greedy_body(d.model_name, prompt),
         pair.kind,
         rid,
         prefill_model=p.model_name,
@@ -337,13 +345,13 @@ def probe_link(pair: Pair, sizes: Sequence[str]) -> tuple[list[Probe], int]:
     out: list[Probe] = []
     for size in sizes:
         rid = f"pdctl-verify-{pair.nonce}-{pair.p.index}-{pair.d.index}-{size}"
-        prompt, n = _prompt(pair.http, pair.d, f"pdctl verify {pair.nonce} {size}.", size, targets[size])
+        prompt, n = probe_prompt(pair.http, pair.d, f"pdctl verify {pair.nonce} {size}.", size, targets[size])
         probe = _one_probe(pair, size, rid, prompt, n, ext0, nixl0)
         if probe.divergence is not None and probe.divergence.verdict == "tie":
             # A near-tie may break either way in another batch shape: one fresh prompt settles it.
             first = probe.divergence
             ext0, nixl0, _ = _counters(pair.http, pair.d)
-            prompt, n = _prompt(pair.http, pair.d, f"pdctl verify {pair.nonce} {size} again.", size, targets[size])
+            prompt, n = probe_prompt(pair.http, pair.d, f"pdctl verify {pair.nonce} {size} again.", size, targets[size])
             again = _one_probe(pair, size, rid + "-again", prompt, n, ext0, nixl0)
             probe = replace(again, request_ids=(rid, *again.request_ids), first_tie=first)
         if probe.divergence is not None:

@@ -70,6 +70,7 @@ def _write_files(
     decode_connector: str | None = None,
     connector: str = "NixlConnector",
     debug: bool = True,
+    routing: dict[str, object] | None = None,
 ) -> tuple[Path, Path]:
     pp, dp, gp = free_port(), free_port(), free_port()
     decode_extra = f'kv_connector = "{decode_connector}"\n' if decode_connector else ""
@@ -111,6 +112,7 @@ speed = 20
             "prefill_endpoint": f"http://127.0.0.1:{pp}",
             "decode_endpoint": f"http://127.0.0.1:{dp}",
             "strategy": "pd_disagg",
+            **(routing or {}),
         },
         "slo": {"ttft_ms": 400, "tpot_ms": 40},
         "logging": {"level": "debug" if debug else "info", "log_kv_transfer": True},
@@ -230,6 +232,31 @@ def test_healthy_pair_passes_everything(cluster: Callable[..., Cluster]) -> None
     assert checks["compare_colocated"].ok is True
     assert set(report.to_json()) == {"ok", "checks"}
     assert {"name", "ok", "detail", "duration_ms"} <= set(report.to_json()["checks"][0])
+
+
+def test_adaptive_pd_shows_its_decision_and_still_proves_the_link(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(routing={"pd_mode": "adaptive", "local_max_uncached_tokens": 256})
+    report = c.verify()
+    assert report.ok, [c.to_json() for c in report.checks if c.ok is not True]
+    checks = _by_name(report)
+    # the recipe's short requests went to decode alone; the pair probes still took both legs and moved KV
+    assert checks["gateway_pd_path"].detail.startswith("x-pd-path chat: local")
+    detail = checks["adaptive_decision"].detail
+    assert "short" in detail and "x-pd-path local (expected local), identical" in detail
+    assert "long" in detail and "x-pd-path disagg (expected disagg), identical" in detail
+    for name in LINK:
+        assert checks[name + PAIR].ok is True, checks[name + PAIR]
+
+
+def test_adaptive_decision_fails_when_the_gateway_always_takes_both_legs(cluster: Callable[..., Cluster]) -> None:
+    # the gateway runs with pd_mode "always"; verify is told the deployment is adaptive
+    c = cluster()
+    c.dep = replace(c.dep, routing=replace(c.dep.routing, pd_mode="adaptive"))
+    report = c.verify()
+    check = _by_name(report)["adaptive_decision"]
+    assert check.ok is False and "x-pd-path disagg (expected local)" in check.detail
+    assert "decision=" in (check.next_step or "")
+    assert _failed(report) == {"adaptive_decision"}
 
 
 def test_healthy_example_connector_pair(cluster: Callable[..., Cluster]) -> None:
