@@ -69,6 +69,9 @@ def test_messages_and_responses_through_pd_on_vllm(nixl: Deployment) -> None:
         assert raw.headers["x-pd-path"] == "disagg", "vLLM's /v1/messages returned no usable kv_transfer_params"
         assert raw.parse().usage.output_tokens >= 1
         before = _assert_kv_moved(nixl, before, "/v1/messages")
+        # Anthropic's token count, which Claude Code calls before a turn: vLLM 0.32 answers it, through the gateway
+        counted = claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "hello " * 40}])
+        assert counted.input_tokens >= 40
 
         oai = openai.OpenAI(
             base_url=nixl.gateway + "/v1", api_key=nixl.api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S

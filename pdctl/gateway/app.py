@@ -41,6 +41,7 @@ from pdctl.gateway.prefix import PrefixRouter
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
+    COUNT_TOKENS_PATH,
     MESSAGES_PATH,
     PASSTHROUGH_PATHS,
     CompletionRequest,
@@ -393,8 +394,8 @@ class Gateway:
                 return b"".join(chunks)
 
     async def _passthrough(self, ex: Exchange, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
-        """``/v1/embeddings``, ``/tokenize``: a local model's request to a worker, any other to the upstream
-        (when the key may use it)."""
+        """``/v1/embeddings``, ``/tokenize``, ``/v1/messages/count_tokens``: a local model's request to a worker,
+        any other embeddings request to the upstream (when the key may use it)."""
         model = body.get("model")
         ex.model = model if isinstance(model, str) and model else "-"
         local = self.local_models()
@@ -405,7 +406,7 @@ class Gateway:
         if not entry.may_use(model):
             raise ApiError(403, f"key {entry.name!r} may not use model {model!r}", param="model",
                            type="permission_error", code="model_not_allowed")  # fmt: skip
-        upstream_ok = self.upstream is not None and endpoint != "/tokenize" and entry.upstream
+        upstream_ok = self.upstream is not None and endpoint == "/v1/embeddings" and entry.upstream
         route = route_model(model, local, upstream_ok)
         if route == "upstream":
             assert self.upstream is not None
@@ -485,7 +486,7 @@ def _client_key(scope: Scope, endpoint: str) -> bytes | None:
     """The client's ``Authorization``; on ``/v1/messages`` Anthropic's ``x-api-key`` too (the anthropic SDK's
     default, and Claude Code's with ``ANTHROPIC_API_KEY``), as the same bearer key."""
     auth = _header(scope, b"authorization")
-    if auth is None and endpoint == MESSAGES_PATH:
+    if auth is None and endpoint in (MESSAGES_PATH, COUNT_TOKENS_PATH):
         key = _header(scope, b"x-api-key")
         return b"Bearer " + key if key is not None else None
     return auth

@@ -1,7 +1,8 @@
 """A completion request from bytes to a checked :class:`CompletionRequest`: pure functions, no I/O.
 
 Four generating routes are checked here (:data:`COMPLETION_PATHS`): chat, completions, OpenAI Responses and
-Anthropic Messages (:data:`AGENT_PATHS`); :data:`PASSTHROUGH_PATHS` (embeddings, tokenize) only need a model.
+Anthropic Messages (:data:`AGENT_PATHS`); :data:`PASSTHROUGH_PATHS` (embeddings, tokenize, Anthropic's count_tokens)
+only need a model.
 
 The steps, in the order the gateway runs them (each raises :class:`~pdctl.gateway.errors.ApiError` 400/404)::
 
@@ -21,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdctl.gateway.errors import ApiError, Wire
-from pdctl.vllm.protocol import MESSAGES_PATH, RESPONSES_PATH
+from pdctl.vllm.protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
 
 __all__ = [
     "AGENT_PATHS",
     "CHAT_PATH",
     "COMPLETION_PATHS",
+    "COUNT_TOKENS_PATH",
     "MAX_N",
     "MESSAGES_PATH",
     "PASSTHROUGH_PATHS",
@@ -44,7 +46,7 @@ __all__ = [
 CHAT_PATH = "/v1/chat/completions"
 AGENT_PATHS = (RESPONSES_PATH, MESSAGES_PATH)
 COMPLETION_PATHS = (CHAT_PATH, "/v1/completions", *AGENT_PATHS)
-PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize")
+PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize", COUNT_TOKENS_PATH)
 #: Responses tool types that vLLM runs itself in a loop of sub-requests sharing one kv_transfer_params: only
 #: the first could pull KV, so such requests run colocated on decode (vllm-agent-apis.md §3).
 _CLIENT_TOOLS = frozenset({"function", "custom"})
@@ -74,7 +76,7 @@ class CompletionRequest:
 
 def wire_of(endpoint: str) -> Wire:
     """The response dialect of ``endpoint`` (errors and stream ends follow it)."""
-    if endpoint == MESSAGES_PATH:
+    if endpoint in (MESSAGES_PATH, COUNT_TOKENS_PATH):
         return "anthropic"
     return "responses" if endpoint == RESPONSES_PATH else "openai"
 

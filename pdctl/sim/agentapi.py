@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdctl.sim.text import content_text
+from pdctl.vllm.protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
 
-__all__ = ["MESSAGES", "RESPONSES", "AgentStream", "ForcedTool", "chat_request", "messages_reply", "responses_reply"]
+__all__ = ["COUNT_TOKENS", "MESSAGES", "RESPONSES", "AgentStream", "ForcedTool", "chat_request", "messages_reply",
+           "responses_reply"]  # fmt: skip
 
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
+RESPONSES, MESSAGES, COUNT_TOKENS = RESPONSES_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH
 
 SendBytes = Callable[[bytes], Awaitable[None]]
 
@@ -61,7 +62,7 @@ def chat_request(body: Mapping[str, Any], route: str) -> tuple[list[dict[str, An
     Raises ``ValueError`` (the server answers 400) for a body the route's vLLM request class would refuse.
     """
     messages: list[dict[str, Any]] = []
-    if route == MESSAGES:
+    if route in (MESSAGES, COUNT_TOKENS):  # count_tokens: a Messages body without max_tokens
         system = body.get("system")
         if system is not None:
             messages.append({"role": "system", "content": _block_text(system)})
@@ -72,7 +73,7 @@ def chat_request(body: Mapping[str, Any], route: str) -> tuple[list[dict[str, An
             if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
                 raise ValueError("messages: each message needs a role of user or assistant")
             messages.append({"role": m["role"], "content": _block_text(m.get("content"))})
-        if "max_tokens" not in body:
+        if "max_tokens" not in body and route == MESSAGES:
             raise ValueError("max_tokens: Field required")
         choice = body.get("tool_choice")
         tools = body.get("tools") if isinstance(body.get("tools"), list) else []
@@ -82,7 +83,7 @@ def chat_request(body: Mapping[str, Any], route: str) -> tuple[list[dict[str, An
                 forced = ForcedTool(choice["name"])
             elif choice.get("type") == "any" and isinstance(tools[0], Mapping):
                 forced = ForcedTool(str(tools[0].get("name", "tool")))
-        return messages, body["max_tokens"], forced
+        return messages, body.get("max_tokens"), forced
     instructions = body.get("instructions")
     if isinstance(instructions, str):
         messages.append({"role": "system", "content": instructions})

@@ -11,7 +11,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 from pdctl.sim import logprobs as lp
-from pdctl.sim.agentapi import MESSAGES, RESPONSES, AgentStream, chat_request, messages_reply, responses_reply
+from pdctl.sim.agentapi import (
+    COUNT_TOKENS,
+    MESSAGES,
+    RESPONSES,
+    AgentStream,
+    chat_request,
+    messages_reply,
+    responses_reply,
+)
 from pdctl.sim.engine import SimEngine, SimRequest, StreamEvent
 from pdctl.sim.text import VOCAB_SIZE, apply_chat_template
 
@@ -92,13 +100,15 @@ class SimApp:
                 await self._generate(scope, receive, send, chat=path.endswith("chat/completions"))
             elif path in (RESPONSES, MESSAGES) and method == "POST":
                 await self._agent(scope, receive, send, path)
+            elif path == COUNT_TOKENS and method == "POST":
+                await _json(send, 200, self._count_tokens(await _read_json(receive)))
             elif path in ("/health", "/v1/models", "/version", "/metrics", "/tokenize", "/detokenize",
-                          "/v1/completions", "/v1/chat/completions", RESPONSES, MESSAGES):  # fmt: skip
+                          "/v1/completions", "/v1/chat/completions", RESPONSES, MESSAGES, COUNT_TOKENS):  # fmt: skip
                 await _json(send, 405, error_body(405, "Method Not Allowed"))
             else:
                 await _json(send, 404, {"detail": "Not Found"})
         except HTTPError as e:
-            if path == MESSAGES:  # vLLM's translate_error_response: Anthropic's envelope, vLLM's error type
+            if path in (MESSAGES, COUNT_TOKENS):  # vLLM's translate_error_response: Anthropic's envelope and type
                 kind = _PHRASES.get(e.status, "Error").replace(" ", "") + "Error"
                 await _json(send, e.status, {"type": "error", "error": {"type": kind, "message": e.message}})
             else:
@@ -139,6 +149,16 @@ class SimApp:
             raise HTTPError(400, "Either 'prompt' (a string) or 'messages' is required.", "prompt")
         ids = self.engine.tokenizer.encode(text)
         return {"count": len(ids), "max_model_len": self.engine.cfg.max_model_len, "tokens": ids, "token_strs": None}
+
+    def _count_tokens(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``/v1/messages/count_tokens``: the Messages request's rendered prompt, counted (vLLM 0.32's answer)."""
+        self._check_model(body)
+        try:
+            messages, _, _ = chat_request(body, COUNT_TOKENS)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        n = len(self.engine.tokenizer.encode(apply_chat_template(messages)))
+        return {"input_tokens": n, "context_management": {"original_input_tokens": n}}
 
     # ------------------------------------------------------------------ generation
     def _check_model(self, body: Mapping[str, Any]) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "COUNT_TOKENS_PATH",
     "MESSAGES_PATH",
     "NIXL_CONNECTORS",
     "PARAMS_CONNECTORS",
@@ -81,6 +82,8 @@ def connector_kind(connector: str | None) -> ConnectorKind:
 
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+"""vLLM 0.32's Anthropic token count: a Messages body in, ``{"input_tokens": N, ...}`` out."""
 
 
 def cap_output(body: dict[str, Any], endpoint: str) -> None:

@@ -244,6 +244,24 @@ def test_tokenize_passes_through_to_a_worker(pair: tuple[SimProcess, SimProcess]
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_anthropic_count_tokens_passes_through_with_the_anthropic_sdk(pair: tuple[SimProcess, SimProcess]) -> None:
+    p, d = pair
+    with _gateway(p, d) as g:
+        client = anthropic.Anthropic(base_url=g.url, api_key=KEY, max_retries=0)
+        short = client.messages.count_tokens(model="sim-model", messages=[{"role": "user", "content": "hi"}])
+        longer = client.messages.count_tokens(
+            model="sim-model", system="You are a coding agent.", messages=[{"role": "user", "content": "hi " * 50}]
+        )
+        assert 1 <= short.input_tokens < longer.input_tokens
+        with pytest.raises(anthropic.NotFoundError) as info:
+            client.messages.count_tokens(model="nope", messages=[{"role": "user", "content": "hi"}])
+        assert info.value.body["type"] == "error"  # type: ignore[index]  # Anthropic's shape, not OpenAI's
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=g.url, api_key="sk-wrong-key-000000", max_retries=0).messages.count_tokens(
+                model="sim-model", messages=[{"role": "user", "content": "hi"}]
+            )
+
+
 def test_prefill_outage_with_upstream_fallback(pair: tuple[SimProcess, SimProcess]) -> None:
     p, d = pair
     up = FakeProc("fake_upstream.py", {"key": UPSTREAM_KEY, "models": ["up-model"]})
