@@ -203,6 +203,10 @@ class SimEngine:
         hits = self.prefix.hits(req.prompt_ids, req.cache_salt)
         req.cached_tokens = hits
         req.num_computed = hits
+        if self.prefix.enabled:
+            # vLLM counts each admitted prompt's tokens as queries and its locally cached ones as hits.
+            self.metrics.c(self.metrics.prefix_queries).inc(req.prompt_len)
+            self.metrics.c(self.metrics.prefix_hits).inc(hits)
         if self.connector.admit(req):
             return
         self._enqueue(req)
