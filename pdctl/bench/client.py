@@ -30,7 +30,7 @@ from pdctl.bench.aiohttp_transport import AiohttpTransport
 from pdctl.bench.workload import BenchRequest
 from pdctl.vllm.sse import SSEParser
 
-__all__ = ["BenchClient", "Endpoint", "RequestResult"]
+__all__ = ["BenchClient", "Endpoint", "RequestResult", "raise_if_cancelled"]
 
 Endpoint = Literal["chat", "completions"]
 
@@ -61,6 +61,10 @@ class RequestResult:
     pd_prefill: str = ""
     pd_decode: str = ""
     warmup: bool = False
+    # agent: which conversation and turn (1-based), and the answer's text (sent back as the next turn's history)
+    conversation: int | None = None
+    turn: int | None = None
+    text: str = ""
 
     @property
     def lag_s(self) -> float:
@@ -74,6 +78,15 @@ class RequestResult:
     def rejected(self) -> bool:
         """Turned away by the gateway's admission control or a rate limit (503 overloaded / 429)."""
         return self.pd_path == "rejected"
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError when this task was cancelled (Ctrl-C) but a callee swallowed it: Python 3.11's
+    ``asyncio.wait_for`` can return the result of a call that finished just as the cancellation came, and a
+    closed loop would then go on sending requests."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _content(choice: dict[str, Any]) -> str:
@@ -155,7 +168,9 @@ class BenchClient:
     def body(self, req: BenchRequest) -> dict[str, Any]:
         """The JSON body sent for ``req``."""
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": True}
-        if self.endpoint == "chat":
+        if self.endpoint == "chat" and req.messages:
+            body["messages"] = [{"role": role, "content": content} for role, content in req.messages]
+        elif self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
             body["prompt"] = req.prompt
@@ -178,14 +193,17 @@ class BenchClient:
         scheduled_s: float = 0.0,
         request_id: str = "",
         queue_s: float = 0.0,
+        keep_text: bool = False,
     ) -> RequestResult:
-        """Send ``req`` now, stream the answer, and return its timings (never raises for request failures)."""
+        """Send ``req`` now, stream the answer, and return its timings (never raises for request failures);
+        ``keep_text`` keeps the answer's text in ``text``."""
         res = RequestResult(req.index, req.kind, req.max_tokens, req.prompt_len, scheduled_s=scheduled_s)
         res.queue_s = queue_s
         res.request_id = request_id
+        res.conversation, res.turn = req.conversation, req.turn
         begin = time.perf_counter()
         res.sent_s = begin - t0
-        state = _StreamState(res, begin)
+        state = _StreamState(res, begin, keep_text)
         try:
             await asyncio.wait_for(self._stream(req, state, t0), timeout=self.timeout_s)
         except asyncio.TimeoutError:
@@ -249,12 +267,13 @@ class BenchClient:
 class _StreamState:
     """Per-request bookkeeping while its SSE events arrive."""
 
-    def __init__(self, res: RequestResult, start: float) -> None:
+    def __init__(self, res: RequestResult, start: float, keep_text: bool = False) -> None:
         self.res = res
         self.start = start
         self.done = False
         self.last_content = 0.0
         self.content_chunks = 0
+        self.pieces: list[str] | None = [] if keep_text else None
 
     def handle(self, payload: str, now: float) -> None:
         res = self.res
@@ -284,8 +303,11 @@ class _StreamState:
         if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
             return
         res.latency_s = now - self.start
-        if not _content(choices[0]):
+        content = _content(choices[0])
+        if not content:
             return
+        if self.pieces is not None:
+            self.pieces.append(content)
         if self.content_chunks == 0:
             res.ttft_s = now - self.start
         else:
@@ -304,4 +326,6 @@ class _StreamState:
         else:
             if res.output_tokens <= 0:
                 res.output_tokens = self.content_chunks
+            if self.pieces is not None:
+                res.text = "".join(self.pieces)
             res.success = True

@@ -3,6 +3,9 @@
 * :func:`scrape` / :func:`parse_metrics` / :func:`metric_deltas`: each endpoint's counters (and histograms' sums and
   counts) before and after a run, as deltas; ``engine``/``model_name`` labels summed.
 * :func:`kv_summary`: the KV-transfer and gateway counters' deltas, totalled over all endpoints.
+* :func:`prefix_cache_summary`: per engine, its own prefix-cache hit rate over the run (``vllm:prefix_cache_hits``
+  over ``vllm:prefix_cache_queries``, both in prompt tokens) and the hits of KV brought in by a connector
+  (``vllm:external_prefix_cache_*``: on a PD decode, the prompt pulled from prefill).
 * :func:`engine_summary`: per endpoint, the means of vLLM's own latency histograms (:data:`ENGINE_HISTOGRAMS`), to
   cross-check the client's TTFT/TPOT/ITL against the engines'.
 * :func:`sample_gauges` / :class:`GaugeSeries`: the engines' batch gauges (``vllm:num_requests_running``/
@@ -29,6 +32,7 @@ __all__ = [
     "kv_summary",
     "metric_deltas",
     "parse_metrics",
+    "prefix_cache_summary",
     "sample_gauges",
     "scrape",
 ]
@@ -46,7 +50,8 @@ ENGINE_HISTOGRAMS: dict[str, str] = {
 }
 # Counters (and histogram sums/counts) whose deltas tell what the KV link, the engines and the gateway did.
 _METRIC_PREFIXES = (
-    "vllm:nixl_", "vllm:prompt_tokens_by_source", "vllm:num_preemptions", "pdctl_", *ENGINE_HISTOGRAMS.values()
+    "vllm:nixl_", "vllm:prompt_tokens_by_source", "vllm:num_preemptions", "vllm:prefix_cache_",
+    "vllm:external_prefix_cache_", "pdctl_", *ENGINE_HISTOGRAMS.values()
 )  # fmt: skip
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 GAUGE_INTERVAL_S = 1.0
@@ -113,6 +118,30 @@ def kv_summary(deltas: dict[str, dict[str, float]]) -> dict[str, float]:
         "gateway_rejected": total("pdctl_rejected_total"),
     }
     out["kv_xfer_ms_mean"] = 1000.0 * total("vllm:nixl_xfer_time_seconds_sum") / count if count else 0.0
+    return out
+
+
+def prefix_cache_summary(deltas: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per endpoint whose engine looked prompts up in its prefix cache during the run: ``queries`` and ``hits``
+    (prompt tokens, vLLM 0.32's ``vllm:prefix_cache_queries_total``/``_hits_total``), ``hit_rate`` (hits /
+    queries), and ``external_queries``/``external_hits``/``external_hit_rate`` for KV a connector supplied.
+    Queries count every request's prompt once per admission (a preempted request again); hits are the tokens
+    found in the engine's own cache."""
+    out: dict[str, dict[str, float]] = {}
+    for url, d in deltas.items():
+        queries, hits = d.get("vllm:prefix_cache_queries_total", 0.0), d.get("vllm:prefix_cache_hits_total", 0.0)
+        ext_q = d.get("vllm:external_prefix_cache_queries_total", 0.0)
+        ext_h = d.get("vllm:external_prefix_cache_hits_total", 0.0)
+        if queries <= 0 and ext_q <= 0:
+            continue
+        out[url] = {
+            "queries": queries,
+            "hits": hits,
+            "hit_rate": hits / queries if queries > 0 else 0.0,
+            "external_queries": ext_q,
+            "external_hits": ext_h,
+            "external_hit_rate": ext_h / ext_q if ext_q > 0 else 0.0,
+        }
     return out
 
 

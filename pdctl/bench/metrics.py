@@ -11,6 +11,8 @@
 * Goodput: completed requests meeting every given SLO (``ttft``, ``tpot``, ``e2el``; ``<=``), over the duration.
 * SLO attainment: good requests / all measured requests. Failed and rejected requests count against it: a
   request the server refused did not meet its SLO. ``slo_met`` is attainment >= the target (DistServe: 90 %).
+* By turn (``agent``): TTFT, TPOT and ITL (ms) and the prompt tokens (the server's count) per turn index, and
+  for turn 1 against every later turn (``2+``): later turns carry the history, so their prompts are mostly cached.
 * Percentiles interpolate linearly between order statistics (numpy's default); ``std`` is the population
   standard deviation (numpy's default). An empty sample gives 0, as vLLM writes it.
 
@@ -32,6 +34,7 @@ __all__ = [
     "Spikes",
     "Stats",
     "Summary",
+    "by_turn",
     "meets_slo",
     "parse_goodput",
     "percentile",
@@ -124,6 +127,9 @@ class Summary:
     percentiles: tuple[float, ...]
     itl_spikes: Spikes = field(default_factory=Spikes)
     spikes_by_kind: dict[str, Spikes] = field(default_factory=dict)
+    # agent: per turn index ("1", "2", ...) and per group ("1", "2+"): ttft, tpot, itl (ms), prompt_tokens
+    by_turn: dict[str, dict[str, Stats]] = field(default_factory=dict)
+    turn_groups: dict[str, dict[str, Stats]] = field(default_factory=dict)
 
 
 def percentile(values: Sequence[float], p: float, empty: float = 0.0) -> float:
@@ -233,6 +239,26 @@ def _ms(values: Iterable[float]) -> list[float]:
     return [v * 1000.0 for v in values]
 
 
+def _turn_stats(sub: Sequence[RequestResult], pcts: Sequence[float]) -> dict[str, Stats]:
+    return {
+        "ttft": stats(_ms(r.ttft_s for r in sub), pcts),
+        "tpot": stats(_ms(t for r in sub if (t := tpot_s(r)) is not None), pcts),
+        "itl": stats(_ms(g for r in sub for g in r.itl_s), pcts),
+        "prompt_tokens": stats([float(r.prompt_tokens or r.prompt_len) for r in sub], pcts),
+    }
+
+
+def by_turn(done: Sequence[RequestResult], pcts: Sequence[float]) -> tuple[dict[str, dict[str, Stats]], ...]:
+    """Completed requests' statistics per turn index and for turn 1 against later turns (empty without turns)."""
+    turns = sorted({r.turn for r in done if r.turn is not None})
+    per_turn = {str(k): _turn_stats([r for r in done if r.turn == k], pcts) for k in turns}
+    groups: dict[str, dict[str, Stats]] = {}
+    if turns:
+        groups["1"] = _turn_stats([r for r in done if r.turn == 1], pcts)
+        groups["2+"] = _turn_stats([r for r in done if r.turn is not None and r.turn > 1], pcts)
+    return per_turn, groups
+
+
 def summarize(
     results: Sequence[RequestResult],
     duration_s: float,
@@ -290,6 +316,7 @@ def summarize(
                 "itl": st(_ms(g for r in sub for g in r.itl_s)),
             }
             spikes_by_kind[kind] = spikes(sub, threshold)
+    per_turn, turn_groups = by_turn(done, pcts)
 
     return Summary(
         completed=len(done),
@@ -326,4 +353,6 @@ def summarize(
         percentiles=pcts,
         itl_spikes=spikes(done, threshold),
         spikes_by_kind=spikes_by_kind,
+        by_turn=per_turn,
+        turn_groups=turn_groups,
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl import __version__
-from pdctl.bench.engine_metrics import engine_summary, kv_summary
+from pdctl.bench.engine_metrics import engine_summary, kv_summary, prefix_cache_summary
 from pdctl.bench.metrics import Spikes, Stats, Summary, tpot_s
 from pdctl.bench.runner import RunResult, SearchResult
 from pdctl.errors import PdctlError
@@ -178,7 +178,12 @@ def result_json(run: RunResult) -> dict[str, Any]:
             for k, d in s.by_kind.items()
         },
         "itl_spikes": _spikes_dict(s.itl_spikes),
+        "by_turn": {k: {m: _stats_dict(v) for m, v in d.items()} for k, d in s.by_turn.items()},
+        "turn_groups": {k: {m: _stats_dict(v) for m, v in d.items()} for k, d in s.turn_groups.items()},
         "kv_transfer": kv,
+        "prefix_cache": {
+            url: {"name": engine_name(run, url), **v} for url, v in prefix_cache_summary(run.metric_deltas).items()
+        },
         "engine": engine_summary(run.metric_deltas),
         "engine_gauges": {url: {**g.stats(), "series": [list(x) for x in g.samples]} for url, g in run.gauges.items()},
         "metric_deltas": run.metric_deltas,
@@ -196,6 +201,9 @@ def result_json(run: RunResult) -> dict[str, Any]:
             "pd_decode": [r.pd_decode for r in measured],
         },
     }
+    if any(r.turn is not None for r in measured):
+        out["pdctl"]["requests"]["conversation"] = [r.conversation for r in measured]
+        out["pdctl"]["requests"]["turn"] = [r.turn for r in measured]
     return out
 
 
@@ -209,6 +217,13 @@ def _workload_params(run: RunResult) -> dict[str, Any]:
         return {"short_len": spec.short_len, "output_len": spec.output_len, "long_len": spec.long_len,
                 "long_output_len": spec.long_output_len, "long_fraction": spec.long_fraction,
                 "range_ratio": spec.range_ratio}  # fmt: skip
+    if name == "agent":
+        return {"conversations": spec.conversations, "turns": list(spec.turns), "system_len": spec.system_len,
+                "context_len": spec.context_len, "user_len": list(spec.user_len),
+                "answer_len": list(spec.answer_len)}  # fmt: skip
+    if name == "shared-prefix":
+        return {"groups": spec.groups, "prompts_per_group": spec.prompts_per_group, "system_len": spec.system_len,
+                "question_len": spec.question_len, "output_len": spec.output_len}  # fmt: skip
     if name in ("sharegpt", "trace"):
         return {"path": spec.path, "trace_speed": spec.trace_speed} if name == "trace" else {"path": spec.path}
     return {}
@@ -300,8 +315,17 @@ def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[CompareRow]:
 def run_load(run: RunResult) -> str:
     """What load a run was under, in words: ``8 req/s``, ``4 req/s, ≤ 16 in flight``, ``closed loop, 8 in flight``."""
     shape = run.shape
-    if run.target.workload.timed:
-        text = f"trace at {run.target.workload.spec.trace_speed:g}x"
+    wl = run.target.workload
+    if wl.conversational:
+        n = wl.spec.conversations
+        if math.isfinite(shape.rate):
+            text = f"{shape.rate:g} conversations/s"
+        else:
+            text = f"{n} conversations at once" if not shape.concurrency else f"{n} conversations"
+        if shape.concurrency:
+            text += f", ≤ {shape.concurrency} in flight"
+    elif wl.timed:
+        text = f"trace at {wl.spec.trace_speed:g}x"
     elif math.isfinite(shape.rate):
         text = f"{shape.rate:g} req/s"
         if shape.burstiness != 1.0:

@@ -5,7 +5,9 @@ One run = warm-up requests (sent one by one, excluded), then the measured reques
 * open loop: Poisson/gamma arrivals at ``rate`` (``inf``: all at once), optionally capped by ``concurrency``
   (the wait for a slot is reported as queue time, as vLLM's ``client_queue_time``);
 * closed loop: ``rate = inf`` with ``concurrency`` N keeps N requests in flight;
-* a trace replays its own timestamps.
+* a trace replays its own timestamps;
+* ``agent`` conversations start at the arrival times (or all at once) and send their turns one after another
+  (:mod:`pdctl.bench.conversation`); ``concurrency`` caps the conversations in flight.
 
 A run is bounded by ``num_requests`` or ``duration_s``. Around it, the workers' and the gateway's ``/metrics``
 are scraped before and after, and the engines' batch gauges sampled while it runs (:mod:`pdctl.bench.engine_metrics`).
@@ -36,7 +38,8 @@ from typing import Any, TypeVar
 import httpx
 
 from pdctl.bench.arrivals import arrival_offsets
-from pdctl.bench.client import BenchClient, Endpoint, RequestResult
+from pdctl.bench.client import BenchClient, Endpoint, RequestResult, raise_if_cancelled
+from pdctl.bench.conversation import plan_conversations, run_conversations
 from pdctl.bench.engine_metrics import GaugeSeries, kv_summary, metric_deltas, sample_gauges, scrape
 from pdctl.bench.metrics import SLO, Summary, percentile, summarize, tpot_s
 from pdctl.bench.workload import Workload, new_run_id
@@ -172,15 +175,6 @@ class PairResult:
 # ----------------------------------------------------------------------------------------------- run
 
 
-def _raise_if_cancelled() -> None:
-    """Raise CancelledError when this task was cancelled (Ctrl-C) but a callee swallowed it: Python 3.11's
-    ``asyncio.wait_for`` can return the result of a call that finished just as the cancellation came, and a
-    closed loop would then go on sending requests."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
 def run_async(coro: Awaitable[T]) -> T:
     """Run a coroutine on uvloop when available (a faster loop keeps the client's own lag down)."""
 
@@ -204,6 +198,13 @@ def _plan(target: BenchTarget, shape: LoadShape) -> tuple[int | None, list[float
         raise BenchError(f"--concurrency must be >= 1, got {shape.concurrency}")
     if shape.duration_s is not None and not shape.duration_s > 0:
         raise BenchError(f"--duration must be > 0, got {shape.duration_s}")
+    if wl.conversational:
+        if shape.num_requests is not None:
+            raise BenchError(
+                "-n/--num-requests does not apply to -w agent",
+                hint="its requests are --conversations x --turns; bound the run with --duration S instead",
+            )
+        return plan_conversations(wl.spec).total, None
     if wl.timed:
         n = shape.num_requests or wl.size or 0
         offsets = [wl.request(i).arrival_s or 0.0 for i in range(n)]
@@ -247,9 +248,9 @@ async def run_once(
     pool = shape.concurrency if shape.concurrency is not None else None
     date = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_id = new_run_id() if run_id is None else run_id
+    plan = plan_conversations(target.workload.spec, run_id) if target.workload.conversational else None
     run_tag = f"{request_id_prefix}-{date}-{run_id.replace(' ', '-')}-{shape.seed}"
     wl = target.workload
-    warmup_base = 10_000_000
     async with (
         BenchClient(
             target.base_url,
@@ -267,7 +268,7 @@ async def run_once(
         warm_failures: list[str] = []
         for k in range(shape.warmup):
             wres = await client.send(
-                wl.request(warmup_base + k, run_id), t0=time.perf_counter(), request_id=f"{run_tag}-warmup-{k}"
+                wl.warmup_request(k, run_id), t0=time.perf_counter(), request_id=f"{run_tag}-warmup-{k}"
             )
             if not wres.success:
                 warm_failures.append(wres.error)
@@ -280,19 +281,10 @@ async def run_once(
         gauges: dict[str, GaugeSeries] = {}
         sampler = asyncio.create_task(sample_gauges(scraper, target.metrics_urls, t0, gauges))
 
-        async def one(index: int, scheduled: float) -> None:
-            req = wl.request(index, run_id)
-            waited = 0.0
+        def sending() -> None:
             live.sent += 1
-            if sem is not None:
-                before_wait = time.perf_counter()
-                async with sem:
-                    waited = time.perf_counter() - before_wait
-                    res = await client.send(
-                        req, t0=t0, scheduled_s=scheduled, request_id=f"{run_tag}-{index}", queue_s=waited
-                    )
-            else:
-                res = await client.send(req, t0=t0, scheduled_s=scheduled, request_id=f"{run_tag}-{index}")
+
+        def record(res: RequestResult) -> None:
             results.append(res)
             if res.success:
                 live.completed += 1
@@ -303,7 +295,28 @@ async def run_once(
             else:
                 live.failed += 1
 
-        if offsets is not None:
+        async def one(index: int, scheduled: float) -> None:
+            req = wl.request(index, run_id)
+            waited = 0.0
+            sending()
+            if sem is not None:
+                before_wait = time.perf_counter()
+                async with sem:
+                    waited = time.perf_counter() - before_wait
+                    res = await client.send(
+                        req, t0=t0, scheduled_s=scheduled, request_id=f"{run_tag}-{index}", queue_s=waited
+                    )
+            else:
+                res = await client.send(req, t0=t0, scheduled_s=scheduled, request_id=f"{run_tag}-{index}")
+            record(res)
+
+        if plan is not None:
+            await run_conversations(
+                plan, client, t0=t0, rate=shape.rate, burstiness=shape.burstiness, seed=shape.seed,
+                concurrency=shape.concurrency, duration_s=shape.duration_s, request_id_prefix=run_tag,
+                on_send=sending, record=record,
+            )  # fmt: skip
+        elif offsets is not None:
             tasks: list[asyncio.Task[None]] = []
             for i, off in enumerate(offsets):
                 # The event loop's timer may wake up to a millisecond early: never send before the schedule.
@@ -321,7 +334,7 @@ async def run_once(
                     if now >= deadline:
                         return
                     await one(i, now - t0)
-                    _raise_if_cancelled()
+                    raise_if_cancelled()
 
             await asyncio.gather(*(worker() for _ in range(shape.concurrency or 1)))
         duration = time.perf_counter() - t0

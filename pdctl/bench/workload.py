@@ -13,6 +13,14 @@ alone.
 * ``mixed``    -- short chats plus a fraction of long prompts: the recipe's interference scenario.
 * ``sharegpt`` -- a ShareGPT JSON file (first human turn -> prompt, the reply's length -> max_tokens).
 * ``trace``    -- a JSONL trace of timestamps and lengths, replayed in time.
+* ``shared-prefix`` -- SGLang's generated shared prefix: groups of prompts, each group behind one system prompt.
+* ``agent``    -- multi-turn conversations, sent turn by turn by :mod:`pdctl.bench.conversation` (closed loop);
+  this module only validates their spec and makes their warm-up prompts.
+
+The tag of a ``shared-prefix`` prompt names its group, not the request (``[bench RUN-ID SEED-gGROUP]``), and
+starts the group's system prompt, so a group's prompts share that prompt within a run and no run shares it with
+another. The ``agent`` workload's shared system prompt starts with ``[bench RUN-ID SEED]``, the same for every
+conversation of a run.
 
 Token counts of synthetic prompts are estimates (one common English word per token); the client records the
 server's own ``usage.prompt_tokens`` when it reports one.
@@ -34,7 +42,9 @@ from pdctl.errors import PdctlError
 
 __all__ = [
     "DOC_PROMPTS",
+    "WARMUP_BASE",
     "WORDS",
+    "WORKLOADS",
     "BenchRequest",
     "Workload",
     "WorkloadError",
@@ -42,9 +52,11 @@ __all__ = [
     "estimate_tokens",
     "make_workload",
     "new_run_id",
+    "random_words",
 ]
 
-RequestKind = Literal["doc", "random", "short", "long", "sharegpt", "trace"]
+RequestKind = Literal["doc", "random", "short", "long", "sharegpt", "trace", "shared-prefix", "agent"]
+WORKLOADS = ("doc", "random", "mixed", "sharegpt", "trace", "shared-prefix", "agent")
 
 # The recipe's two verification requests (section 4), in its own words.
 DOC_PROMPTS: tuple[tuple[str, int], ...] = tuple((r.prompt, r.max_tokens) for r in RECIPE_REQUESTS)
@@ -69,6 +81,10 @@ WORDS = (
 ).split()
 
 
+# Warm-up requests' indices start here, far above any run's own.
+WARMUP_BASE = 10_000_000
+
+
 class WorkloadError(PdctlError):
     """A workload option or input file is unusable (the message names the file/field and the fix)."""
 
@@ -84,6 +100,10 @@ class BenchRequest:
     kind: RequestKind
     arrival_s: float | None = None
     ignore_eos: bool = False
+    # A chat history ``(role, content), ...`` to send instead of ``prompt`` (``prompt`` then holds its text).
+    messages: tuple[tuple[str, str], ...] = ()
+    conversation: int | None = None
+    turn: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +123,18 @@ class WorkloadSpec:
     trace_speed: float = 1.0
     unique: bool = True
     seed: int = 0
+    # agent: conversations, requests per conversation (min, max), shared system prompt, per-conversation context
+    # (lognormal mean), user turn and answer tokens (min, max); shared-prefix: groups, prompts per group, the
+    # group's system prompt (``system_len``) and the question.
+    conversations: int = 24
+    turns: tuple[int, int] = (6, 9)
+    system_len: int = 500
+    context_len: int = 1000
+    user_len: tuple[int, int] = (120, 160)
+    answer_len: tuple[int, int] = (80, 120)
+    groups: int = 64
+    prompts_per_group: int = 16
+    question_len: int = 128
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,7 +151,8 @@ def new_run_id() -> str:
     return " ".join(secrets.choice(WORDS) for _ in range(3))
 
 
-def _words(rng: random.Random, n: int) -> str:
+def random_words(rng: random.Random, n: int) -> str:
+    """``n`` common words drawn by ``rng``, space-separated (about one token each)."""
     return " ".join(rng.choice(WORDS) for _ in range(max(0, n)))
 
 
@@ -137,7 +170,12 @@ class Workload:
         self._items: list[tuple[str, int, float | None]] = []
         self._prefix = ""
         if spec.name == "random" and spec.prefix_len > 0:
-            self._prefix = _words(random.Random(f"prefix-{spec.seed}"), spec.prefix_len) + " "
+            self._prefix = random_words(random.Random(f"prefix-{spec.seed}"), spec.prefix_len) + " "
+        self._order: list[int] = []
+        if spec.name == "shared-prefix":
+            # SGLang shuffles the groups' prompts together (unless --gsp-ordered).
+            self._order = list(range(spec.groups * spec.prompts_per_group))
+            random.Random(spec.seed).shuffle(self._order)
         if spec.name == "sharegpt":
             self._items = _load_sharegpt(spec)
         elif spec.name == "trace":
@@ -150,8 +188,15 @@ class Workload:
 
     @property
     def size(self) -> int | None:
-        """How many distinct requests a file-based workload holds (None: unbounded)."""
+        """How many distinct requests a file-based or shared-prefix workload holds (None: unbounded)."""
+        if self.spec.name == "shared-prefix":
+            return len(self._order)
         return len(self._items) if self.spec.name in ("sharegpt", "trace") else None
+
+    @property
+    def conversational(self) -> bool:
+        """True for ``agent``: its requests come turn by turn from :mod:`pdctl.bench.conversation`."""
+        return self.spec.name == "agent"
 
     @property
     def timed(self) -> bool:
@@ -163,10 +208,41 @@ class Workload:
             return ""
         return f"[bench {run_id} {self.spec.seed}-{index}] " if run_id else f"[bench {self.spec.seed}-{index}] "
 
+    def warmup_request(self, k: int, run_id: str = "") -> BenchRequest:
+        """The ``k``-th warm-up request: like the run's own, but for ``agent`` and ``shared-prefix`` a lone prompt
+        with a tag of its own, so the warm-up does not put a shared system prompt into a cache before the run."""
+        spec = self.spec
+        index = WARMUP_BASE + k
+        if spec.name not in ("agent", "shared-prefix"):
+            return self.request(index, run_id)
+        agent = spec.name == "agent"
+        n_in = spec.user_len[0] if agent else spec.question_len
+        n_out = spec.answer_len[0] if agent else spec.output_len
+        kind: RequestKind = "agent" if agent else "shared-prefix"
+        prompt = self._tag(index, run_id) + random_words(random.Random(f"warmup-{spec.seed}-{k}"), n_in)
+        return BenchRequest(index, prompt, n_out, estimate_tokens(prompt), kind, ignore_eos=True)
+
+    def group_prompt(self, group: int, run_id: str = "") -> str:
+        """``shared-prefix``: the system prompt of ``group`` in the run ``run_id`` (its tag first)."""
+        spec = self.spec
+        tag = ""
+        if spec.unique:
+            tag = f"[bench {run_id} {spec.seed}-g{group}] " if run_id else f"[bench {spec.seed}-g{group}] "
+        n_body = spec.system_len - (estimate_tokens(tag) if tag else 0)
+        return tag + random_words(random.Random(f"group-{spec.seed}-{group}"), n_body)
+
     def request(self, index: int, run_id: str = "") -> BenchRequest:
         """The request at ``index`` of the run ``run_id`` (the same every time for the same spec and run id)."""
         spec = self.spec
         rng = random.Random(spec.seed * 1_000_003 + index)
+        if spec.name == "agent":
+            raise WorkloadError("agent requests come turn by turn from pdctl.bench.conversation, not by index")
+        if spec.name == "shared-prefix":
+            group, nth = divmod(self._order[index % len(self._order)], spec.prompts_per_group)
+            question = random_words(random.Random(f"question-{spec.seed}-{group}-{nth}"), spec.question_len)
+            prompt = f"{self.group_prompt(group, run_id)}\n\n{question}"
+            n_in = spec.system_len + spec.question_len
+            return BenchRequest(index, prompt, spec.output_len, n_in, "shared-prefix", ignore_eos=True)
         tag = self._tag(index, run_id)
         if spec.name == "doc":
             text, max_tokens = DOC_PROMPTS[index % len(DOC_PROMPTS)]
@@ -176,7 +252,7 @@ class Workload:
             n_in = _lengths(rng, spec.input_len, spec.range_ratio)
             n_out = _lengths(rng, spec.output_len, spec.range_ratio)
             n_body = n_in - spec.prefix_len - (estimate_tokens(tag) if tag else 0)
-            body = _words(rng, n_body)
+            body = random_words(rng, n_body)
             prompt = (self._prefix + tag + body) if self._prefix else (tag + body)
             return BenchRequest(index, prompt, n_out, max(1, n_in), "random", ignore_eos=True)
         if spec.name == "mixed":
@@ -184,7 +260,7 @@ class Workload:
             mean_in = spec.long_len if is_long else spec.short_len
             n_in = _lengths(rng, mean_in, spec.range_ratio)
             n_out = spec.long_output_len if is_long else _lengths(rng, spec.output_len, spec.range_ratio)
-            prompt = tag + _words(rng, n_in - estimate_tokens(tag) if tag else n_in)
+            prompt = tag + random_words(rng, n_in - estimate_tokens(tag) if tag else n_in)
             return BenchRequest(index, prompt, n_out, n_in, "long" if is_long else "short", ignore_eos=True)
         if not self._items:
             raise WorkloadError(f"workload {spec.name!r} has no requests")
@@ -202,11 +278,15 @@ class Workload:
 
 def make_workload(spec: WorkloadSpec) -> Workload:
     """Validate ``spec`` and build its :class:`Workload`."""
-    if spec.name not in ("doc", "random", "mixed", "sharegpt", "trace"):
+    if spec.name not in WORKLOADS:
         raise WorkloadError(
             f"unknown workload {spec.name!r}",
-            hint="use one of doc, random, mixed, sharegpt:FILE, trace:FILE",
+            hint="use one of doc, random, mixed, sharegpt:FILE, trace:FILE, shared-prefix, agent",
         )
+    if spec.name == "agent":
+        _check_agent(spec)
+    elif spec.name == "shared-prefix":
+        _check_shared_prefix(spec)
     if spec.input_len < 1 or spec.output_len < 1 or spec.long_len < 1 or spec.short_len < 1:
         raise WorkloadError("input/output lengths must be >= 1")
     if not 0.0 <= spec.range_ratio < 1.0:
@@ -224,6 +304,34 @@ def make_workload(spec: WorkloadSpec) -> Workload:
     if spec.name in ("sharegpt", "trace") and not spec.path:
         raise WorkloadError(f"workload {spec.name} needs a file", hint=f"use --workload {spec.name}:PATH")
     return Workload(spec)
+
+
+def _at_least(flag: str, value: int, low: int, hint: str) -> None:
+    if value < low:
+        raise WorkloadError(f"{flag} {value}: must be at least {low}", hint=hint)
+
+
+def _check_range(flag: str, value: tuple[int, int], low: int, hint: str) -> None:
+    lo, hi = value
+    if lo < low or hi < lo:
+        shown = f"{lo}:{hi}" if lo != hi else str(lo)
+        raise WorkloadError(f"{flag} {shown}: expected N or MIN:MAX with {low} <= MIN <= MAX", hint=hint)
+
+
+def _check_agent(spec: WorkloadSpec) -> None:
+    _at_least("--conversations", spec.conversations, 1, "e.g. --conversations 24")
+    _check_range("--turns", spec.turns, 1, "requests per conversation, e.g. --turns 6:9 or --turns 3")
+    _at_least("--system-len", spec.system_len, 8, "the shared system prompt's tokens, e.g. --system-len 500")
+    _at_least("--context-len", spec.context_len, 0, "the mean per-conversation context, e.g. --context-len 1000")
+    _check_range("--user-len", spec.user_len, 1, "tokens per user turn, e.g. --user-len 120:160")
+    _check_range("--answer-len", spec.answer_len, 1, "tokens per answer, e.g. --answer-len 80:120")
+
+
+def _check_shared_prefix(spec: WorkloadSpec) -> None:
+    _at_least("--groups", spec.groups, 1, "e.g. --groups 64")
+    _at_least("--prompts-per-group", spec.prompts_per_group, 1, "e.g. --prompts-per-group 16")
+    _at_least("--system-len", spec.system_len, 8, "the group's system prompt tokens, e.g. --system-len 2048")
+    _at_least("--question-len", spec.question_len, 1, "e.g. --question-len 128")
 
 
 def _read(path: str) -> str:
@@ -303,5 +411,5 @@ def _load_trace(spec: WorkloadSpec) -> list[tuple[str, int, float | None]]:
     items: list[tuple[str, int, float | None]] = []
     for i, (at, n_in, n_out) in enumerate(rows):
         rng = random.Random(spec.seed * 1_000_003 + i)
-        items.append((_words(rng, n_in), n_out, at - t0))
+        items.append((random_words(rng, n_in), n_out, at - t0))
     return items

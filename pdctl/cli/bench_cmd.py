@@ -30,10 +30,16 @@ def bench(
     model: Annotated[str | None, typer.Option("--model", help="Model name (default: from the config).")] = None,
     endpoint: Annotated[str, typer.Option("--endpoint", help="chat or completions.")] = "chat",
     workload: Annotated[
-        str, typer.Option("--workload", "-w", help="doc | random | mixed | sharegpt:FILE | trace:FILE.")
+        str,
+        typer.Option(
+            "--workload", "-w", help="doc | random | mixed | sharegpt:FILE | trace:FILE | shared-prefix | agent."
+        ),
     ] = "doc",
     input_len: Annotated[int, typer.Option("--input-len", help="random: mean input tokens.")] = 1024,
-    output_len: Annotated[int, typer.Option("--output-len", help="random/mixed: mean output tokens.")] = 128,
+    output_len: Annotated[
+        int | None,
+        typer.Option("--output-len", help="random/mixed: mean output tokens (128); shared-prefix: output (256)."),
+    ] = None,
     range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths uniform in L(1±r).")] = 0.0,
     prefix_len: Annotated[int, typer.Option("--prefix-len", help="random: shared prefix tokens.")] = 0,
     short_len: Annotated[int, typer.Option("--short-len", help="mixed: short prompt tokens.")] = 128,
@@ -41,6 +47,22 @@ def bench(
     long_output_len: Annotated[int, typer.Option("--long-output-len", help="mixed: long prompts' output.")] = 16,
     long_fraction: Annotated[float, typer.Option("--long-fraction", help="mixed: share of long prompts.")] = 0.1,
     trace_speed: Annotated[float, typer.Option("--trace-speed", help="trace: replay speed factor.")] = 1.0,
+    conversations: Annotated[int, typer.Option("--conversations", help="agent: conversations per run.")] = 24,
+    turns: Annotated[str, typer.Option("--turns", help="agent: requests per conversation, N or MIN:MAX.")] = "6:9",
+    system_len: Annotated[
+        int | None,
+        typer.Option("--system-len", help="agent: shared system prompt (500); shared-prefix: per group (2048)."),
+    ] = None,
+    context_len: Annotated[
+        int, typer.Option("--context-len", help="agent: mean per-conversation context tokens (lognormal).")
+    ] = 1000,
+    user_len: Annotated[str, typer.Option("--user-len", help="agent: user turn tokens, N or MIN:MAX.")] = "120:160",
+    answer_len: Annotated[str, typer.Option("--answer-len", help="agent: answer tokens, N or MIN:MAX.")] = "80:120",
+    groups: Annotated[int, typer.Option("--groups", help="shared-prefix: groups (system prompts).")] = 64,
+    prompts_per_group: Annotated[
+        int, typer.Option("--prompts-per-group", help="shared-prefix: prompts per group.")
+    ] = 16,
+    question_len: Annotated[int, typer.Option("--question-len", help="shared-prefix: question tokens.")] = 128,
     repeat_prompts: Annotated[
         bool, typer.Option("--repeat-prompts", help="Do not make prompts unique (lets prefix caching hit).")
     ] = False,
@@ -121,6 +143,7 @@ def bench(
         goodput_slo,
         load_context,
         parse_percentiles,
+        parse_range,
         render_compare,
         render_pairs,
         render_runs,
@@ -148,12 +171,13 @@ def bench(
     if slo is None and not no_slo:
         slo = cx.slo
     pcts = parse_percentiles(percentiles)
+    gsp = workload == "shared-prefix"
     spec = workload_spec(
         workload,
         seed,
         not repeat_prompts,
         input_len=input_len,
-        output_len=output_len,
+        output_len=output_len if output_len is not None else (256 if gsp else 128),
         range_ratio=range_ratio,
         prefix_len=prefix_len,
         short_len=short_len,
@@ -161,13 +185,22 @@ def bench(
         long_output_len=long_output_len,
         long_fraction=long_fraction,
         trace_speed=trace_speed,
+        conversations=conversations,
+        turns=parse_range("--turns", turns),
+        system_len=system_len if system_len is not None else (2048 if gsp else 500),
+        context_len=context_len,
+        user_len=parse_range("--user-len", user_len),
+        answer_len=parse_range("--answer-len", answer_len),
+        groups=groups,
+        prompts_per_group=prompts_per_group,
+        question_len=question_len,
     )
     wl = make_workload(spec)
     rates = parse_rates(rate) if rate is not None else [math.inf]
-    if rate is None and concurrency is None and not wl.timed and not max_goodput:
+    if rate is None and concurrency is None and not wl.timed and not wl.conversational and not max_goodput:
         concurrency = 1
-    if num_requests is None and duration is None:
-        num_requests = None if wl.timed else 100
+    if num_requests is None and duration is None and not wl.conversational:
+        num_requests = wl.size if wl.timed or gsp else 100
     shape = LoadShape(
         rate=rates[0],
         burstiness=burstiness,

@@ -19,9 +19,9 @@ from rich.table import Table
 from rich.text import Text
 
 from pdctl import config
-from pdctl.bench.engine_metrics import engine_summary, kv_summary
+from pdctl.bench.engine_metrics import engine_summary, kv_summary, prefix_cache_summary
 from pdctl.bench.metrics import SLO, Summary, parse_goodput
-from pdctl.bench.report import best_swept_rate, compare
+from pdctl.bench.report import best_swept_rate, compare, engine_name, run_load
 from pdctl.bench.runner import BenchError, LiveStats, PairResult, RunResult
 from pdctl.bench.workload import WorkloadSpec
 from pdctl.cli._app import console, err_console
@@ -32,6 +32,7 @@ __all__ = [
     "goodput_slo",
     "load_context",
     "parse_percentiles",
+    "parse_range",
     "render_compare",
     "render_pairs",
     "render_runs",
@@ -107,6 +108,16 @@ def goodput_slo(items: Sequence[str], extra: Sequence[str], attainment: float | 
         raise BenchError(str(exc), hint="e.g. --goodput ttft:400 tpot:40 (milliseconds)") from None
 
 
+def parse_range(flag: str, text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (integers) -> ``(MIN, MAX)``; the bounds themselves are checked by the workload."""
+    lo, sep, hi = text.partition(":")
+    try:
+        low = int(lo)
+        return (low, int(hi) if sep else low)
+    except ValueError:
+        raise BenchError(f"{flag}: cannot read {text!r}", hint=f"give N or MIN:MAX, e.g. {flag} 6:9") from None
+
+
 def parse_percentiles(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(p) for p in text.split(",") if p.strip())
@@ -162,7 +173,9 @@ class Progress:
 def _run_name(run: RunResult) -> str:
     rate = run.shape.rate
     load = f"{rate:g}/s" if math.isfinite(rate) else "rate inf"
-    if run.shape.concurrency:
+    if run.target.workload.conversational:
+        load = run_load(run)
+    elif run.shape.concurrency:
         load += f" c={run.shape.concurrency}"
     return f"{run.target.label}\n{load}" if run.target.label else load
 
@@ -204,6 +217,36 @@ def _summary_rows(s: Summary) -> list[tuple[str, str]]:
         rows.append((f"[{kind}] ITL spikes > {sp.threshold_ms:.0f} ms (gaps / requests)", f"{sp.gaps} / {sp.requests}"))
     sp = s.itl_spikes
     rows.append((f"ITL spikes > {sp.threshold_ms:.0f} ms (gaps / requests)", f"{sp.gaps} / {sp.requests}"))
+    for group, d in s.turn_groups.items():
+        name = "turn 1" if group == "1" else "turns 2+"
+        for metric in ("ttft", "tpot"):
+            st = d[metric]
+            rows.append(
+                (f"[{name}] {metric.upper()} p50 / p90 (ms)", f"{_fmt(st.median)} / {_fmt(st.percentiles.get(90.0))}")
+            )
+    for turn, d in s.by_turn.items():
+        st = d["ttft"]
+        rows.append(
+            (
+                f"[turn {turn}] TTFT p50 / p90 (ms), prompt tokens p50",
+                f"{_fmt(st.median)} / {_fmt(st.percentiles.get(90.0))}, {_fmt(d['prompt_tokens'].median, 0)}",
+            )
+        )
+    return rows
+
+
+def _engine_rows(run: RunResult) -> list[tuple[str, str]]:
+    """The engines' prefix-cache hit rates and the KV moved over the run, from the workers' counters."""
+    rows: list[tuple[str, str]] = []
+    for url, pc in prefix_cache_summary(run.metric_deltas).items():
+        name = engine_name(run, url)
+        value = f"{100 * pc['hit_rate']:.1f}% of {pc['queries']:.0f} tokens"
+        if pc["external_hits"]:
+            value += f" (+{pc['external_hits']:.0f} from KV transfer)"
+        rows.append((f"prefix cache hits [{name}]", value))
+    kv = kv_summary(run.metric_deltas) if run.metric_deltas else {}
+    if kv.get("kv_transfers") or kv.get("kv_bytes"):
+        rows.append(("KV moved (MB / transfers)", f"{kv['kv_bytes'] / 1e6:.2f} / {kv['kv_transfers']:.0f}"))
     return rows
 
 
@@ -213,7 +256,7 @@ def render_runs(runs: Sequence[RunResult]) -> None:
     table.add_column("metric")
     for run in runs:
         table.add_column(Text(_run_name(run)), justify="right")
-    rows_per_run = [dict(_summary_rows(run.summary)) for run in runs]
+    rows_per_run = [dict(_summary_rows(run.summary) + _engine_rows(run)) for run in runs]
     keys = list(dict.fromkeys(k for rows in rows_per_run for k in rows))
     for key in keys:
         table.add_row(Text(key), *(Text(rows.get(key, "-")) for rows in rows_per_run))
