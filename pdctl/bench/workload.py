@@ -313,9 +313,11 @@ def _at_least(flag: str, value: int, low: int, hint: str) -> None:
 
 def _check_range(flag: str, value: tuple[int, int], low: int, hint: str) -> None:
     lo, hi = value
-    if lo < low or hi < lo:
-        shown = f"{lo}:{hi}" if lo != hi else str(lo)
-        raise WorkloadError(f"{flag} {shown}: expected N or MIN:MAX with {low} <= MIN <= MAX", hint=hint)
+    shown = f"{lo}:{hi}" if lo != hi else str(lo)
+    if lo < low:
+        raise WorkloadError(f"{flag} {shown}: must be at least {low}", hint=hint)
+    if hi < lo:
+        raise WorkloadError(f"{flag} {shown}: MIN is above MAX", hint=hint)
 
 
 def _check_agent(spec: WorkloadSpec) -> None:
