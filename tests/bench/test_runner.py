@@ -12,7 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.bench.engine_metrics import engine_summary, kv_summary, metric_deltas, parse_metrics
+from pdctl.bench.engine_metrics import (
+    engine_summary,
+    kv_summary,
+    metric_deltas,
+    parse_metrics,
+    prefix_cache_summary,
+)
 from pdctl.bench.html import render_html
 from pdctl.bench.metrics import SLO
 from pdctl.bench.plots import write_plots
@@ -495,3 +501,19 @@ def test_trace_replays_its_timestamps(tmp_path: Path) -> None:
     assert [r.scheduled_s for r in run.results] == pytest.approx([0.0, 0.1, 0.3])
     assert all(r.sent_s >= r.scheduled_s for r in run.results)
     assert [b["max_tokens"] for b in server.requests] == [2, 2, 3]
+
+
+def test_prefix_cache_hit_rates_from_real_vllm_metrics() -> None:
+    """vLLM 0.32 CPU's own /metrics after three prompts (739 + 8 + 302 tokens) sent over NIXL, each also re-run on
+    decode as the colocated reference: prefill queried them once, decode twice, and decode's hits came over NIXL."""
+    folder = Path(__file__).parent.parent / "fixtures" / "vllm-cpu"
+    deltas = {
+        role: metric_deltas({}, parse_metrics((folder / f"nixl-{role}.metrics.txt").read_text()))
+        for role in ("prefill", "decode")
+    }
+    caches = prefix_cache_summary(deltas)
+    assert caches["prefill"] == {"queries": 1049.0, "hits": 0.0, "hit_rate": 0.0, "external_queries": 1049.0,
+                                 "external_hits": 0.0, "external_hit_rate": 0.0}  # fmt: skip
+    assert caches["decode"]["queries"] == 2098.0 and caches["decode"]["external_hits"] == 1049.0
+    assert caches["decode"]["external_hit_rate"] == 0.5
+    assert prefix_cache_summary({"gateway": {"pdctl_requests_total": 3.0}}) == {}

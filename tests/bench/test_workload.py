@@ -1,13 +1,15 @@
-"""Workloads: determinism, uniqueness, lengths, ShareGPT and trace files."""
+"""Workloads: determinism, uniqueness, lengths, ShareGPT and trace files, shared prefix, agent conversations."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pdctl.bench.conversation import context_lengths, plan_conversations
 from pdctl.bench.workload import (
     DOC_PROMPTS,
     WorkloadError,
@@ -157,3 +159,77 @@ def test_trace_errors_name_the_line(tmp_path: Path) -> None:
 def test_bad_specs(spec: WorkloadSpec) -> None:
     with pytest.raises(WorkloadError):
         make_workload(spec)
+
+
+def test_agent_plan_is_vllms_shape_and_the_same_for_a_seed() -> None:
+    spec = WorkloadSpec("agent")  # the defaults: vLLM's generate_multi_turn.json
+    plan = plan_conversations(spec, "red blue green")
+    assert len(plan.conversations) == 24
+    assert plan.system.startswith("[bench red blue green 0] ")
+    assert estimate_tokens(plan.system) == 500
+    assert all(6 <= len(c.users) <= 9 for c in plan.conversations)
+    assert all(120 <= estimate_tokens(u) <= 160 for c in plan.conversations for u in c.users)
+    assert all(80 <= n <= 120 for c in plan.conversations for n in c.answers)
+    contexts = [estimate_tokens(c.context) for c in plan.conversations]
+    assert abs(sum(contexts) / len(contexts) - 1000) < 2 and max(contexts) <= 5000 and len(set(contexts)) > 12
+    assert [c.first for c in plan.conversations[:2]] == [0, len(plan.conversations[0].users)]
+    assert plan.total == sum(len(c.users) for c in plan.conversations)
+    other = plan_conversations(spec, "old new big")
+    assert other.conversations == plan.conversations and other.system != plan.system  # only the tag differs
+    assert plan_conversations(WorkloadSpec("agent", unique=False)).system.startswith("[bench") is False
+
+
+def test_context_lengths_are_lognormal_rescaled_to_the_mean_and_capped() -> None:
+    lengths = context_lengths(2000, 1000, random.Random(1))
+    assert abs(sum(lengths) / len(lengths) - 1000) < 5  # the cap at 5x takes a little off, as in vLLM
+    median = sorted(lengths)[1000]
+    assert 750 < median < 950  # vLLM's median ratio 0.85
+    assert max(lengths) <= 5000
+    assert context_lengths(3, 0, random.Random(1)) == [0, 0, 0]
+
+
+def test_shared_prefix_groups_prompts_behind_one_system_prompt_each() -> None:
+    spec = WorkloadSpec("shared-prefix", groups=3, prompts_per_group=4, system_len=40, question_len=10, output_len=7)
+    wl = make_workload(spec)
+    assert wl.size == 12
+    reqs = [wl.request(i, "a b c") for i in range(12)]
+    systems = [r.prompt.split("\n\n")[0] for r in reqs]
+    assert sorted(systems.count(s) for s in set(systems)) == [4, 4, 4]
+    assert all(s.startswith("[bench a b c 0-g") and estimate_tokens(s) == 40 for s in systems)
+    assert len({r.prompt for r in reqs}) == 12 and all(r.max_tokens == 7 and r.ignore_eos for r in reqs)
+    assert [r.prompt.split("\n\n")[0] for r in reqs[:4]] != [systems[0]] * 4  # shuffled, as SGLang sends them
+    assert not {r.prompt for r in reqs} & {wl.request(i, "d e f").prompt for i in range(12)}
+    warm = wl.warmup_request(0, "a b c")
+    assert not any(warm.prompt.startswith(s) for s in systems)
+
+
+@pytest.mark.parametrize(
+    ("spec", "flag"),
+    [
+        (WorkloadSpec("agent", turns=(0, 0)), "--turns 0"),
+        (WorkloadSpec("agent", turns=(5, 3)), "--turns 5:3"),
+        (WorkloadSpec("agent", conversations=0), "--conversations 0"),
+        (WorkloadSpec("agent", answer_len=(0, 4)), "--answer-len 0:4"),
+        (WorkloadSpec("agent", context_len=-1), "--context-len -1"),
+        (WorkloadSpec("shared-prefix", groups=0), "--groups 0"),
+        (WorkloadSpec("shared-prefix", question_len=0), "--question-len 0"),
+    ],
+)
+def test_agent_and_shared_prefix_sizes_are_checked(spec: WorkloadSpec, flag: str) -> None:
+    with pytest.raises(WorkloadError) as err:
+        make_workload(spec)
+    assert str(err.value).startswith(flag) and err.value.hint
+
+
+def test_cli_names_the_flag_of_a_bad_agent_or_shared_prefix_size(cli: Any) -> None:
+    base = ("bench", "--gateway", "http://127.0.0.1:9", "--model", "m", "--no-metrics")
+    for args, expected in (
+        (("-w", "agent", "--turns", "0"), "--turns 0: must be"),
+        (("-w", "agent", "--turns", "six"), "--turns: cannot read 'six'"),
+        (("-w", "agent", "--user-len", "9:3"), "--user-len 9:3"),
+        (("-w", "agent", "-n", "5"), "-n/--num-requests does not apply to -w agent"),
+        (("-w", "shared-prefix", "--prompts-per-group", "0"), "--prompts-per-group 0"),
+    ):
+        result = cli(*base, *args)
+        assert result.exit_code == 1, result.output
+        assert expected in result.output and "Traceback" not in result.output, result.output
