@@ -395,58 +395,27 @@ class SimApp:
         text = self.engine.tokenizer.decode(req.output_ids)
         want_ids = bool(body.get("return_token_ids"))
         logprobs = self._logprobs(body, req, chat)
-        usage = _usage(req)
-        out: dict[str, Any]
+        ids = list(req.output_ids) if want_ids else None
+        prompt_ids = list(req.prompt_ids) if want_ids else None
+        obj = "chat.completion" if chat else "text_completion"
+        content: dict[str, Any] = (
+            {"message": {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                         "function_call": None, "tool_calls": [], "reasoning": None}}
+            if chat
+            else {"text": text}
+        )  # fmt: skip
+        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": req.finish_reason,
+                  "stop_reason": None, "token_ids": ids}  # fmt: skip
+        if not chat:
+            choice.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, routed_experts=None)
+        # vLLM's two response classes share their head and usage; the fields after those are each class's own.
+        out: dict[str, Any] = {"id": resp_id, "object": obj, "created": int(time.time()), "model": self.model,
+                               "choices": [choice], "service_tier": None, "system_fingerprint": FINGERPRINT,
+                               "usage": _usage(req)}  # fmt: skip
         if chat:
-            out = {
-                "id": resp_id,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                    "audio": None, "function_call": None, "tool_calls": [], "reasoning": None},
-                        "logprobs": logprobs,
-                        "finish_reason": req.finish_reason,
-                        "stop_reason": None,
-                        "token_ids": list(req.output_ids) if want_ids else None,
-                    }
-                ],
-                "service_tier": None,
-                "system_fingerprint": FINGERPRINT,
-                "usage": usage,
-                "prompt_logprobs": None,
-                "prompt_token_ids": list(req.prompt_ids) if want_ids else None,
-                "kv_transfer_params": req.result_params,
-            }  # fmt: skip
+            out.update(prompt_logprobs=None, prompt_token_ids=prompt_ids, kv_transfer_params=req.result_params)
         else:
-            out = {
-                "id": resp_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": req.finish_reason,
-                        "stop_reason": None,
-                        "token_ids": list(req.output_ids) if want_ids else None,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": list(req.prompt_ids) if want_ids else None,
-                        "routed_experts": None,
-                    }
-                ],
-                "service_tier": None,
-                "system_fingerprint": FINGERPRINT,
-                "usage": usage,
-                "kv_transfer_params": req.result_params,
-                "ec_transfer_params": None,
-                "metrics": None,
-            }
+            out.update(kv_transfer_params=req.result_params, ec_transfer_params=None, metrics=None)
         await _json(send, 200, out, extra)
 
     async def _stream(self, r: _Reply) -> None:
