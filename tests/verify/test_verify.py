@@ -57,8 +57,15 @@ class Cluster:
         return run_verify(self.dep, logs_dir=self.logs, **kw)  # type: ignore[arg-type]
 
 
-def _toml_list(items: Sequence[str]) -> str:
-    return json.dumps(list(items))
+def _worker_section(role: str, model: str, args: Sequence[str]) -> str:
+    """``[prefill]`` or ``[decode]``: a simulated worker on its own side-channel port."""
+    return f"""[{role}]
+model = "{model}"
+engine = "sim"
+max_model_len = 1024
+side_channel_port = {free_port()}
+extra_args = {json.dumps(list(args))}
+"""
 
 
 def _write_files(
@@ -82,20 +89,8 @@ name = "verify-test"
 backend = "nixl"
 shared_storage_path = "{folder / "kvstore"}"
 
-[prefill]
-model = "sim/tiny-qwen3"
-engine = "sim"
-max_model_len = 1024
-side_channel_port = {free_port()}
-extra_args = {_toml_list(prefill_args)}
-
-[decode]
-model = "{decode_model}"
-engine = "sim"
-max_model_len = 1024
-side_channel_port = {free_port()}
-extra_args = {_toml_list(decode_args)}
-{decode_extra}
+{_worker_section("prefill", "sim/tiny-qwen3", prefill_args)}
+{_worker_section("decode", decode_model, decode_args)}{decode_extra}
 [connector]
 kv_connector = "{connector}"
 
