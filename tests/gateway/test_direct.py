@@ -31,6 +31,23 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding
 
 
 @contextlib.asynccontextmanager
+async def _serving(app: Any, http: Any) -> AsyncIterator[int]:
+    """``app`` under uvicorn with the ``http`` protocol and no lifespan (only HTTP scopes reach it); yields its
+    port."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=http, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
 async def _setup(
     worker: Worker, read_timeout_s: float | None = None, sndbuf: int | None = None
 ) -> AsyncIterator[tuple[int, list[RelayResult]]]:
@@ -65,8 +82,6 @@ async def _setup(
     results: list[RelayResult] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
         if sndbuf is not None:
             send.__self__.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         resp = await client.request("POST", "/v1/completions", body=b"{}")
@@ -76,17 +91,10 @@ async def _setup(
         finally:
             resp.close()
 
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", lifespan="off", log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
     try:
-        yield port, results
+        async with _serving(app, "httptools") as port:
+            yield port, results
     finally:
-        server.should_exit = True
-        await task
         await client.aclose()
         wserver.close()
         for handler in list(handlers):
@@ -247,42 +255,19 @@ def test_no_direct_path_without_uvicorn_or_before_a_chunked_start() -> None:
         seen: list[object] = []
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http":
-                return
             seen.append(client_socket(send))  # before the response started
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             seen.append(client_socket(send))  # a response with a length is not chunked
             await send({"type": "http.response.body", "body": b"ok"})
 
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", lifespan="off"))
-        task = asyncio.ensure_future(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        assert (await reader.read()).endswith(b"ok")
-        writer.close()
-        server.should_exit = True
-        await task
+        async with _serving(app, "httptools") as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            assert (await reader.read()).endswith(b"ok")
+            writer.close()
         assert seen == [None, None]
 
     asyncio.run(go())
-
-
-@contextlib.asynccontextmanager
-async def _serving(app: Any, http: Any) -> AsyncIterator[int]:
-    """``app`` under uvicorn with the ``http`` protocol; yields its port."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=http, lifespan="off"))
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        await task
 
 
 def test_the_gateway_protocol_tells_a_request_its_client_left_without_a_task() -> None:
@@ -295,8 +280,6 @@ def test_the_gateway_protocol_tells_a_request_its_client_left_without_a_task() -
         done = asyncio.Event()
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http":
-                return
             await receive()  # the body
             registered.append(watch_disconnect(send, lambda: calls.append("gone")))
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -330,8 +313,6 @@ def test_a_client_gone_before_the_watch_is_told_at_once_and_a_finished_one_never
         left = asyncio.Event()
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http":
-                return
             await receive()
             if scope["path"] == "/early":
                 await left.wait()
