@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -43,6 +43,23 @@ def _gw(gateways: list[GatewayThread], *args: object, http: str | None = None, *
     return g
 
 
+OneOfEach = Callable[..., tuple[FakeProc, FakeProc, GatewayThread]]
+
+
+@pytest.fixture
+def one_p_one_d(fakes: list[FakeProc], gateways: list[GatewayThread]) -> OneOfEach:
+    """Starts a fake prefill (``p``: its spec), a fake decode (``d``) and a gateway in front of them (the other
+    keywords go to the gateway's settings); returns the three."""
+
+    def start(
+        p: dict[str, object] | None = None, d: dict[str, object] | None = None, **gateway: object
+    ) -> tuple[FakeProc, FakeProc, GatewayThread]:
+        prefill, decode = _fake(fakes, **(p or {})), _fake(fakes, **(d or {}))
+        return prefill, decode, _gw(gateways, [prefill.url], [decode.url], **gateway)  # type: ignore[arg-type]
+
+    return start
+
+
 def _events(raw: bytes) -> list[bytes]:
     return [e for e in raw.split(b"\n\n") if e.strip()]
 
@@ -53,13 +70,9 @@ UNDER = pytest.mark.parametrize("http", [None, "httptools"], ids=["gateway-proto
 
 
 @UNDER
-def test_g1_disconnect_mid_stream_aborts_decode(
-    fakes: list[FakeProc], gateways: list[GatewayThread], http: str | None
-) -> None:
+def test_g1_disconnect_mid_stream_aborts_decode(one_p_one_d: OneOfEach, http: str | None) -> None:
     """G1 (N1 cancel, N2, N6): auth and rate limiting on; the fake decode sees the abort."""
-    p = _fake(fakes)
-    d = _fake(fakes, chunks=200, chunk_delay=0.1)
-    g = _gw(gateways, [p.url], [d.url], http=http, rate_limit=RateLimitConfig(60, 100000, 4))
+    _, d, g = one_p_one_d(d={"chunks": 200, "chunk_delay": 0.1}, http=http, rate_limit=RateLimitConfig(60, 100000, 4))
     with (
         g.client() as c,
         c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 200, "stream": True}) as r,
@@ -74,13 +87,9 @@ def test_g1_disconnect_mid_stream_aborts_decode(
 
 
 @UNDER
-def test_g2_disconnect_during_prefill_releases_kv(
-    fakes: list[FakeProc], gateways: list[GatewayThread], http: str | None
-) -> None:
+def test_g2_disconnect_during_prefill_releases_kv(one_p_one_d: OneOfEach, http: str | None) -> None:
     """G2 (N2, N3): prefill completes, one release leg goes to decode, prefill's held blocks return to 0."""
-    p = _fake(fakes, delay=1.0, lease_s=600)
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url], http=http)
+    p, d, g = one_p_one_d(p={"delay": 1.0, "lease_s": 600}, http=http)
     with g.client(timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "g2req"})
     assert wait_for(lambda: any(e["finished"] for e in p.completions()), timeout=10)
@@ -96,24 +105,18 @@ def test_g2_disconnect_during_prefill_releases_kv(
 
 
 @UNDER
-def test_g3_non_stream_disconnect_cancels_decode(
-    fakes: list[FakeProc], gateways: list[GatewayThread], http: str | None
-) -> None:
+def test_g3_non_stream_disconnect_cancels_decode(one_p_one_d: OneOfEach, http: str | None) -> None:
     """G3 (N2): a non-streaming request is cancelled upstream, not run to completion."""
-    p = _fake(fakes)
-    d = _fake(fakes, chunks=50, chunk_delay=0.2)
-    g = _gw(gateways, [p.url], [d.url], http=http)
+    _, d, g = one_p_one_d(d={"chunks": 50, "chunk_delay": 0.2}, http=http)
     with g.client(timeout=0.8) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50})
     assert wait_for(lambda: any(e["aborted"] for e in d.completions()), timeout=5)
     assert not any(e["finished"] for e in d.completions())
 
 
-def test_g4_prefill_reset_retried_once_with_fresh_id(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_g4_prefill_reset_retried_once_with_fresh_id(one_p_one_d: OneOfEach) -> None:
     """G4 (N1, N3): one retry with a new request id and fresh kv_transfer_params; success."""
-    p = _fake(fakes, reset_first=1)
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url])
+    p, d, g = one_p_one_d(p={"reset_first": 1})
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "g4req"})
     assert r.status_code == 200, r.text
@@ -126,11 +129,9 @@ def test_g4_prefill_reset_retried_once_with_fresh_id(fakes: list[FakeProc], gate
     assert g.metric("pdctl_retries_total", leg="prefill") == 1
 
 
-def test_g5_decode_dies_mid_stream(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_g5_decode_dies_mid_stream(one_p_one_d: OneOfEach) -> None:
     """G5 (N1, N3): 3 chunks, then one SSE error event; no [DONE], no invented finish_reason, no retry."""
-    p = _fake(fakes)
-    d = _fake(fakes, chunks=10, die_after=3)
-    g = _gw(gateways, [p.url], [d.url])
+    p, _, g = one_p_one_d(d={"chunks": 10, "die_after": 3})
     with (
         g.client() as c,
         c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 10, "stream": True}) as r,
@@ -147,12 +148,15 @@ def test_g5_decode_dies_mid_stream(fakes: list[FakeProc], gateways: list[Gateway
     assert g.metric("pdctl_requests_total", path="disagg", status="stream_error") == 1
 
 
-def test_prefill_crash_is_not_counted_against_decode(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_prefill_crash_is_not_counted_against_decode(one_p_one_d: OneOfEach) -> None:
     """A prefill dies with leg 1 of three requests answered; decode's KV pulls fail (HTTP 500, as vLLM's NIXL
     read from a dead prefill). Those failures are the prefill's: decode's breaker stays closed, prefill is out."""
-    p = _fake(fakes, exit_after_replies=3)
-    d = _fake(fakes, delay=0.5, pull_fail_status=500)
-    g = _gw(gateways, [p.url], [d.url], breaker_threshold=2, health_interval_s=60.0)
+    _, d, g = one_p_one_d(
+        p={"exit_after_replies": 3},
+        d={"delay": 0.5, "pull_fail_status": 500},
+        breaker_threshold=2,
+        health_interval_s=60.0,
+    )
     with g.client() as c:
         results: list[tuple[int, str]] = []
 
@@ -180,11 +184,9 @@ def test_prefill_crash_is_not_counted_against_decode(fakes: list[FakeProc], gate
         assert state["decode"]["breaker_open"] is False and state["decode"]["healthy"] is True, state
 
 
-def test_g6_decode_stall_hits_idle_timeout(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_g6_decode_stall_hits_idle_timeout(one_p_one_d: OneOfEach) -> None:
     """G6 (N1, N2): the idle timeout fires, an SSE error is sent and the fake decode sees the abort."""
-    p = _fake(fakes)
-    d = _fake(fakes, chunks=10, stall_after=2)
-    g = _gw(gateways, [p.url], [d.url], request_timeout_s=1.5)
+    _, d, g = one_p_one_d(d={"chunks": 10, "stall_after": 2}, request_timeout_s=1.5)
     with (
         g.client() as c,
         c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 10, "stream": True}) as r,
@@ -196,11 +198,9 @@ def test_g6_decode_stall_hits_idle_timeout(fakes: list[FakeProc], gateways: list
     assert wait_for(lambda: any(e["aborted"] for e in d.completions()), timeout=5)
 
 
-def test_g7_prefill_errors_bounded_retries(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_g7_prefill_errors_bounded_retries(one_p_one_d: OneOfEach) -> None:
     """G7 (N1): P answers 500 x3 then 200: gateway.max_retries (2) retries, then an error; the next succeeds."""
-    p = _fake(fakes, fail_first=3)
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url])
+    p, d, g = one_p_one_d(p={"fail_first": 3})
     with g.client() as c:
         r1 = c.post("/v1/chat/completions", json=CHAT)
         assert r1.status_code == 502
@@ -212,11 +212,9 @@ def test_g7_prefill_errors_bounded_retries(fakes: list[FakeProc], gateways: list
         assert len(p.completions()) == 4 and len(d.completions()) == 1
 
 
-def test_g7_overall_deadline_includes_retries(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_g7_overall_deadline_includes_retries(one_p_one_d: OneOfEach) -> None:
     """G7: a slow prefill uses up the request's deadline; no second attempt past it."""
-    p = _fake(fakes, delay=3.0)
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url], request_timeout_s=1.0)
+    p, d, g = one_p_one_d(p={"delay": 3.0}, request_timeout_s=1.0)
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 504
@@ -224,11 +222,9 @@ def test_g7_overall_deadline_includes_retries(fakes: list[FakeProc], gateways: l
     assert len(p.completions()) == 1 and len(d.completions()) == 0
 
 
-def test_g8_breaker_opens_and_half_open_probe_closes(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
+def test_g8_breaker_opens_and_half_open_probe_closes(one_p_one_d: OneOfEach) -> None:
     """G8 (N1): after 5 consecutive P failures requests fail fast (503 + Retry-After) without touching P."""
-    p = _fake(fakes, fail_first=10**6)
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url], breaker_cooldown_s=1.0, max_retries=1)
+    p, _, g = one_p_one_d(p={"fail_first": 10**6}, breaker_cooldown_s=1.0, max_retries=1)
     with g.client() as c:
         codes = [c.post("/v1/chat/completions", json=CHAT).status_code for _ in range(3)]
         # the fifth failure (request 3's first attempt) opens the breaker: its retry finds no prefill
@@ -244,13 +240,9 @@ def test_g8_breaker_opens_and_half_open_probe_closes(fakes: list[FakeProc], gate
 
 
 @pytest.mark.parametrize(("kv", "reason"), [("missing", "missing"), ("partial", "missing_fields")])
-def test_no_silent_fallback(
-    fakes: list[FakeProc], gateways: list[GatewayThread], kv: str, reason: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_no_silent_fallback(one_p_one_d: OneOfEach, kv: str, reason: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("WARNING", logger="pdctl.gateway")
-    p = _fake(fakes, kv=kv)
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url])
+    _, d, g = one_p_one_d(p={"kv": kv})
     with g.client() as c:
         r = c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "fbreq"})
     assert r.status_code == 200
@@ -266,10 +258,8 @@ def test_no_silent_fallback(
     )
 
 
-def test_shared_storage_connector_two_legs(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
-    p = _fake(fakes, kv="missing")
-    d = _fake(fakes)
-    g = _gw(gateways, [p.url], [d.url], connector="ExampleConnector")
+def test_shared_storage_connector_two_legs(one_p_one_d: OneOfEach) -> None:
+    p, d, g = one_p_one_d(p={"kv": "missing"}, connector="ExampleConnector")
     with g.client() as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "same prompt", "max_tokens": 3})
     assert r.status_code == 200 and r.headers["x-pd-path"] == "disagg"
@@ -279,10 +269,10 @@ def test_shared_storage_connector_two_legs(fakes: list[FakeProc], gateways: list
     assert g.metric("pdctl_pd_fallback_total") == 0
 
 
-def test_colocated_whole_request_least_loaded(fakes: list[FakeProc], gateways: list[GatewayThread]) -> None:
-    a = _fake(fakes, chunks=4, chunk_delay=0.3)
-    b = _fake(fakes, chunks=4, chunk_delay=0.3)
-    g = _gw(gateways, [a.url], [b.url], strategy="colocated")
+def test_colocated_whole_request_least_loaded(one_p_one_d: OneOfEach) -> None:
+    a, b, g = one_p_one_d(
+        p={"chunks": 4, "chunk_delay": 0.3}, d={"chunks": 4, "chunk_delay": 0.3}, strategy="colocated"
+    )
     results: list[httpx.Response] = []
 
     def one() -> None:
