@@ -61,12 +61,8 @@ class SoakReport:
 
     config: SoakConfig
     duration_s: float = 0.0
-    sent: int = 0
-    succeeded: int = 0
-    errored: int = 0
-    cancelled: int = 0
-    hung: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
+    client: inv.ClientTally = field(default_factory=inv.ClientTally)
+    """What the clients saw: the traffic's own tally, the one N1 is checked against."""
     faults: list[str] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
@@ -80,13 +76,12 @@ class SoakReport:
 
     def render(self) -> str:
         """A plain-text report."""
-        c = self.config
+        c, t = self.config, self.client
         lines = [
-            f"soak: {self.sent} requests at concurrency {c.concurrency}, seed {c.seed}, "
+            f"soak: {t.sent} requests at concurrency {c.concurrency}, seed {c.seed}, "
             f"{c.disconnect_p:.0%} client disconnects, {self.duration_s:.1f} s",
-            f"  client outcomes: {self.succeeded} succeeded, {self.errored} errored, {self.cancelled} cancelled, "
-            f"{self.hung} hung",
-            "  HTTP statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items())),
+            f"  client outcomes: {t.succeeded} succeeded, {t.errored} errored, {t.cancelled} cancelled, {t.hung} hung",
+            "  HTTP statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(self._statuses().items())),
             "  faults: " + ("; ".join(self.faults) or "none"),
             "  restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items())),
             "  gateway: " + ", ".join(f"{k} {v:g}" for k, v in self.gateway.items()),
@@ -97,12 +92,24 @@ class SoakReport:
         lines.append("result: " + ("nothing lost (N1-N6 hold)" if self.ok else "INVARIANT VIOLATED"))
         return "\n".join(lines)
 
+    def _statuses(self) -> dict[str, int]:
+        return {str(k): v for k, v in sorted(self.client.statuses.items())}
+
     def to_json(self) -> dict[str, Any]:
-        """A plain dict (for ``--json``)."""
-        d = {k: v for k, v in asdict(self).items() if k != "invariants"}
-        d["invariants"] = self.invariants.to_json() if self.invariants is not None else None
-        d["ok"] = self.ok
-        return d
+        """A plain dict (for ``--json``): the client counts at the top level, beside the faults and invariants."""
+        t = self.client
+        return {
+            "config": asdict(self.config),
+            "duration_s": self.duration_s,
+            **{k: getattr(t, k) for k in ("sent", "succeeded", "errored", "cancelled", "hung")},
+            "statuses": self._statuses(),
+            "faults": self.faults,
+            "restarts": self.restarts,
+            "gateway": self.gateway,
+            "notes": self.notes,
+            "invariants": self.invariants.to_json() if self.invariants is not None else None,
+            "ok": self.ok,
+        }
 
 
 def write_deployment(d: Path, cfg: SoakConfig) -> dict[str, int]:
@@ -395,13 +402,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         bodies = {f"response body {i}": b for i, b in enumerate(traffic.bodies)}
         n5_pre = inv.check_n5([key], files=[workdir / ".pdctl"], texts={**captured, **bodies, "gateway /metrics": text},
                               environ_pids=workers_now)  # fmt: skip
-        report.sent, report.succeeded = traffic.tally.sent, traffic.tally.succeeded
-        report.errored, report.cancelled, report.hung = (
-            traffic.tally.errored,
-            traffic.tally.cancelled,
-            traffic.tally.hung,
-        )
-        report.statuses = {str(k): v for k, v in sorted(traffic.tally.statuses.items())}
+        report.client = traffic.tally
         if outcomes is not None:
             report.gateway = {"accepted": outcomes.accepted, "succeeded": outcomes.succeeded,
                               "errored": outcomes.errored, "cancelled": outcomes.cancelled, "retries": retries,
@@ -415,7 +416,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         if down.returncode != 0:
             report.notes.append(f"pdctl down exited {down.returncode}: {down.stderr[-500:]}")
         report.duration_s = time.monotonic() - t0
-    if report.sent == 0:
+    if report.client.sent == 0:
         return report
     n4 = inv.check_n4(census, timeout_s=15.0)
     n5_post = inv.check_n5([key], files=[workdir / ".pdctl"], texts=captured, all_cmdlines=False)
