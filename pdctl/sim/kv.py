@@ -146,8 +146,7 @@ class SideChannelServer:
         on_message: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
-        self.engine_id = engine_id
-        self.compat = compat
+        self._welcome = {"ok": True, "engine_id": engine_id, "compat_hash": compat}  # every handshake's answer
         self._corrupt = corrupt
         self._drop_handshake = drop_handshake
         self._on_message = on_message
@@ -184,7 +183,7 @@ class SideChannelServer:
             self._on_message("handshake")
         if self._drop_handshake():
             return
-        await _send(writer, {"ok": True, "engine_id": self.engine_id, "compat_hash": self.compat})
+        await _send(writer, self._welcome)
         while True:
             line = await reader.readline()
             if not line:
