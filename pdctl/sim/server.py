@@ -76,11 +76,13 @@ class SimApp:
         self.ready = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's routes: the answer, 405 for a known path with another method, 404 for any other path."""
         path, method = scope["path"], scope["method"]
         try:
             if path == "/health" and method == "GET":
