@@ -18,7 +18,7 @@ import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.sim.text import content_text
@@ -192,23 +192,24 @@ def responses_reply(
     return _response_object(resp_id, model, body, status, [item], usage, kv_params)
 
 
+@dataclass(slots=True, eq=False)
 class AgentStream:
     """One agent stream: :meth:`start`, :meth:`token` per generated token, then :meth:`finish` or :meth:`fail`."""
 
-    def __init__(
-        self, route: str, send: SendBytes, resp_id: str, model: str, body: Mapping[str, Any],
-        forced: ForcedTool | None, prompt_len: int,
-    ) -> None:  # fmt: skip
-        self.route = route
-        self._send = send
-        self.resp_id = resp_id
-        self.model = model
-        self.body = body
-        self.forced = forced
-        self.prompt_len = prompt_len
-        self._seq = 0
-        self._text: list[str] = []
-        self._item_id = f"{'fc' if forced else 'msg'}_{secrets.token_hex(8)}"
+    route: str
+    send: SendBytes
+    resp_id: str
+    model: str
+    body: Mapping[str, Any]
+    forced: ForcedTool | None
+    prompt_len: int
+    _seq: int = field(default=0, init=False)
+    _text: list[str] = field(default_factory=list, init=False)
+    _item_id: str = field(default="", init=False)
+    _call_id: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self._item_id = f"{'fc' if self.forced else 'msg'}_{secrets.token_hex(8)}"
         self._call_id = f"call_{secrets.token_hex(8)}"
 
     async def _event(self, kind: str, data: dict[str, Any]) -> None:
@@ -217,7 +218,7 @@ class AgentStream:
             self._seq += 1
         else:
             data = {"type": kind, **data}
-        await self._send(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+        await self.send(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
 
     async def start(self) -> None:
         """The opening events, up to an empty text block or tool call."""
