@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# PD against colocated on this machine's CPU cores, in one command (issue #18, docs/bench.md "PD vs colocated
-# on real vLLM"). Same two cores on both sides: one pair of vLLM CPU engines (core 0, core 1) from
-# examples/cpu-ab/, a PD gateway (prefill on core 0, decode on core 1) and a colocated gateway (whole requests to
-# either engine) over them, then `pdctl bench --ab` with the recipe's mixed workload at several rates.
+# Colocated, always-PD and adaptive PD on this machine's CPU cores, in one command (docs/bench.md "PD vs colocated
+# on real vLLM" and "Adaptive PD on real vLLM"). Same two cores on every side: one pair of vLLM CPU engines (core 0,
+# core 1) from examples/cpu-ab/, and three gateways over them: always-PD (prefill on core 0, decode on core 1),
+# colocated (whole requests to either engine) and adaptive PD (routing.pd_mode = "adaptive": short or cached
+# prompts to decode alone). Then `pdctl bench --ab --ab-side adaptive=...` with the recipe's mixed workload at
+# several rates, and with the agent workload (multi-turn conversations) at several conversation counts.
 #
 #   scripts/ab-demo.sh                                  # small model, rates 1,2,4,8, 80 requests per run
 #   scripts/ab-demo.sh --size tiny --rates 1,2 -n 12    # a smoke run: a few minutes
@@ -10,6 +12,7 @@
 #   scripts/ab-demo.sh ... -- --goodput ttft:3000 tpot:150   # anything after -- goes to `pdctl bench`
 #
 # Writes into the results folder (--out, default results/ab-DATE): ab.json (every run, vLLM's keys), report.html,
+# agent-N.json / agent-N.html / agent-N.txt (the agent workload with N conversations),
 # plots/*.svg (and *.png when rsvg-convert or ImageMagick is installed), bench.txt (the tables), metrics/ (each
 # worker's raw /metrics before and after), machine.txt (CPU, cores, load before and after), deploy/ (the files
 # the deployment ran from, its logs under deploy/.pdctl/logs). Stops everything it started on exit, Ctrl-C
@@ -30,6 +33,7 @@ ENGINE=vllm
 INSTALL=1
 PNG=1
 SLO_SCALE=3
+CONVERSATIONS=4,8
 PORT=8000
 OUT=""
 BENCH_EXTRA=()
@@ -37,7 +41,7 @@ BENCH_EXTRA=()
 usage() {
     cat <<EOF
 usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --duration S] [--engine vllm|sim]
-                          [--slo-scale S] [--no-install] [--no-png] [--port P] [--out DIR]
+                          [--slo-scale S] [--conversations N,N..] [--no-install] [--no-png] [--port P] [--out DIR]
                           [-- pdctl bench options]
   --size      model preset of \`pdctl model tiny\` (default small; tiny for a smoke run)
   --rates     request rates of the sweep, req/s (default 1,2,4,8)
@@ -45,9 +49,10 @@ usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --d
   --engine    vllm (default) or sim (pdctl's simulator: the same flow in seconds, no vLLM)
   --slo-scale SLOs = S x the unloaded latency measured first: TTFT of a long prompt, TPOT of a short request
               (default 3; \`-- --goodput ttft:MS tpot:MS\` sets them instead)
+  --conversations  agent workload: conversation counts, one run of each per side (default 4,8; 0: none)
   --no-install  use \$VENV as it is (default: scripts/install-cpu-engine.sh into it first, with vllm)
   --no-png    SVG plots only (default: also PNG, with rsvg-convert or headless Chromium)
-  --port      PD gateway port; the colocated gateway gets P+1, prefill P+100, decode P+200 (default 8000)
+  --port      PD gateway port; colocated gets P+1, adaptive P+2, prefill P+100, decode P+200 (default 8000)
   --out       results folder (default results/ab-DATE)
 EOF
 }
@@ -62,6 +67,7 @@ while [[ $# -gt 0 ]]; do
         --no-install) INSTALL=0; shift ;;
         --no-png) PNG=0; shift ;;
         --slo-scale) SLO_SCALE="$2"; shift 2 ;;
+        --conversations) CONVERSATIONS="$2"; shift 2 ;;
         --port) PORT="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
@@ -73,6 +79,8 @@ case "$SIZE" in tiny|small|medium) ;; *) echo "error: --size: expected tiny, sma
 case "$ENGINE" in vllm|sim) ;; *) echo "error: --engine: expected vllm or sim, got '$ENGINE'" >&2; exit 2 ;; esac
 [[ "$SLO_SCALE" =~ ^[0-9]+([.][0-9]+)?$ && ! "$SLO_SCALE" =~ ^0*([.]0*)?$ ]] \
     || { echo "error: --slo-scale: expected a positive number, got '$SLO_SCALE'" >&2; exit 2; }
+[[ "$CONVERSATIONS" =~ ^[0-9]+(,[0-9]+)*$ ]] \
+    || { echo "error: --conversations: expected counts like 4,8 (0: no agent runs), got '$CONVERSATIONS'" >&2; exit 2; }
 [[ "$PORT" =~ ^[0-9]+$ ]] && (( PORT >= 1024 && PORT <= 65000 )) \
     || { echo "error: --port: expected a port in 1024-65000, got '$PORT'" >&2; exit 2; }
 
@@ -81,21 +89,23 @@ mkdir -p "$OUT/metrics"
 OUT="$(cd "$OUT" && pwd)"
 DEPLOY="$OUT/deploy"
 CONFIG=(-c "$DEPLOY/config.toml" -s "$DEPLOY/settings.json")
-COLOCATED_PID=""
+SIDE_PIDS=()
 
 step() { printf '\n\033[1m[%s] %s\033[0m\n' "$1" "$2"; }
 
-# Stops what this script started: the colocated gateway's process group, then the deployment.
+# Stops what this script started: the colocated and adaptive gateways' process groups, then the deployment.
 stop_all() {
-    if [[ -n "$COLOCATED_PID" ]] && kill -0 "$COLOCATED_PID" 2>/dev/null; then
-        kill -TERM -- "-$COLOCATED_PID" 2>/dev/null || true
-        for _ in $(seq 50); do kill -0 "$COLOCATED_PID" 2>/dev/null || break; sleep 0.2; done
-        kill -KILL -- "-$COLOCATED_PID" 2>/dev/null || true
-    fi
+    local pid
+    for pid in ${SIDE_PIDS[@]+"${SIDE_PIDS[@]}"}; do
+        kill -0 "$pid" 2>/dev/null || continue
+        kill -TERM -- "-$pid" 2>/dev/null || true
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+    done
     if [[ -f "$DEPLOY/config.toml" ]]; then
         "$PDCTL" down "${CONFIG[@]}" >/dev/null 2>&1 || true
     fi
-    COLOCATED_PID=""
+    SIDE_PIDS=()
 }
 cleanup() {
     local rc=$?
@@ -113,7 +123,7 @@ if [[ -z "${PDCTL_API_KEY:-}" ]]; then
     echo "PDCTL_API_KEY is not set: using a random key for this run (the gateways listen on 127.0.0.1 only)"
 fi
 
-step 1/7 "engine and model"
+step 1/8 "engine and model"
 if [[ "$ENGINE" == vllm ]]; then
     if [[ "$INSTALL" == 1 ]]; then VENV="$VENV" scripts/install-cpu-engine.sh; fi
     MODEL_DIR="$ROOT/models/$SIZE-qwen3"
@@ -123,7 +133,7 @@ else
     echo "engine sim: no model files needed (the simulator serves '$MODEL_DIR')"
 fi
 
-step 2/7 "deployment files in $DEPLOY (from examples/cpu-ab/)"
+step 2/8 "deployment files in $DEPLOY (from examples/cpu-ab/)"
 "$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -148,12 +158,16 @@ if engine == "sim":
     # H100 timing; the KV bytes actually moved scaled down, so the copies do not load this machine's cores.
     doc["sim"] = {"profile": "h100", "speed": 1, "kv_scale": 0.001}
 (dst / "config.toml").write_text(tomlkit.dumps(doc))
-for name, listen in (("settings.json", port), ("settings-colocated.json", port + 1)):
+sides = (("settings.json", "settings.json", port), ("settings-colocated.json", "settings-colocated.json", port + 1),
+         ("settings.json", "settings-adaptive.json", port + 2))
+for name, out, listen in sides:
     settings = json.loads((src / name).read_text())
     settings["gateway"]["listen"] = f"127.0.0.1:{listen}"
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{port + 100}"
     settings["routing"]["decode_endpoint"] = f"http://127.0.0.1:{port + 200}"
-    (dst / name).write_text(json.dumps(settings, indent=2) + "\n")
+    if out == "settings-adaptive.json":
+        settings["routing"]["pd_mode"] = "adaptive"  # the thresholds' defaults (docs/gateway.md, Adaptive PD)
+    (dst / out).write_text(json.dumps(settings, indent=2) + "\n")
 EOF
 "$PDCTL" check "${CONFIG[@]}"
 
@@ -166,21 +180,29 @@ machine() {
 }
 machine "before" > "$OUT/machine.txt"
 
-step 3/7 "start prefill (core 0), decode (core 1) and the PD gateway (:$PORT)"
+step 3/8 "start prefill (core 0), decode (core 1) and the PD gateway (:$PORT)"
 "$PDCTL" up -d "${CONFIG[@]}"
 
-step 4/7 "start the colocated gateway (:$((PORT + 1))) over the same two engines"
-setsid "$PDCTL" gateway -c "$DEPLOY/config.toml" -s "$DEPLOY/settings-colocated.json" \
-    > "$OUT/colocated-gateway.log" 2>&1 < /dev/null &
-COLOCATED_PID=$!
-for _ in $(seq 150); do
-    if "$PY" -c 'import sys, httpx; sys.exit(httpx.get(sys.argv[1], timeout=2).status_code != 200)' \
-        "http://127.0.0.1:$((PORT + 1))/health" 2>/dev/null; then
-        break
-    fi
-    kill -0 "$COLOCATED_PID" 2>/dev/null || { echo "error: the colocated gateway exited; see $OUT/colocated-gateway.log" >&2; exit 1; }
-    sleep 0.2
-done
+# start_side NAME PORT: a gateway over the same two engines from settings-NAME.json, in its own process group
+start_side() {
+    local name="$1" port="$2" pid
+    setsid "$PDCTL" gateway -c "$DEPLOY/config.toml" -s "$DEPLOY/settings-$name.json" \
+        > "$OUT/$name-gateway.log" 2>&1 < /dev/null &
+    pid=$!
+    SIDE_PIDS+=("$pid")
+    for _ in $(seq 150); do
+        if "$PY" -c 'import sys, httpx; sys.exit(httpx.get(sys.argv[1], timeout=2).status_code != 200)' \
+            "http://127.0.0.1:$port/health" 2>/dev/null; then
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || { echo "error: the $name gateway exited; see $OUT/$name-gateway.log" >&2; exit 1; }
+        sleep 0.2
+    done
+}
+step 4/8 "start the colocated (:$((PORT + 1))) and adaptive (:$((PORT + 2))) gateways over the same two engines"
+start_side colocated $((PORT + 1))
+start_side adaptive $((PORT + 2))
+SIDES=(--ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" --ab-side "adaptive=http://127.0.0.1:$((PORT + 2))")
 
 scrape() {
     local when="$1" role port
@@ -197,7 +219,7 @@ if [[ "$SIZE" == tiny ]]; then LONG_LEN=512; fi
 WORKLOAD=(-w mixed --short-len 128 --output-len 64 --long-len "$LONG_LEN" --long-output-len 8 --timeout 600
           --no-progress)
 
-step 5/7 "SLOs scaled to this machine: $SLO_SCALE x the unloaded latencies, one request at a time on one engine"
+step 5/8 "SLOs scaled to this machine: $SLO_SCALE x the unloaded latencies, one request at a time on one engine"
 "$PDCTL" bench --gateway "http://127.0.0.1:$((PORT + 1))" --model "$SIZE" "${WORKLOAD[@]}" --long-fraction 0.5 \
     --concurrency 1 -n 8 --no-slo --no-metrics -o "$OUT/unloaded.json" > "$OUT/unloaded.txt"
 read -r TTFT_SLO TPOT_SLO < <("$PY" - "$OUT/unloaded.json" "$SLO_SCALE" <<'EOF'
@@ -211,18 +233,34 @@ EOF
 )
 echo "unloaded latencies in $OUT/unloaded.txt; SLOs: TTFT <= $TTFT_SLO ms, TPOT <= $TPOT_SLO ms"
 
-step 6/7 "bench: mixed workload at $RATES req/s, PD and colocated in turn at each rate"
+step 6/8 "bench: mixed workload at $RATES req/s, colocated, always-PD and adaptive in turn at each rate"
 BOUND=(-n "$REQUESTS")
 if [[ -n "$DURATION" ]]; then BOUND=(--duration "$DURATION"); fi
 scrape before
 "$PDCTL" bench "${CONFIG[@]}" "${WORKLOAD[@]}" --long-fraction 0.2 --rate "$RATES" "${BOUND[@]}" \
-    --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" --ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" \
+    --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" "${SIDES[@]}" \
     -o "$OUT/ab.json" --html "$OUT/report.html" --plots "$OUT/plots" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
     | tee "$OUT/bench.txt"
+
+step 7/8 "bench: agent workload (multi-turn conversations) with ${CONVERSATIONS} conversations, the three sides in turn"
+# vLLM's multi-turn generator's shapes (500-token system prompt, ~1,000-token context, 120-160-token user turns),
+# with short answers and 4-6 turns so a run takes a minute or two on two cores.
+AGENT=(-w agent --system-len 500 --context-len 1000 --turns 4:6 --user-len 120:160 --answer-len 24:32
+       --timeout 600 --no-progress)
+if [[ "$SIZE" == tiny ]]; then  # a quarter of the words: the tiny tokenizer's several tokens a word
+    AGENT=(-w agent --system-len 120 --context-len 250 --turns 3:4 --user-len 30:40 --answer-len 8:12
+           --timeout 600 --no-progress)
+fi
+for n in ${CONVERSATIONS//,/ }; do
+    [[ "$n" == 0 ]] && continue
+    "$PDCTL" bench "${CONFIG[@]}" "${AGENT[@]}" --conversations "$n" --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" \
+        "${SIDES[@]}" -o "$OUT/agent-$n.json" --html "$OUT/agent-$n.html" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
+        | tee "$OUT/agent-$n.txt"
+done
 scrape after
 machine "after" >> "$OUT/machine.txt"
 
-step 7/7 "stop everything, then the plots as PNG"
+step 8/8 "stop everything, then the plots as PNG"
 stop_all
 # PNG beside each SVG when a renderer is at hand: rsvg-convert, else a headless Chromium screenshot.
 CHROMIUM="$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)"
@@ -248,7 +286,9 @@ cat <<EOF
 
 Results in $OUT:
   report.html    tables and plots (open it in a browser)
-  ab.json        every run, PD and colocated, vLLM bench serve's keys plus pdctl's (pdctl.engine, pdctl.by_kind)
+  ab.json        every run, colocated, always-PD and adaptive, vLLM bench serve's keys plus pdctl's (pdctl.engine,
+                 pdctl.by_kind, pdctl.paths)
+  agent-N.*      the agent workload with N conversations: results by turn (pdctl.by_turn), report, tables
   plots/         goodput vs rate, latency CDFs per rate (sides overlaid), TPOT over time with long-prompt arrivals,
                  requests running on each engine
   bench.txt      the tables as printed; metrics/ raw /metrics of both engines before and after; machine.txt

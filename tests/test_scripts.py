@@ -158,7 +158,7 @@ def _ab_port_base() -> int:
     """A base port whose six derived ports (gateways, workers, NIXL side channels) are all free."""
     for _ in range(200):
         base = random.randrange(20000, 40000)
-        if all(port_free(p) for p in (base, base + 1, base + 100, base + 200, base - 2400, base - 2300)):
+        if all(port_free(p) for p in (base, base + 1, base + 2, base + 100, base + 200, base - 2400, base - 2300)):
             return base
     raise AssertionError("no free port range")
 
@@ -195,7 +195,7 @@ def _kill_script(proc: subprocess.Popen[str], out: Path) -> None:
 def _nothing_left(out: Path, port: int) -> None:
     """No process of the run remains: every port it used is free and none runs from its folder."""
     deadline = time.monotonic() + 30
-    ports = (port, port + 1, port + 100, port + 200)
+    ports = (port, port + 1, port + 2, port + 100, port + 200)
     while time.monotonic() < deadline:
         mine = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
         if not mine and all(port_free(p) for p in ports):
@@ -212,6 +212,7 @@ def _nothing_left(out: Path, port: int) -> None:
         (["--slo-scale", "0"], "--slo-scale: expected a positive number"),
         (["--port", "80"], "--port: expected a port in 1024-65000"),
         (["--rate", "2"], "unknown option --rate"),
+        (["--conversations", "four"], "--conversations: expected counts like 4,8"),
     ],
 )
 def test_ab_demo_refuses_bad_options_before_starting_anything(tmp_path: Path, args: list[str], message: str) -> None:
@@ -224,9 +225,10 @@ def test_ab_demo_refuses_bad_options_before_starting_anything(tmp_path: Path, ar
 
 
 def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
-    """The one command's whole flow with simulated engines: files, both sides measured, everything stopped."""
+    """The one command's whole flow with simulated engines: files, the three sides measured on the mixed and the
+    agent workload, everything stopped."""
     out, port = tmp_path / "ab", _ab_port_base()
-    proc = _ab_demo(out, port, "--rates", "4,8", "-n", "6", "--no-png")
+    proc = _ab_demo(out, port, "--rates", "4,8", "-n", "6", "--conversations", "2", "--no-png")
     try:
         stdout, _ = proc.communicate(timeout=240)
     finally:
@@ -236,17 +238,24 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
     assert f"Results in {out}" in stdout and "Traceback" not in stdout
     runs = json.loads((out / "ab.json").read_text())
     assert [(r["label"], r["request_rate"]) for r in runs] == [
-        ("colocated", 4.0), ("pd", 4.0), ("colocated", 8.0), ("pd", 8.0),
+        ("colocated", 4.0), ("pd", 4.0), ("adaptive", 4.0), ("colocated", 8.0), ("pd", 8.0), ("adaptive", 8.0),
     ]  # fmt: skip
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in runs)
+    adaptive = [r["pdctl"]["paths"] for r in runs if r["label"] == "adaptive"]
+    assert all(set(paths) <= {"local", "disagg"} for paths in adaptive) and any("local" in p for p in adaptive)
+    agent = json.loads((out / "agent-2.json").read_text())
+    assert [r["label"] for r in agent] == ["colocated", "pd", "adaptive"]
+    assert all(r["failed"] == 0 and set(r["pdctl"]["turn_groups"]) == {"1", "2+"} for r in agent)
+    assert agent[2]["pdctl"]["paths"].get("local", 0) > 0  # later turns served by the decode holding them
     assert all(set(r["pdctl"]["by_kind"]) == {"short", "long"} for r in runs)
     for run in runs:
         engines = run["pdctl"]["engine"]
         # both engines seen on both sides: PD sends every request through both, colocated spreads them
-        assert sum(e["requests"] for e in engines.values()) == (12 if run["label"] == "pd" else 6), engines
+        disagg = run["pdctl"]["paths"].get("disagg", 0)
+        assert sum(e["requests"] for e in engines.values()) == 6 + disagg, engines
         assert run["pdctl"]["engine_gauges"], run["label"]
         kv = run["pdctl"]["kv_transfer"]["kv_transfers"]
-        assert kv == (6 if run["label"] == "pd" else 0)
+        assert kv == disagg
     page = (out / "report.html").read_text()
     assert "own view (vLLM /metrics)" in page and "Highest swept rate within the SLOs" in page
     assert "<td>prefill</td>" in page and "<td>decode</td>" in page
@@ -284,9 +293,9 @@ def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     seen = ""
     deadline = time.monotonic() + 400
     try:
-        while "[6/7]" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        while "[6/8]" not in seen and time.monotonic() < deadline and proc.poll() is None:
             seen += proc.stdout.readline()
-        assert "[6/7]" in seen, seen
+        assert "[6/8]" in seen, seen
         time.sleep(2)  # the bench is running
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
         try:
@@ -305,11 +314,12 @@ def test_ab_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
 @pytest.mark.real
 @pytest.mark.timeout(1500)
 def test_ab_demo_smoke_on_real_vllm(tmp_path: Path) -> None:
-    """The one command on real vLLM CPU engines, tiny model, two short rates: it runs, measures both sides
-    through both engines, writes the report and the plots (PNG too where Chromium is installed), stops all."""
+    """The one command on real vLLM CPU engines, tiny model, two short rates and two conversations: it runs,
+    measures the three sides through both engines, writes the report and the plots (PNG too where Chromium is
+    installed), stops all."""
     require_engine()
     out, port = tmp_path / "ab", _ab_port_base()
-    proc = _ab_demo(out, port, "--rates", "1,2", "-n", "6", engine="vllm")
+    proc = _ab_demo(out, port, "--rates", "1,2", "-n", "6", "--conversations", "2", engine="vllm")
     try:
         stdout, _ = proc.communicate(timeout=1400)
     finally:
@@ -318,11 +328,12 @@ def test_ab_demo_smoke_on_real_vllm(tmp_path: Path) -> None:
             proc.communicate(timeout=120)
     assert proc.returncode == 0, stdout[-6000:]
     runs = json.loads((out / "ab.json").read_text())
-    assert [r["label"] for r in runs] == ["colocated", "pd", "colocated", "pd"]
+    assert [r["label"] for r in runs] == ["colocated", "pd", "adaptive"] * 2
     assert all(r["completed"] == 6 for r in runs), [r["pdctl"]["error_counts"] for r in runs]
     for run in runs:
         engines = run["pdctl"]["engine"]
-        assert sum(e["requests"] for e in engines.values()) == (12 if run["label"] == "pd" else 6), engines
+        disagg = run["pdctl"]["paths"].get("disagg", 0)
+        assert sum(e["requests"] for e in engines.values()) == 6 + disagg, engines
         # vLLM's own TPOT and the client's agree to the order of magnitude (same decode steps, other clocks)
         decode_tpots = [e["tpot_ms"] for e in engines.values() if "tpot_ms" in e]
         assert decode_tpots and all(0.2 < t / run["mean_tpot_ms"] < 5 for t in decode_tpots), (engines, run)

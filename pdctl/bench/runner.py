@@ -166,10 +166,17 @@ class SearchResult:
 
 @dataclass(slots=True)
 class PairResult:
-    """Two runs of the same load against two targets (A/B, or admission control on/off)."""
+    """Runs of the same load against two targets (A/B, or admission control on/off), and any further sides."""
 
     a: list[RunResult]
     b: list[RunResult]
+    more: dict[str, list[RunResult]] = field(default_factory=dict)
+    """Further sides by label (``pdctl bench --ab --ab-side NAME=URL``), run after ``b`` at each rate."""
+
+    def by_rate(self) -> list[RunResult]:
+        """Every run, rate by rate, in the order they ran."""
+        sides = [self.a, self.b, *self.more.values()]
+        return [run for i in range(len(self.a)) for side in sides for run in side[i : i + 1]]
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -479,15 +486,17 @@ async def run_ab(
     shape: LoadShape,
     rates: Sequence[float],
     on_start: Callable[[str, float], LiveStats] | None = None,
+    more: Sequence[BenchTarget] = (),
 ) -> PairResult:
-    """The same workload and arrivals against ``a`` then ``b``, rate by rate (A/B, admission on/off).
+    """The same workload and arrivals against ``a``, ``b`` and then each of ``more``, rate by rate (A/B,
+    admission on/off, or a three-sided comparison such as colocated / always-PD / adaptive PD).
 
-    Each side's run has its own prompt tags: when both deployments share workers, B must not find A's prompts
+    Each side's run has its own prompt tags: when the deployments share workers, B must not find A's prompts
     in the prefix cache.
     """
-    out = PairResult([], [])
+    out = PairResult([], [], {t.label: [] for t in more})
     for rate in rates:
-        for target, sink in ((a, out.a), (b, out.b)):
+        for target, sink in ((a, out.a), (b, out.b), *((t, out.more[t.label]) for t in more)):
             live = on_start(target.label, rate) if on_start else None
             sink.append(await run_once(target, replace(shape, rate=rate), live))
     return out

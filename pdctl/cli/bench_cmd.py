@@ -93,6 +93,13 @@ def bench(
     ab_gateway: Annotated[
         str | None, typer.Option("--ab-gateway", help="Base URL of the colocated deployment for --ab.")
     ] = None,
+    ab_side: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ab-side",
+            help="NAME=URL: a further side for --ab, run after the other two at each rate (e.g. adaptive PD).",
+        ),
+    ] = None,
     admission_off_gateway: Annotated[
         str | None,
         typer.Option("--admission-off-gateway", help="Gateway with slo.admission=false: compare goodput on/off."),
@@ -144,12 +151,16 @@ def bench(
         load_context,
         parse_percentiles,
         parse_range,
+        parse_sides,
         render_compare,
         render_pairs,
         render_runs,
         workload_spec,
     )
 
+    if ab_side and not ab:
+        raise BenchError("--ab-side needs --ab", hint="add --ab --ab-gateway URL (the colocated side)")
+    sides = parse_sides(ab_side or [], ("colocated", label or "pd"))
     files = compare_files or []
     if len(files) > 2:
         raise BenchError("--compare takes one file (compare with this run) or two (compare them)")
@@ -247,22 +258,26 @@ def bench(
                     "--ab needs the colocated deployment's URL",
                     hint='start one with routing.strategy = "colocated" (same workers) and pass --ab-gateway URL',
                 )
+            more: list[BenchTarget] = []
             if ab:
                 other = target_for(other_url, "colocated", with_metrics=False)
                 names = ("colocated", main.label or "pd")
+                more = [target_for(url, name, with_metrics=False) for name, url in sides]
             else:
                 main = replace(main, label=label or "admission on")
                 other = target_for(other_url, "admission off", with_metrics=False)
                 names = ("admission off", main.label)
             if ab and max_goodput:
                 searches = run_async(
-                    search_each([other, main], shape, start_rate=search_start, max_rate=search_max,
+                    search_each([other, main, *more], shape, start_rate=search_start, max_rate=search_max,
                                 on_start=lambda lab, r: prog.start(lab, r))
                 )  # fmt: skip
                 runs = sorted((r for found in searches.values() for r in found.runs), key=lambda r: r.shape.rate)
             else:
-                pair = run_async(run_ab(other, main, shape, rates, on_start=lambda lab, r: prog.start(lab, r)))
-                runs = [x for pr in zip(pair.a, pair.b, strict=True) for x in pr]
+                pair = run_async(
+                    run_ab(other, main, shape, rates, on_start=lambda lab, r: prog.start(lab, r), more=more)
+                )
+                runs = pair.by_rate()
         elif max_goodput:
             search = run_async(
                 search_max_goodput_rate(
@@ -274,7 +289,7 @@ def bench(
         else:
             runs = run_async(run_sweep(main, shape, rates, on_start=lambda r: prog.start(main.label, r)))
 
-    render_runs(runs)
+    render_runs(runs, per_table=2 + len(sides) if ab and not searches else 4)
     if (ab or admission_off_gateway) and not searches:
         names_t = names
         if admission_off_gateway and not ab:
@@ -282,6 +297,9 @@ def bench(
         else:
             for ra, rb in zip(pair.a, pair.b, strict=True):
                 render_compare(result_json(ra), result_json(rb), names_t[0], names_t[1])
+            for side, side_runs in pair.more.items():
+                for ra, rc in zip(pair.a, side_runs, strict=True):
+                    render_compare(result_json(ra), result_json(rc), names_t[0], side)
     for side_name, found in ([("", search)] if search is not None else []) + list(searches.items()):
         best = "none of the probed rates" if found.best_rate is None else f"{found.best_rate:.3g} req/s"
         console.print(

@@ -33,6 +33,7 @@ __all__ = [
     "load_context",
     "parse_percentiles",
     "parse_range",
+    "parse_sides",
     "render_compare",
     "render_pairs",
     "render_runs",
@@ -250,17 +251,20 @@ def _engine_rows(run: RunResult) -> list[tuple[str, str]]:
     return rows
 
 
-def render_runs(runs: Sequence[RunResult]) -> None:
-    """The final table: metrics as rows, one column per run."""
-    table = Table(title="pdctl bench", title_justify="left", show_lines=False)
-    table.add_column("metric")
-    for run in runs:
-        table.add_column(Text(_run_name(run)), justify="right")
-    rows_per_run = [dict(_summary_rows(run.summary) + _engine_rows(run)) for run in runs]
-    keys = list(dict.fromkeys(k for rows in rows_per_run for k in rows))
-    for key in keys:
-        table.add_row(Text(key), *(Text(rows.get(key, "-")) for rows in rows_per_run))
-    console.print(table)
+def render_runs(runs: Sequence[RunResult], per_table: int = 4) -> None:
+    """The final tables: metrics as rows, one column per run, at most ``per_table`` runs a table (an 80-column
+    terminal keeps the metric names whole; an A/B passes its number of sides, so each table is one load)."""
+    for start in range(0, len(runs), max(1, per_table)):
+        chunk = runs[start : start + max(1, per_table)]
+        table = Table(title="pdctl bench", title_justify="left", show_lines=False)
+        table.add_column("metric")
+        for run in chunk:
+            table.add_column(Text(_run_name(run)), justify="right")
+        rows_per_run = [dict(_summary_rows(run.summary) + _engine_rows(run)) for run in chunk]
+        keys = list(dict.fromkeys(k for rows in rows_per_run for k in rows))
+        for key in keys:
+            table.add_row(Text(key), *(Text(rows.get(key, "-")) for rows in rows_per_run))
+        console.print(table)
     for run in runs:
         if run.metric_deltas:
             kv = kv_summary(run.metric_deltas)
@@ -326,3 +330,19 @@ def render_pairs(pair: PairResult, name_a: str, name_b: str, title: str) -> None
                 _fmt(s.tpot.percentiles.get(90.0)),
             )
     console.print(table)
+
+
+def parse_sides(specs: list[str], taken: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``--ab-side NAME=URL`` values as (name, URL), each name new."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        name, url = name.strip(), url.strip()
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise BenchError(f"--ab-side {spec!r}: expected NAME=URL",
+                             hint="e.g. --ab-side adaptive=http://127.0.0.1:8002")  # fmt: skip
+        if name in taken or name in (n for n, _ in out):
+            raise BenchError(f"--ab-side {spec!r}: the side name {name!r} is taken",
+                             hint="give each side its own name")  # fmt: skip
+        out.append((name, url))
+    return out

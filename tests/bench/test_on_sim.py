@@ -51,12 +51,12 @@ def sims(tmp_path: Path) -> Iterator[Callable[..., SimProcess]]:
 def gateway(tmp_path: Path) -> Iterator[Callable[..., str]]:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(prefill: str, decode: str, *, admission: bool = False, name: str = "gw") -> str:
+    def start(prefill: str, decode: str, *, admission: bool = False, name: str = "gw", **routing: object) -> str:
         port = free_port()
         settings = {
             "gateway": {"listen": f"127.0.0.1:{port}", "api_key_env": "BENCH_TEST_KEY", "request_timeout_s": 60},
             "routing": {"prefill_endpoint": prefill, "decode_endpoint": decode, "strategy": "pd_disagg",
-                        "kv_connector": "NixlConnector"},
+                        "kv_connector": "NixlConnector", **routing},
             "slo": {"ttft_ms": 400, "tpot_ms": 40, "p90": True, "admission": admission},
         }  # fmt: skip
         path = tmp_path / f"{name}.json"
@@ -190,6 +190,45 @@ def test_ab_mixed_runs_both_sides_and_pd_moves_every_requests_kv(
     assert kv["kv_transfers"] >= 30 and kv["external_kv_tokens"] > 0
     assert kv["kv_failed_transfers"] == 0
     assert not any("fallback" in w for w in pair.b[0].warnings)
+
+
+def test_three_sides_colocated_always_pd_and_adaptive_in_one_run(
+    sims: Callable[..., SimProcess], gateway: Callable[..., str], tmp_path: Path, cli: Callable[..., Any]
+) -> None:
+    """``--ab --ab-side adaptive=URL``: the three sides over the same workers, rate by rate in one run. Under
+    adaptive PD the short prompts go to decode alone and the long ones take both legs; always-PD disaggregates
+    every request."""
+    p = sims(PD_ARGS, "prefill", connector="NixlConnector")
+    d = sims(PD_ARGS, "decode", connector="NixlConnector")
+    pd = gateway(p.url, d.url, name="pd")
+    adaptive = gateway(p.url, d.url, name="adaptive", pd_mode="adaptive", local_max_uncached_tokens=512)
+    colocated = gateway(p.url, d.url, name="colocated", strategy="colocated")
+    out = tmp_path / "ab3.json"
+    result = cli(
+        "bench", "--gateway", pd, "--ab", "--ab-gateway", colocated, "--ab-side", f"adaptive={adaptive}",
+        "-w", "mixed", "--rate", "4,8", "-n", "12", "--short-len", "64", "--long-len", "2048", "--long-fraction",
+        "0.25", "--output-len", "8", "--long-output-len", "4", "--no-progress", "-o", str(out),
+        env={"PDCTL_API_KEY": KEY},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "adaptive vs colocated" in result.output and "pd vs colocated" in result.output
+    runs = json.loads(out.read_text())
+    assert [(r["label"], r["request_rate"]) for r in runs] == [
+        (side, rate) for rate in (4.0, 8.0) for side in ("colocated", "pd", "adaptive")
+    ]
+    for r in runs:
+        assert r["completed"] == 12, r
+        paths = r["pdctl"]["paths"]
+        if r["label"] == "pd":
+            assert paths == {"disagg": 12}
+        elif r["label"] == "adaptive":
+            kinds = r["pdctl"]["by_kind"]
+            assert paths.get("local", 0) == kinds["short"]["ttft"]["count"] > 0, (paths, kinds)
+            assert paths.get("disagg", 0) == kinds["long"]["ttft"]["count"] > 0, (paths, kinds)
+    bad = cli("bench", "--gateway", pd, "--ab", "--ab-gateway", colocated, "--ab-side", "pd=" + adaptive, "-n", "1")
+    assert bad.exit_code != 0 and "taken" in bad.output
+    bad = cli("bench", "--gateway", pd, "--ab-side", "x=" + adaptive, "-n", "1")
+    assert bad.exit_code != 0 and "--ab-side needs --ab" in bad.output
 
 
 def test_sweep_moves_the_same_kv_per_request_at_every_rate(
