@@ -4,6 +4,12 @@ with random client disconnects, one SIGKILL of decode's process group and one of
 
     .venv/bin/python -m benchmarks.soak                          # 500 requests, the documented long soak
     .venv/bin/python -m benchmarks.soak --requests 2000 --seed 7 --json soak.json
+    .venv/bin/python -m benchmarks.soak --pd-mode adaptive       # the gateway decides local or both legs
+
+The traffic mixes three kinds of request: short fresh prompts, long prompts (over
+``routing.local_max_uncached_tokens``, so both legs under ``pd_mode = "adaptive"``) and the turns of
+conversations (each next turn carries the whole history and the answer streamed back, so adaptive serves it on
+the decode alone).
 
 Every wait is bounded; the seed fixes the request mix, the disconnects and the fault points. Exit status 0
 when every invariant holds, 1 otherwise. ``tests/test_soak.py`` runs a short form of the same code in CI.
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,13 +36,20 @@ from typing import Any
 
 import httpx
 
+from pdctl.config.settings import PdMode
 from pdctl.testing import free_port
 from pdctl.testing import invariants as inv
 from pdctl.vllm.promtext import metric_value, samples
+from pdctl.vllm.sse import sse_events
 
 KEY_VAR = "PDCTL_SOAK_KEY"
 LEASE_S = 5
 WORDS = ("kv", "cache", "prefill", "decode", "lease", "block", "token", "stream", "nixl", "gateway", "soak", "seed")
+#: About six characters a word: a long prompt (or a conversation's first turn) of 400+ words is some 600 estimated
+#: tokens, past the default ``routing.local_max_uncached_tokens`` (512); a short one of at most 120 words is not.
+LONG_WORDS = (400, 560)
+#: Turns per conversation, the first included; a finished conversation makes room for a new one.
+TURNS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,12 @@ class SoakConfig:
     outage_requests: int = 8
     request_timeout_s: float = 20.0
     recovery_timeout_s: float = 90.0
+    pd_mode: PdMode = "always"
+    """``routing.pd_mode``: ``adaptive`` serves the later turns and short prompts on the decode alone."""
+    long_p: float = 0.2
+    """Share of long prompts (both legs under either mode)."""
+    turn_p: float = 0.4
+    """Share of conversation turns (a new conversation's first turn when none waits for its next)."""
 
 
 @dataclass(slots=True)
@@ -66,6 +86,8 @@ class SoakReport:
     faults: list[str] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
+    paths: dict[str, int] = field(default_factory=dict)
+    """The answers' ``x-pd-path`` (``local``, ``disagg``, ``fallback``, ...), as the clients saw them."""
     invariants: inv.InvariantReport | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -79,12 +101,13 @@ class SoakReport:
         c, t = self.config, self.client
         lines = [
             f"soak: {t.sent} requests at concurrency {c.concurrency}, seed {c.seed}, "
-            f"{c.disconnect_p:.0%} client disconnects, {self.duration_s:.1f} s",
+            f"{c.disconnect_p:.0%} client disconnects, pd_mode {c.pd_mode}, {self.duration_s:.1f} s",
             f"  client outcomes: {t.succeeded} succeeded, {t.errored} errored, {t.cancelled} cancelled, {t.hung} hung",
             "  HTTP statuses: " + ", ".join(f"{k}: {v}" for k, v in sorted(self._statuses().items())),
             "  faults: " + ("; ".join(self.faults) or "none"),
             "  restarts: " + ", ".join(f"{k} {v}" for k, v in sorted(self.restarts.items())),
             "  gateway: " + ", ".join(f"{k} {v:g}" for k, v in self.gateway.items()),
+            "  x-pd-path: " + ", ".join(f"{k} {v}" for k, v in sorted(self.paths.items())),
         ]
         lines += [f"  note: {n}" for n in self.notes]
         if self.invariants is not None:
@@ -106,6 +129,7 @@ class SoakReport:
             "faults": self.faults,
             "restarts": self.restarts,
             "gateway": self.gateway,
+            "paths": self.paths,
             "notes": self.notes,
             "invariants": self.invariants.to_json() if self.invariants is not None else None,
             "ok": self.ok,
@@ -159,6 +183,7 @@ warmup_timeout_s = 60
                 "routing": {
                     "prefill_endpoint": f"http://127.0.0.1:{ports['prefill']}",
                     "decode_endpoint": f"http://127.0.0.1:{ports['decode']}",
+                    "pd_mode": cfg.pd_mode,
                 },
                 "slo": {"admission": False},
                 "logging": {"level": "debug"},
@@ -191,17 +216,55 @@ def _procs(d: Path) -> dict[str, dict[str, Any]]:
     return {p["name"]: p for p in _state(d)["processes"]}
 
 
-def _body(rng: random.Random, i: int) -> tuple[str, dict[str, Any], bool]:
+Conversation = list[dict[str, str]]
+"""A conversation's messages so far (its next turn appends the answer and a new user message)."""
+
+
+def _words(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _body(
+    rng: random.Random, i: int, cfg: SoakConfig, waiting: list[Conversation]
+) -> tuple[str, dict[str, Any], bool, Conversation | None]:
+    """Request ``i``: its path, body, whether it streams, and the conversation it is a turn of (or None).
+
+    A turn continues a conversation from ``waiting`` (taken out of it until its answer is back) or starts one."""
     stream = rng.random() < 0.6
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 120)))
     body: dict[str, Any] = {"model": "sim-model", "max_tokens": rng.randint(2, 24), "stream": stream}
     if stream and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": True}
-    if rng.random() < 0.5:
+    kind = rng.random()
+    chat = rng.random() < 0.5
+    if kind < cfg.turn_p:
+        if waiting:
+            conversation = waiting.pop(rng.randrange(len(waiting)))
+        else:
+            conversation = [{"role": "system", "content": f"conversation {i}: {_words(rng, *LONG_WORDS)}"}]
+        conversation.append({"role": "user", "content": f"turn {len(conversation) // 2 + 1}: {_words(rng, 4, 40)}"})
+        body["messages"] = list(conversation)
+        return "/v1/chat/completions", body, stream, conversation
+    words = _words(rng, *LONG_WORDS) if kind < cfg.turn_p + cfg.long_p else _words(rng, 8, 120)
+    if chat:
         body["messages"] = [{"role": "user", "content": f"request {i}: {words}"}]
-        return "/v1/chat/completions", body, stream
+        return "/v1/chat/completions", body, stream, None
     body["prompt"] = f"request {i}: {words}"
-    return "/v1/completions", body, stream
+    return "/v1/completions", body, stream, None
+
+
+def _answer(data: bytes, stream: bool) -> str | None:
+    """A chat answer's text (a stream's deltas joined); None when there is none."""
+    try:
+        if not stream:
+            return str(json.loads(data)["choices"][0]["message"]["content"])
+        parts = []
+        for event in sse_events(data):
+            if event.strip() != "[DONE]":
+                choices = json.loads(event).get("choices") or [{}]
+                parts.append(str(choices[0].get("delta", {}).get("content") or ""))
+        return "".join(parts)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, UnicodeDecodeError):
+        return None
 
 
 class Traffic:
@@ -215,9 +278,13 @@ class Traffic:
         self.tally = inv.ClientTally()
         self.bodies: list[bytes] = []
         self.started = 0
+        self.waiting: list[Conversation] = []
+        """Conversations whose last turn was answered, ready for their next."""
+        self.paths: Counter[str] = Counter()
+        """``x-pd-path`` of the answered requests."""
 
     async def one(self, client: httpx.AsyncClient, i: int, label: str) -> int:
-        path, body, stream = _body(self.rng, i)
+        path, body, stream, conversation = _body(self.rng, i, self.cfg, self.waiting)
         cancel_after = self.rng.uniform(0.005, 0.4) if self.rng.random() < self.cfg.disconnect_p else None
         headers = {"authorization": f"Bearer {self.key}", "x-request-id": f"{label}-{i}"}
         status = 0
@@ -250,7 +317,14 @@ class Traffic:
             self.tally.violations.append(f"{label}-{i}: transport error from the gateway: {type(exc).__name__}")
             return 0
         self.bodies.append(bytes(data))
-        self.tally.record(inv.client_outcome(status, bytes(data), stream=stream), f"{label}-{i}")
+        outcome = inv.client_outcome(status, bytes(data), stream=stream)
+        self.tally.record(outcome, f"{label}-{i}")
+        if resp_headers is not None:
+            self.paths[resp_headers.get("x-pd-path", "-")] += 1
+        answer = _answer(bytes(data), stream) if outcome.kind == "succeeded" and conversation else None
+        if conversation is not None and answer is not None and len(conversation) < 2 * TURNS:
+            conversation.append({"role": "assistant", "content": answer})
+            self.waiting.append(conversation)
         if status in (429, 503) and (resp_headers is None or "retry-after" not in resp_headers):
             self.tally.violations.append(f"{label}-{i}: HTTP {status} without Retry-After")
         return status
@@ -388,7 +462,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
         text = _metrics(gw_url)
         outcomes = inv.gateway_outcomes(text)
         n1 = inv.check_n1(outcomes, traffic.tally)
-        parsed = samples(text, ("pdctl_retries_total", "pdctl_kv_release_total"))
+        parsed = samples(text, ("pdctl_retries_total", "pdctl_kv_release_total", "pdctl_pd_decisions_total"))
         retries = metric_value(parsed, "pdctl_retries_total") or 0.0
         decode_log = Path(_procs(workdir)["decode"]["log_file"]).read_text(encoding="utf-8", errors="replace")
         n3 = inv.check_n3(inv.decode_requests_from_log(decode_log.splitlines()), retries=retries)
@@ -407,6 +481,9 @@ def run_soak(cfg: SoakConfig, workdir: Path, key: str) -> SoakReport:
             report.gateway = {"accepted": outcomes.accepted, "succeeded": outcomes.succeeded,
                               "errored": outcomes.errored, "cancelled": outcomes.cancelled, "retries": retries,
                               "kv_release_legs": metric_value(parsed, "pdctl_kv_release_total") or 0.0}  # fmt: skip
+            for path in ("local", "disagg"):
+                report.gateway[f"pd_{path}"] = metric_value(parsed, "pdctl_pd_decisions_total", path=path) or 0.0
+        report.paths = dict(traffic.paths)
         census = census.merge(inv.run_census(workdir / ".pdctl"))
         for c in censuses:
             census = census.merge(c)
@@ -448,11 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disconnect-p", type=float, default=_DEFAULT.disconnect_p)
     p.add_argument("--seed", type=int, default=_DEFAULT.seed)
     p.add_argument("--sim-speed", type=float, default=_DEFAULT.sim_speed)
+    p.add_argument("--pd-mode", choices=["always", "adaptive"], default=_DEFAULT.pd_mode,
+                   help="routing.pd_mode (adaptive: per request, the decode alone or both legs)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="keep config, state and logs here (default: a temp dir)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     args = p.parse_args(argv)
     cfg = SoakConfig(requests=args.requests, concurrency=args.concurrency, disconnect_p=args.disconnect_p,
-                     seed=args.seed, sim_speed=args.sim_speed)  # fmt: skip
+                     seed=args.seed, sim_speed=args.sim_speed, pd_mode=args.pd_mode)  # fmt: skip
     key = "sk-soak-" + os.urandom(12).hex()
     with tempfile.TemporaryDirectory(prefix="pdctl-soak-") as tmp:
         work = Path(args.workdir) if args.workdir else Path(tmp)
