@@ -63,6 +63,35 @@ def test_slo_whatif_scores_saved_runs_with_bench_rule(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "expected KEY:MS" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_ab_summary_tables_read_the_runs_own_numbers(tmp_path: Path) -> None:
+    stats = {"p50": 50.0, "p90": 90.0, "p99": 990.0, "max": 1234.0}
+    kinds = {"short": {"ttft": stats, "tpot": stats, "itl": stats, "itl_spikes": {"gaps": 3}}, "long": {"ttft": stats}}
+    pdctl = {"by_kind": kinds, "paths": {"local": 7, "disagg": 2}, "kv_transfer": {"kv_bytes": 2.5e6},
+             "slo_attainment": 0.875}  # fmt: skip
+    run = {"label": "adaptive", "request_rate": 4.0, "completed": 9, "request_goodput": 3.5, "median_tpot_ms": 12.0,
+           "pdctl": pdctl}  # fmt: skip
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps([run]))
+    cmd = [sys.executable, "-m", "benchmarks.ab_summary", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[2] == (
+        "| 4/s | adaptive | 50.0 / 990 | 50.0 / 90.0 / 990 | 1,234 | 3 | 50.0 / 990 | disagg 2, local 7 | 2.5 | "
+        "3.50 | 87.5 % |"
+    )
+    groups = {"1": {"ttft": {"p50": 400.0, "p90": 500.0}}, "2+": {"ttft": {"p50": 40.0, "p90": 60.0}}}
+    cache = {"u1": {"name": "prefill", "hit_rate": 0.25}, "u2": {"name": "decode", "hit_rate": 0.8}}
+    path.write_text(json.dumps([{**run, "pdctl": {**pdctl, "turn_groups": groups, "prefix_cache": cache}}]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.stdout.splitlines()[2] == (
+        "| adaptive | 400 / 500 | 40.0 / 60.0 | 12.0 | disagg 2, local 7 | 2.5 | 25 % / 80 % |"
+    ), proc.stdout
+    bad = subprocess.run(
+        [*cmd[:-1], str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
 def test_server_cpu_floor_answers_what_uvicorn_answers(tmp_path: Path) -> None:
     # server_cpu's `floor` arm bounds what a server of pdctl's own could save only if it writes uvicorn's answer
     import httpx
