@@ -5,7 +5,7 @@ errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
 
     draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
       -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
-      -> rate limit (429)
+      -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A client that leaves cancels the handler, and with it the worker calls (vLLM aborts the request when the
@@ -37,7 +37,7 @@ from pdctl.gateway.errors import ApiError, Wire
 from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
-from pdctl.gateway.prefix import PrefixRouter
+from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
@@ -308,8 +308,11 @@ class Gateway:
             self.limiter.charge(tokens)
             key_limiter = limiter
             self.metrics.child(self.metrics.key_tokens, key_name).inc(tokens)
+            pd = route == "local" and self.settings.routing.strategy != "colocated" and not req.colocated_only
+            # Adaptive PD decides before admission: a request for the decode alone is judged without the prefill.
+            plan = self.legs.prefix.decide(self.pool, body, prompt_tokens) if pd and self.legs.prefix else None
             if route == "local":
-                route = self._admit(ex, prompt_tokens, entry.upstream)
+                route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":
                 assert self.upstream is not None
                 await self.upstream.serve(ex, endpoint, body)
@@ -318,7 +321,7 @@ class Gateway:
             elif req.colocated_only:
                 await serve_colocated(self.legs, ex, endpoint, body, prompt_tokens, ("decode",))
             else:
-                await serve_pd(self.legs, ex, endpoint, body, prompt_tokens)
+                await serve_pd(self.legs, ex, endpoint, body, prompt_tokens, plan)
         except ApiError as err:
             if ex.path in ("-", "rejected"):
                 ex.path = "rejected"
@@ -439,13 +442,20 @@ class Gateway:
         check_fits(req, route, self.settings.routing.strategy == "pd_disagg", local.get(req.model))
         return req, route, prompt_tokens
 
-    def _admit(self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True) -> Route:
+    def _admit(
+        self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True, plan: Decision | None = None
+    ) -> Route:
+        """The SLO predictor's verdict. When adaptive PD's ``plan`` serves the request on its decode alone, no
+        prefill queue is ahead of it and that decode computes only the prompt's uncached tokens."""
         if self.settings.routing.strategy == "colocated":
             return "local"
-        prefill = self.pool.least_loaded(("prefill",))
-        ahead = prefill.in_flight_tokens if prefill is not None else 0
-        concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
-        decision = self.admission.decide(prompt_tokens, ahead, concurrency)
+        if plan is not None and plan.local and plan.decode is not None:
+            tokens, ahead, concurrency = plan.uncached_tokens, 0, plan.decode.in_flight
+        else:
+            prefill = self.pool.least_loaded(("prefill",))
+            tokens, ahead = prompt_tokens, prefill.in_flight_tokens if prefill is not None else 0
+            concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
+        decision = self.admission.decide(tokens, ahead, concurrency)
         if decision.admit:
             return "local"
         if self.settings.slo.overflow == "upstream" and self.upstream is not None and may_overflow:

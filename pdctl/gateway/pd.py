@@ -152,16 +152,18 @@ class _DecodeFailed(ApiError):
     """Decode failed before any byte reached the client (a whole new pipeline may be tried)."""
 
 
-async def serve_pd(ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int) -> None:
+async def serve_pd(
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: Decision | None = None
+) -> None:
     """Leg 1 on a prefill, leg 2 on a decode, decode's answer relayed to the client.
 
     Retries (as a whole new pipeline with a fresh request id ``<id>-retryN``) after a failed or timed-out leg 1,
     or after a decode that failed before sending anything (vLLM's lazy NIXL handshake failure is a decode 500).
-    When leg 1 cannot succeed, ``gateway.fallback`` decides (module docstring).
+    When leg 1 cannot succeed, ``gateway.fallback`` decides (module docstring). ``plan``: adaptive PD's decision
+    when the caller made it already (for admission); else it is made here.
     """
-    plan = None
     if ctx.prefix is not None:
-        plan = ctx.prefix.decide(ctx.pool, body, prompt_tokens)
+        plan = plan or ctx.prefix.decide(ctx.pool, body, prompt_tokens)
         ex.decision = plan.log_fields()
         if plan.local and await _serve_local(ctx, ex, endpoint, body, prompt_tokens, plan):
             return

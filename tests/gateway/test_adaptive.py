@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pdctl.config import RoutingConfig
+from pdctl.config import RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.prefix import BLOCK_CHARS, PrefixIndex, block_hashes, prompt_text
@@ -40,9 +41,13 @@ def _decoded() -> MemoryReply:
                              "usage": {"prompt_tokens": 5, "completion_tokens": 1}})  # fmt: skip
 
 
-def _run(workers: MemoryWorkers, n_decode: int, test: Callable[[Gateway], Awaitable[None]], **routing: Any) -> Gateway:
+def _run(
+    workers: MemoryWorkers, n_decode: int, test: Callable[[Gateway], Awaitable[None]], settings_kw: Any = None,
+    **routing: Any,
+) -> Gateway:  # fmt: skip
+    """Run ``test`` on an adaptive gateway over ``workers`` (``make_settings`` keywords in ``settings_kw``)."""
     decode = [f"http://decode-{i}.invalid" for i in range(n_decode)]
-    settings = make_settings(["http://prefill.invalid"], decode)
+    settings = make_settings(["http://prefill.invalid"], decode, **(settings_kw or {}))
     settings = dataclasses.replace(
         settings, routing=dataclasses.replace(settings.routing, pd_mode="adaptive", **routing)
     )
@@ -172,3 +177,134 @@ def test_a_local_attempt_that_fails_before_any_byte_takes_the_two_legs() -> None
 def test_adaptive_settings_are_declared_with_their_defaults() -> None:
     r = RoutingConfig()
     assert r.pd_mode == "always" and r.local_max_uncached_tokens == 512 and r.local_max_uncached_share == 1.0
+
+
+SHORT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SHORT_STREAM = {**SHORT, "stream": True}
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}).encode() + b"\n\n"
+
+
+def _metric(app: Gateway, name: str, **labels: str) -> float:
+    return app.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_client_disconnect_on_a_local_stream_closes_the_decode_call() -> None:
+    workers = MemoryWorkers()
+    workers["decode"].script(MemoryReply.sse([_event("a"), 30.0, _event("b"), DONE]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        call = asgi_request(app, CHAT, SHORT_STREAM, disconnect_after_chunks=1)
+        replies.append(await asyncio.wait_for(call, timeout=10))  # not the 30 s the decode would still take
+
+    app = _run(workers, 1, test)
+    (reply,) = replies
+    assert reply.headers["x-pd-path"] == "local" and reply.body == _event("a")
+    (call,) = workers["decode"].completions()
+    assert call.response is not None and call.response.closed_early is True  # vLLM aborts the request
+    assert not workers["prefill"].completions()
+    assert _metric(app, "pdctl_client_cancelled_total", phase="streaming") == 1
+    assert _metric(app, "pdctl_requests_total", path="local", status="499") == 1
+
+
+def test_client_leaving_a_local_request_before_its_first_token_closes_the_decode_call_and_sends_no_release() -> None:
+    workers = MemoryWorkers()
+    workers["decode"].script(MemoryReply.sse([30.0, _event("a"), DONE]))
+
+    async def test(app: Gateway) -> None:
+        call = asgi_request(app, CHAT, SHORT_STREAM, request_id="gone", disconnect_after_s=0.05)
+        reply = await asyncio.wait_for(call, timeout=10)
+        assert reply.headers["x-pd-path"] == "local" and reply.body == b""  # the client left before a token
+
+    app = _run(workers, 1, test)
+    (call,) = workers["decode"].completions()  # no release leg: no prefill holds KV for it
+    assert call.request_id == "gone" and call.response is not None and call.response.closed_early is True
+    assert not workers["prefill"].completions()
+    assert sum(_metric(app, "pdctl_kv_release_total", outcome=o) for o in ("ok", "error", "nothing_held")) == 0
+    assert _metric(app, "pdctl_requests_total", path="local", status="499") == 1
+
+
+def test_rate_limit_applies_to_a_request_that_would_go_local() -> None:
+    workers = MemoryWorkers()
+    workers["decode"].default = _decoded()
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        for rid in ("first", "second"):
+            replies.append(await asgi_request(app, CHAT, SHORT, request_id=rid))
+
+    app = _run(workers, 1, test, {"rate_limit": RateLimitConfig(requests_per_minute=1)})
+    first, second = replies
+    assert first.status == 200 and first.headers["x-pd-path"] == "local"
+    assert second.status == 429 and int(second.headers["retry-after"]) >= 1
+    assert second.json()["error"]["type"] == "rate_limit_error"
+    assert [c.request_id for c in workers["decode"].completions()] == ["first"]
+    assert not workers["prefill"].completions()
+    assert _decisions(app, "local", "cached") == 1  # the refused request never reached the decision
+
+
+def test_admission_refuses_a_request_that_would_go_local_when_decode_would_miss_the_tpot_slo() -> None:
+    """Decode streams at 50 ms a token against a 10 ms TPOT target: with one stream running, another local
+    request would make it worse, so it is refused (503) like a request for the two legs."""
+    stream = MemoryReply.sse([_event("a"), 0.05, _event("b"), 0.05, _event("c"), 0.05, _event("d"), DONE])
+    workers = MemoryWorkers()
+    workers["decode"].script(stream, MemoryReply.sse([_event("a"), 0.5, _event("b"), DONE]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, SHORT_STREAM, request_id="measured"))  # cold: admitted
+        running = asyncio.ensure_future(asgi_request(app, CHAT, SHORT_STREAM, request_id="running"))
+        while len(workers["decode"].completions()) < 2:
+            await asyncio.sleep(0.01)
+        replies.append(await asgi_request(app, CHAT, SHORT_STREAM, request_id="refused"))
+        replies.append(await running)
+
+    slo = SLOConfig(ttft_ms=10_000, tpot_ms=10, p90=False, admission=True)
+    app = _run(workers, 1, test, {"slo": slo})
+    measured, refused, running = replies
+    assert measured.headers["x-pd-path"] == "local" and running.headers["x-pd-path"] == "local"
+    assert refused.status == 503 and refused.json()["error"]["code"] == "server_overloaded"
+    assert "time per output token" in refused.json()["error"]["message"] and "retry-after" in refused.headers
+    assert [c.request_id for c in workers["decode"].completions()] == ["measured", "running"]
+    assert not workers["prefill"].completions()
+    assert _metric(app, "pdctl_rejected_total", reason="slo_tpot") == 1
+
+
+def test_admission_does_not_refuse_a_local_request_for_the_prefill_queue() -> None:
+    """A request served on the decode alone never waits for the prefill: a long prompt queued there must not
+    make the predictor refuse it, as it refuses another long prompt that would queue behind."""
+
+    def long_turn(n: int) -> dict[str, Any]:  # ~1,000 tokens, none cached: both legs
+        return {"model": "tiny", "messages": [{"role": "user", "content": f"{n} " + "long " * 800}], "max_tokens": 4}
+
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill_after(0.2), _prefill_after(2.0))
+    workers["decode"].default = _decoded()
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, long_turn(1), request_id="long-1"))  # measures the prefill
+        queued = asyncio.ensure_future(asgi_request(app, CHAT, long_turn(2), request_id="long-2"))
+        while len(workers["prefill"].completions()) < 2 and not queued.done():
+            await asyncio.sleep(0.01)
+        replies.append(await asgi_request(app, CHAT, long_turn(3), request_id="long-3"))
+        replies.append(await asgi_request(app, CHAT, SHORT, request_id="short"))
+        replies.append(await queued)
+
+    slo = SLOConfig(ttft_ms=100, tpot_ms=10_000, p90=False, admission=True)
+    app = _run(workers, 1, test, {"slo": slo})
+    first, long_3, short, long_2 = replies
+    assert first.headers["x-pd-path"] == "disagg" and long_2.headers["x-pd-path"] == "disagg"
+    assert long_3.status == 503 and "time to first token" in long_3.json()["error"]["message"]
+    assert short.status == 200 and short.headers["x-pd-path"] == "local"
+    assert [c.request_id for c in workers["prefill"].completions()] == ["long-1", "long-2"]
+    assert _metric(app, "pdctl_rejected_total", reason="slo_ttft") == 1
+
+
+def _prefill_after(delay_s: float) -> MemoryReply:
+    reply = _prefill()
+    return MemoryReply(reply.status, reply.parts, delay_s)
