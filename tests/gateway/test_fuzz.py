@@ -7,13 +7,16 @@ duplicate keys, huge numbers), content types; on chat, completions and the agent
 "type", "param", "code"}}`` with string-or-null ``param``/``code``; on ``/v1/messages`` Anthropic's ``{"type":
 "error", "error": {"type", "message"}}``), every 200 a complete answer (N1; an agent stream ends with its own
 final event or one error event), no key in any body (N5). At the end the gateway's counters balance (N1) and
-the workers are idle (N2).
+the workers are idle (N2). All of it twice: with every request on both legs (``routing.pd_mode = "always"``), and
+under ``"adaptive"`` with a threshold low enough that short prompts go to the decode alone and longer ones take
+both legs (both paths must have been taken).
 
 ``PDCTL_FUZZ_EXAMPLES=2000 pytest tests/gateway/test_fuzz.py`` runs a longer search (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdctl.config.settings import PdMode
 from pdctl.gateway.settings import LocalModel
 from pdctl.testing import SimProcess, start_sim
 from pdctl.testing.invariants import (
@@ -42,12 +46,14 @@ CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messag
 #: The event that completes each agent stream (vllm-agent-apis.md §5).
 AGENT_END = {RESPONSES: b"event: response.completed", MESSAGES: b"event: message_stop"}
 MAX_MODEL_LEN = 2048
+#: Under adaptive: prompts of up to this many uncached tokens go to the decode alone (fuzzed prompts span it).
+LOCAL_MAX_UNCACHED = 16
 
 
 class Stack:
     """Simulator prefill + decode, a fake upstream, the gateway; plus what the fuzzer saw."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, pd_mode: PdMode = "always") -> None:
         self.sims: list[SimProcess] = []
         self.fakes: list[FakeProc] = []
         self.gw: GatewayThread | None = None
@@ -55,13 +61,13 @@ class Stack:
         self.sims.append(start_sim(args, str(tmp), name="prefill", role="kv_producer"))
         self.sims.append(start_sim(args, str(tmp), name="decode", role="kv_consumer"))
         self.fakes.append(FakeProc("fake_upstream.py", {"key": UPSTREAM_KEY, "models": ["up-model"]}))
-        self.gw = GatewayThread(
-            make_settings(
-                [self.sims[0].url], [self.sims[1].url], upstream=self.fakes[0].url,
-                models=(LocalModel("sim-model", MAX_MODEL_LEN),), max_body_bytes=64 * 1024, max_retries=0,
-            ),
-            upstream_key=UPSTREAM_KEY,
+        settings = make_settings(
+            [self.sims[0].url], [self.sims[1].url], upstream=self.fakes[0].url,
+            models=(LocalModel("sim-model", MAX_MODEL_LEN),), max_body_bytes=64 * 1024, max_retries=0,
         )  # fmt: skip
+        routing = dataclasses.replace(settings.routing, pd_mode=pd_mode, local_max_uncached_tokens=LOCAL_MAX_UNCACHED)
+        self.pd_mode = pd_mode
+        self.gw = GatewayThread(dataclasses.replace(settings, routing=routing), upstream_key=UPSTREAM_KEY)
         self.client = httpx.Client(base_url=self.gw.url, timeout=60)
         self.tally = ClientTally()
         self.bodies: dict[str, bytes] = {}
@@ -77,9 +83,9 @@ class Stack:
             s.stop(grace_s=2.0)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("fuzz-gateway"))
+@pytest.fixture(scope="module", params=["always", "adaptive"])
+def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("fuzz-gateway"), request.param)
     try:
         yield s
     finally:
@@ -219,6 +225,32 @@ def requests(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+#: Prompts on either side of LOCAL_MAX_UNCACHED (about four characters a token).
+prompt_texts = st.one_of(
+    st.text("abcdefgh ", min_size=1, max_size=4 * LOCAL_MAX_UNCACHED - 8),
+    st.text("abcdefgh ", min_size=8 * LOCAL_MAX_UNCACHED, max_size=40 * LOCAL_MAX_UNCACHED),
+)
+
+
+@st.composite
+def valid_requests(draw: st.DrawFn) -> dict[str, Any]:
+    """A well-formed request for the local model on any generating route, streamed or not, short or long."""
+    kind = draw(st.sampled_from(["completions", "chat", RESPONSES, MESSAGES]))
+    text, n, stream = draw(prompt_texts), draw(st.integers(1, 16)), draw(st.booleans())
+    body: dict[str, Any] = {"model": "sim-model", "stream": stream}
+    if kind == "completions":
+        body.update(prompt=text, max_tokens=n)
+    elif kind == RESPONSES:
+        body.update(input=text, max_output_tokens=n)
+    else:
+        body.update(messages=[{"role": "user", "content": text}], max_tokens=n)
+    if stream and kind in ("completions", "chat") and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": True}
+    path = {"completions": "/v1/completions", "chat": CHAT}.get(kind, kind)
+    return {"method": "POST", "path": path, "headers": {"authorization": f"Bearer {KEY}"},
+            "content": json.dumps(body).encode(), "stream": stream}  # fmt: skip
+
+
 # -------------------------------------------------------------------------------------------------- tests
 
 
@@ -231,7 +263,16 @@ def test_gateway_never_5xx_and_errors_are_openai_shaped(stack: Stack, req: dict[
     _send(stack, req)
 
 
-def _send(stack: Stack, req: dict[str, Any]) -> None:
+@settings(FUZZ, max_examples=max(EXAMPLES // 3, 10))
+@given(req=valid_requests())
+def test_valid_requests_complete_on_the_path_the_mode_allows(stack: Stack, req: dict[str, Any]) -> None:
+    r = _send(stack, req)
+    assert r.status_code == 200, (req["path"], r.status_code, r.text[:300])
+    paths = {"disagg", "local"} if stack.pd_mode == "adaptive" else {"disagg"}
+    assert r.headers["x-pd-path"] in paths, r.headers
+
+
+def _send(stack: Stack, req: dict[str, Any]) -> httpx.Response:
     """One fuzzed request through the stack, its answer checked and counted in the stack's tally."""
     r = stack.client.request(req["method"], req["path"], headers=req["headers"], content=req["content"])
     label = f"{req['method']} {req['path']}"
@@ -243,7 +284,7 @@ def _send(stack: Stack, req: dict[str, Any]) -> None:
         stack.bodies[f"response {stack.completions}"] = r.content
     if req["path"] in AGENT_END and req["method"] == "POST":
         _check_agent_answer(req["path"], r)
-        return
+        return r
     if r.status_code >= 400:
         out = client_outcome(r.status_code, r.content, stream=False)
         assert out.violation is None, (label, r.status_code, out.violation, r.text[:300])
@@ -255,6 +296,7 @@ def _send(stack: Stack, req: dict[str, Any]) -> None:
         assert out.violation is None, (label, out.violation, r.text[:300])
     if completion and req["method"] == "POST":
         stack.tally.record(client_outcome(r.status_code, r.content, stream=req["stream"] and r.status_code == 200))
+    return r
 
 
 def _check_agent_answer(path: str, r: httpx.Response) -> None:
@@ -282,7 +324,7 @@ def test_after_fuzzing_counters_balance_and_workers_idle(stack: Stack) -> None:
     lost, nothing left running, no key leaked."""
 
     @settings(FUZZ, max_examples=max(EXAMPLES // 5, 10), database=None)
-    @given(req=requests())
+    @given(req=st.one_of(requests(), valid_requests()))
     def fuzz(req: dict[str, Any]) -> None:
         _send(stack, req)
 
@@ -293,6 +335,9 @@ def test_after_fuzzing_counters_balance_and_workers_idle(stack: Stack) -> None:
     assert n1.ok, n1.detail
     assert outcomes is not None and outcomes.accepted >= stack.tally.sent > 0
     print("fuzz statuses:", dict(stack.tally.statuses), dict(outcomes.by_status))
+    if stack.pd_mode == "adaptive":
+        local, disagg = (stack.gw.metric("pdctl_pd_decisions_total", path=p) for p in ("local", "disagg"))
+        assert local > 0 and disagg > 0, (local, disagg)
     n2 = check_n2({"prefill": stack.sims[0].url, "decode": stack.sims[1].url}, timeout_s=35)
     assert n2.ok, n2.detail
     logs = [Path(s.log_path) for s in stack.sims]

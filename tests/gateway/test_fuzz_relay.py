@@ -4,7 +4,9 @@ Arbitrary chunk splits (inside ``\\r\\n`` and inside UTF-8 sequences), LF or CRL
 streams that end with ``[DONE]``, end cleanly without it, break with a transport error, or stop in the
 middle of an event. A spec-conformant SSE parser reads what the client got: its events must equal the
 worker's complete events, plus exactly one OpenAI-shaped error event (and no ``[DONE]``) when the worker
-did not finish (N1: no truncated success, no garbage event).
+did not finish (N1: no truncated success, no garbage event). The same streams also go through the whole gateway
+on in-memory workers, once on the two legs and once on the decode alone (``routing.pd_mode = "adaptive"``): the
+client gets the same bytes on both paths.
 
 ``PDCTL_FUZZ_EXAMPLES=5000 pytest tests/gateway/test_fuzz_relay.py`` runs a longer search (docs/reliability.md).
 """
@@ -12,6 +14,7 @@ did not finish (N1: no truncated success, no garbage event).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -21,10 +24,15 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdctl.config.settings import PdMode
+from pdctl.gateway.app import Gateway, create_app
+from pdctl.gateway.memory import MemoryReply, MemoryWorkers, Part
 from pdctl.gateway.sse import Exchange, relay
 from pdctl.testing.invariants import client_outcome
+from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 from pdctl.vllm.sse import sse_events as parse_sse
 from pdctl.vllm.transport import TransportError
+from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings, run_app
 
 EXAMPLES = int(os.environ.get("PDCTL_FUZZ_EXAMPLES", "300"))
 
@@ -138,6 +146,38 @@ def test_relay_output_events_equal_input_events(s: dict[str, Any], peek: bool) -
     assert "[DONE]" not in got and result.error is not None
     # What a client sees is a terminal error (N1), never a truncated success or a garbage event.
     assert client_outcome(200, out, stream=True).violation is None
+
+
+def _through_gateway(parts: list[Part], pd_mode: PdMode) -> AsgiReply:
+    """A short streamed chat request through the gateway whose decode answers ``parts``."""
+    params: dict[str, Any] = {f: f"p-{f}" for f in REQUIRED_DECODE_FIELDS}
+    params.update(remote_block_ids=[1], remote_port=5600, do_remote_prefill=True, do_remote_decode=False)
+    workers = MemoryWorkers()
+    workers["prefill"].script(MemoryReply.json({"id": "p", "choices": [], "kv_transfer_params": params}))
+    workers["decode"].script(MemoryReply.sse(parts))
+    settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"], max_retries=0)
+    settings = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, pd_mode=pd_mode))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+        replies.append(await asgi_request(app, "/v1/chat/completions", body))
+
+    run_app(create_app(settings, KEY, clients=workers), test)
+    return replies[0]
+
+
+@settings(max_examples=max(EXAMPLES // 3, 10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams())
+def test_the_local_path_relays_a_decode_stream_as_the_two_legs_do(s: dict[str, Any]) -> None:
+    parts: list[Part] = list(s["chunks"])
+    if s["ending"] in ("error", "mid_event") and parts:
+        parts.append(TransportError("broken", "peer closed connection without sending complete message body"))
+    disagg, local = _through_gateway(parts, "always"), _through_gateway(parts, "adaptive")
+    assert (disagg.headers["x-pd-path"], local.headers["x-pd-path"]) == ("disagg", "local")
+    assert local.status == disagg.status and local.body == disagg.body
+    if s["ending"] != "done":  # a worker that did not finish: a terminal error for the client on both paths (N1)
+        assert client_outcome(local.status, local.body, stream=True).violation is None
 
 
 def test_parser_discards_an_unfinished_event() -> None:
