@@ -46,7 +46,8 @@ def table(runs: Sequence[Mapping[str, Any]], slos: Sequence[SLO]) -> list[str]:
     head = ["side", "rate", *(f"{n}: attainment / goodput" for n in names)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
-        cells = [str(run.get("label") or "-"), f"{run.get('request_rate', 0):g}/s"]
+        rate = run.get("request_rate", 0)  # "inf" (vLLM's key) for a closed loop, such as the agent workload
+        cells = [str(run.get("label") or "-"), f"{rate:g}/s" if isinstance(rate, int | float) else str(rate)]
         for slo in slos:
             att, goodput = score(run, slo)
             cells.append(f"{att:.1f} % / {goodput:.2f}")
