@@ -282,7 +282,7 @@ def test_admission_does_not_refuse_a_local_request_for_the_prefill_queue() -> No
         return {"model": "tiny", "messages": [{"role": "user", "content": f"{n} " + "long " * 800}], "max_tokens": 4}
 
     workers = MemoryWorkers()
-    workers["prefill"].script(_prefill_after(0.2), _prefill_after(2.0))
+    workers["prefill"].script(_prefill_after(0.2), _prefill_after(1.0))
     workers["decode"].default = _decoded()
     replies: list[AsgiReply] = []
 
