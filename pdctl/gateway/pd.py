@@ -162,14 +162,19 @@ async def serve_pd(
     When leg 1 cannot succeed, ``gateway.fallback`` decides (module docstring). ``plan``: adaptive PD's decision
     when the caller made it already (for admission); else it is made here.
     """
+    tried = 0  # pipelines tried before the two legs: 1 after a failed local attempt, whose id they must not reuse
     if ctx.prefix is not None:
         plan = plan or ctx.prefix.decide(ctx.pool, body, prompt_tokens)
         ex.decision = plan.log_fields()
-        if plan.local and await _serve_local(ctx, ex, endpoint, body, prompt_tokens, plan):
-            return
+        if plan.local:  # counted once, as local, even when it ends on the two legs (pdctl_retries_total{leg=local})
+            if await _serve_local(ctx, ex, endpoint, body, prompt_tokens, plan):
+                return
+            tried = 1
+        else:
+            ctx.metrics.child(ctx.metrics.pd_decisions, "disagg", plan.reason).inc()
     attempts = 1 + min(ctx.settings.gateway.max_retries, MAX_PD_RETRIES)
     for attempt in range(attempts):
-        rid = ex.request_id if attempt == 0 else f"{ex.request_id}-retry{attempt}"
+        rid = ex.request_id if attempt + tried == 0 else f"{ex.request_id}-retry{attempt + tried}"
         last = attempt == attempts - 1
         if ctx.pool.least_loaded(("prefill",)) is None:
             await _fallback(ctx, ex, endpoint, body, prompt_tokens, _no_instance(ctx, ("prefill",), "prefill"))
@@ -252,7 +257,6 @@ async def _leg1(
     plan: Decision | None = None,
 ) -> LegResult:  # fmt: skip
     if plan is not None and ctx.prefix is not None:
-        ctx.metrics.child(ctx.metrics.pd_decisions, "disagg", plan.reason).inc()
         inst, _ = ctx.prefix.pick(ctx.pool, "prefill", plan.hashes)
     else:
         inst = ctx.pool.choose(("prefill",))

@@ -6,7 +6,8 @@ own traffic with no engine feedback. A request's prompt becomes one canonical st
 message's fields and text in order, a completion's prompt, token ids as numbers), cut into blocks of
 :data:`BLOCK_CHARS` characters, each block's hash chained to the previous one's, so a block matches only when
 everything before it matches too. Turn k+1 of a conversation begins with turn k's prompt, so its first blocks
-match on the instance that served turn k. The hashes are Python's own (per process, never on the wire): each
+match on the instance that served turn k, until that instance is seen down (a restarted engine starts with an
+empty cache, so its view starts empty too). The hashes are Python's own (per process, never on the wire): each
 gateway process (``gateway.workers``) keeps its own view.
 
 Characters become tokens by the prompt's own ratio: cached tokens = prompt tokens × matched characters / prompt
@@ -145,14 +146,15 @@ class PrefixRouter:
 
     def __init__(self, routing: RoutingConfig) -> None:
         self.routing = routing
-        self._views: weakref.WeakKeyDictionary[Instance, PrefixIndex] = weakref.WeakKeyDictionary()
+        self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
 
     def view(self, inst: Instance) -> PrefixIndex:
-        """``inst``'s view (created empty on first use)."""
-        index = self._views.get(inst)
-        if index is None:
-            index = self._views[inst] = PrefixIndex(self.routing.prefix_cache_blocks)
-        return index
+        """``inst``'s view: created empty on first use, emptied when the instance came back from being down (a
+        restarted engine's prefix cache is empty; :attr:`~pdctl.gateway.routing.Instance.epoch`)."""
+        held = self._views.get(inst)
+        if held is None or held[0] != inst.epoch:
+            held = self._views[inst] = (inst.epoch, PrefixIndex(self.routing.prefix_cache_blocks))
+        return held[1]
 
     def pick(self, pool: Pool, role: Role, hashes: Sequence[int]) -> tuple[Instance | None, int]:
         """The instance of ``role`` holding most of ``hashes`` (ties and an imbalanced pool: least loaded), and how

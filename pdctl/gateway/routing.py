@@ -49,6 +49,8 @@ class Instance:
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.healthy: bool | None = None  # None: not probed yet
+        self.epoch = 0
+        """How many times the instance came back after being known down (a restarted engine starts cold)."""
         self.failures = 0
         self.times_opened = 0
         self.open_until = 0.0
@@ -82,6 +84,8 @@ class Instance:
 
     def set_healthy(self, ok: bool) -> None:
         """Record a probe result."""
+        if ok and self.healthy is False:
+            self.epoch += 1
         self.healthy = ok
         self.show_health()
 

@@ -117,6 +117,25 @@ def test_a_later_turn_goes_local_to_the_decode_holding_its_history() -> None:
     assert _decisions(app, "disagg", "uncached_tokens") == 1 and _decisions(app, "local", "cached") == 1
 
 
+def test_a_decode_that_was_down_is_assumed_to_have_lost_its_cache() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill(), _prefill())
+    workers["decode"].default = _decoded()
+    replies: list[AsgiReply] = []
+    nxt = _turn({"role": "assistant", "content": "Looking at it."}, {"role": "user", "content": "Also lint it."})
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, _turn(), request_id="t1"))
+        decode = next(i for i in app.pool.instances if i.role == "decode")
+        decode.set_healthy(False)  # a probe saw it down (a crash), then up again: a restarted engine
+        decode.set_healthy(True)
+        replies.append(await asgi_request(app, CHAT, nxt, request_id="t2"))
+
+    app = _run(workers, 1, test)
+    assert [r.headers["x-pd-path"] for r in replies] == ["disagg", "disagg"]
+    assert _decisions(app, "disagg", "uncached_tokens") == 2 and _decisions(app, "local", "cached") == 0
+
+
 def test_a_short_fresh_prompt_goes_local_unless_the_share_rule_says_otherwise() -> None:
     short = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4}
     for share, path in ((1.0, "local"), (0.5, "disagg")):
@@ -170,8 +189,11 @@ def test_a_local_attempt_that_fails_before_any_byte_takes_the_two_legs() -> None
     app = _run(workers, 1, test)
     (reply,) = replies
     assert reply.status == 200 and reply.headers["x-pd-path"] == "disagg"
-    assert [c.request_id for c in workers["prefill"].completions()] == ["r"]
+    # the two legs run as a new pipeline with an id of its own; the request counts once, as decided (local)
+    assert [c.request_id for c in workers["prefill"].completions()] == ["r-retry1"]
+    assert [c.request_id for c in workers["decode"].completions()] == ["r", "r-retry1"]
     assert app.metrics.registry.get_sample_value("pdctl_retries_total", {"leg": "local"}) == 1
+    assert _decisions(app, "local", "cached") == 1 and _decisions(app, "disagg", "cached") == 0
 
 
 def test_adaptive_settings_are_declared_with_their_defaults() -> None:
