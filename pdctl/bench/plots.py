@@ -2,7 +2,8 @@
 
 * :func:`plot_groups` -- goodput, SLO attainment and p90 latencies against the rate; latency CDFs for every load
   (A/B sides overlaid); TPOT (and, on an A/B, the gaps between tokens) over time with long-prompt arrivals
-  marked; the requests running on each engine (its batch gauge sampled during the run).
+  marked; the requests running on each engine (its batch gauge sampled during the run); for the agent workload,
+  TTFT p50 and p90 by turn.
 * :func:`write_plots` -- each of them as ``STEM.svg`` in a folder.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pdctl.bench import svg
-from pdctl.bench.metrics import Stats, tpot_s
+from pdctl.bench.metrics import Stats, percentile, tpot_s
 from pdctl.bench.report import ReportError, engine_name, run_load, run_name
 from pdctl.bench.runner import RunResult
 
@@ -107,6 +108,26 @@ def _against_rate(runs: Sequence[RunResult], sides: Sequence[str], colours: Mapp
     return plots
 
 
+def _by_turn(runs: Sequence[RunResult], colours: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The agent workload: TTFT p50 and p90 against the turn index, one line per run (side and load). Later turns
+    carry longer histories: whether their TTFT grows, or falls as a prefix cache serves them, is the point."""
+    series: dict[str, dict[int, list[float]]] = {}
+    for r in runs:
+        for res in r.results:
+            if res.turn is not None and res.success:
+                name = f"{r.target.label or 'this deployment'}, {run_load(r)}"
+                series.setdefault(name, {}).setdefault(res.turn, []).append(res.ttft_s * 1000)
+    if not series:
+        return []
+
+    def at(q: float) -> dict[str, list[tuple[float, float]]]:
+        return {name: [(float(t), percentile(sorted(v), q)) for t, v in sorted(turns.items())]
+                for name, turns in series.items()}  # fmt: skip
+
+    return [(f"ttft-{q:g}-by-turn", svg.lines(f"TTFT p{q:g} by turn", "turn", f"TTFT p{q:g} (ms)", at(q), colours,
+                                              size=_RATE_SIZE)) for q in (50.0, 90.0)]  # fmt: skip
+
+
 def _slug(text: str) -> str:
     return "-".join("".join(c if c.isalnum() or c == "." else " " for c in text.lower()).split())
 
@@ -120,6 +141,9 @@ def plot_groups(runs: Sequence[RunResult]) -> list[tuple[str, list[tuple[str, st
     rate_plots = _against_rate(runs, sides, _colours(sides))
     if rate_plots:
         out.append(("Against the request rate", rate_plots))
+    turn_plots = _by_turn(runs, _colours([f"{r.target.label or 'this deployment'}, {run_load(r)}" for r in runs]))
+    if turn_plots:
+        out.append(("Agent conversations: by turn", turn_plots))
     if len(sides) > 1:
         # A/B: one row per load, the sides overlaid in each plot, each side in the same colour everywhere.
         colours = _colours(sides)

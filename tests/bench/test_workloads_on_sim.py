@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from pdctl.bench.plots import plot_groups
 from pdctl.bench.report import result_json
 from pdctl.bench.runner import BenchTarget, LoadShape, RunResult, run_async, run_once
 from pdctl.bench.workload import WorkloadSpec, make_workload
@@ -82,6 +83,10 @@ def test_agent_turns_carry_the_growing_history_and_hit_the_prefix_cache(
     # Later turns find their history in prefill's cache: the engine's own counters say so.
     assert caches["prefill"]["hits"] > 0 and 0 < caches["prefill"]["hit_rate"] < 1, caches
     assert out["kv_transfer"]["kv_bytes"] > 0
+    # the report's TTFT-by-turn plots, p50 and p90
+    plots = dict(p for _, group in plot_groups([run]) for p in group)
+    by_turn = plots["ttft-50-by-turn"]
+    assert by_turn.startswith("<svg") and "TTFT p50 by turn" in by_turn and "ttft-90-by-turn" in plots
 
     again = _run(target, LoadShape(warmup=0, num_requests=None))
     systems = {wire.bodies[r.request_id]["messages"][0]["content"] for r in again.results}
