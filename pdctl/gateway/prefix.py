@@ -53,19 +53,15 @@ Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy"]
 
 
 def _walk(value: Any, out: list[str]) -> None:
-    if isinstance(value, str):
-        out.append(value)
-    elif isinstance(value, bool) or value is None:
-        out.append(str(value))
-    elif isinstance(value, int | float):
-        out.append(str(value))
-    elif isinstance(value, list):
+    if isinstance(value, list):
         for v in value:
             _walk(v, out)
     elif isinstance(value, dict):
         for k, v in value.items():
             out.append(k)
             _walk(v, out)
+    else:  # a string, number, bool or null
+        out.append(value if isinstance(value, str) else str(value))
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
