@@ -26,6 +26,9 @@ from pdctl.config.schema import (
 
 Strategy = Literal["pd_disagg", "colocated"]
 PdMode = Literal["always", "adaptive"]
+PrefixView = Literal["approx", "exact"]
+"""``routing.prefix_view``: what adaptive PD believes each worker holds: the blocks of the prompts the gateway sent
+there, or the workers' own KV cache events (:mod:`pdctl.gateway.kv_view`)."""
 """``routing.pd_mode``: every request takes both legs, or the gateway decides per request from what the chosen
 decode already holds (:mod:`pdctl.gateway.prefix`)."""
 Fallback = Literal["none", "decode", "upstream"]
@@ -176,6 +179,15 @@ class RoutingConfig:
     prefix_cache_blocks: int = key(
         31250, as_int(1), "an integer >= 1", use="gateway", type="integer",
         doc="*extension*, `adaptive`: blocks (about 64 tokens each) the gateway remembers per instance",
+    )
+    prefix_view: PrefixView = key(
+        "approx", as_choice("approx", "exact"), "approx or exact", use="gateway", type="`approx` \\| `exact`",
+        doc="*extension*, `adaptive`: `exact` follows each worker's vLLM KV cache events (the plan adds "
+        "`--kv-events-config`) and hashes the prompt's token ids; `approx` remembers what the gateway sent",
+    )
+    kv_events_port: int = key(
+        5557, as_int(1, 65535), "a port number", use="gateway", type="integer",
+        doc="*extension*, `prefix_view = \"exact\"`: the port the gateway binds for the workers' KV cache events",
     )
     # fmt: on
 
