@@ -1,7 +1,8 @@
 """``python -m pdctl.sim``: a simulated vLLM OpenAI server (see docs/simulator.md).
 
 Accepts the vLLM flags pdctl's plan emits plus ``--sim-*`` options; reads ``VLLM_NIXL_SIDE_CHANNEL_PORT`` and
-``VLLM_NIXL_SIDE_CHANNEL_HOST``; logs in vLLM's format on stdout.
+``VLLM_NIXL_SIDE_CHANNEL_HOST``; logs in vLLM's format on stdout. ``--kv-events-config`` publishes the prefix
+cache's KV events over ZMQ as vLLM does (:mod:`pdctl.sim.kv_events`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import uvicorn
+import zmq
 
 from pdctl.sim import logfmt as L
 from pdctl.sim.engine import EngineConfig, KVSettings, SideChannelInUse, SimEngine
 from pdctl.sim.faults import FaultSet
+from pdctl.sim.kv_events import KVEventsSettings, create_publisher, parse_config
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.server import SimApp
 from pdctl.sim.timing import get_link, get_profile
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-transfer-config", default=None)
+    p.add_argument("--kv-events-config", default=None, help="vLLM's KVEventsConfig as JSON (KV cache events)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="simulator: the prefix cache's capacity in blocks")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -158,6 +164,8 @@ def _engine_config(args: argparse.Namespace, log: L.VllmLog) -> EngineConfig:
         raise _Fatal("--sim-speed must be > 0")
     if not 0 < args.sim_kv_scale <= 1:
         raise _Fatal("--sim-kv-scale must be in (0, 1]")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
+        raise _Fatal("--num-gpu-blocks-override must be >= 1", code=2)
     served = (args.served_model_name or [model])[0]
     chunked = True if args.chunked is None else bool(args.chunked)
     max_len = args.max_model_len or default_max_model_len(model, profile.name)
@@ -192,8 +200,19 @@ def _engine_config(args: argparse.Namespace, log: L.VllmLog) -> EngineConfig:
         enable_prefix_caching=args.prefix,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv=_kv_settings(args.kv_transfer_config, log),
     )
+
+
+def _kv_events_settings(raw: str | None) -> KVEventsSettings | None:
+    """``--kv-events-config`` -> settings; a rejected config is a usage error (exit 2), as vLLM's argparse makes it."""
+    if raw is None:
+        return None
+    try:
+        return parse_config(raw)
+    except ValueError as e:
+        raise _Fatal(f"argument --kv-events-config: {e}", code=2) from None
 
 
 class _Server(uvicorn.Server):
@@ -254,13 +273,36 @@ def _spawn_orphan() -> None:
     subprocess.Popen([sys.executable, "-c", code], start_new_session=False)
 
 
-async def _serve(cfg: EngineConfig, faults: FaultSet, log: L.VllmLog, args: argparse.Namespace) -> None:
+async def _serve(
+    cfg: EngineConfig, faults: FaultSet, log: L.VllmLog, args: argparse.Namespace, events: KVEventsSettings | None
+) -> None:
     reported = cfg.served_model_name
     f = faults.get("model-name")
     if f is not None and f.arg:
         reported = f.arg
     metrics = SimMetrics(reported)
-    engine = SimEngine(cfg, faults, log, metrics)
+
+    def dropped(n: int) -> None:
+        if n == 1 or n % 1000 == 0:
+            log.warning(L.W_KV_EVENTS_DROP, f"KV event queue full (max_queue_size): {n} batches dropped (simulator)")
+
+    try:
+        publisher = create_publisher(events, dropped)
+    except zmq.ZMQError as e:
+        assert events is not None
+        raise _Fatal(f"zmq.error.ZMQError: {e} (addr='{events.endpoint}')") from None
+    if events is not None and events.active:
+        log.info(L.W_KV_EVENTS_START, "Starting ZMQ publisher thread")
+    engine = SimEngine(cfg, faults, log, metrics, kv_events=publisher)
+    try:
+        await _run_engine(engine, cfg, faults, log, args, reported)
+    finally:
+        publisher.shutdown()
+
+
+async def _run_engine(
+    engine: SimEngine, cfg: EngineConfig, faults: FaultSet, log: L.VllmLog, args: argparse.Namespace, reported: str
+) -> None:
     try:
         await engine.start()
     except SideChannelInUse:
@@ -314,9 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         faults = FaultSet(args.sim_fault, args.sim_seed)
         cfg = _engine_config(args, log)
+        events = _kv_events_settings(args.kv_events_config)
     except (ValueError, _Fatal) as e:
         log.error(L.W_ARGS, str(e))
         return e.code if isinstance(e, _Fatal) else 2
+    if events is not None and events.enable_kv_cache_events and not cfg.enable_prefix_caching:
+        log.warning(L.W_KV_EVENTS_NO_PREFIX, "KV cache events are on, but prefix caching is not enabled. Use "
+                    "--enable-prefix-caching to enable.")  # fmt: skip
+    if events is not None and events.publisher != "null" and not events.enable_kv_cache_events:
+        log.warning(L.W_KV_EVENTS_OFF, "KV cache events are disabled, but the scheduler is configured to publish "
+                    "them. Modify KVEventsConfig.enable_kv_cache_events to True to enable.")  # fmt: skip
     non_default = {"host": args.host, "port": args.port, "model": cfg.model, "max_model_len": cfg.max_model_len,
                    "served_model_name": [cfg.served_model_name], "sim_profile": cfg.profile.name}  # fmt: skip
     log.info(L.W_ARGS, f"non-default args: {non_default}")
@@ -341,10 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if sys.version_info >= (3, 11):
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                runner.run(_serve(cfg, faults, log, args))
+                runner.run(_serve(cfg, faults, log, args, events))
         else:  # pragma: no cover - Python 3.10
             asyncio.set_event_loop(loop_factory())
-            asyncio.get_event_loop().run_until_complete(_serve(cfg, faults, log, args))
+            asyncio.get_event_loop().run_until_complete(_serve(cfg, faults, log, args, events))
     except _Fatal as e:
         log.error(L.W_FATAL, str(e))
         return e.code

@@ -16,6 +16,12 @@ engine holds, computed locally or pulled from a prefill, so intact KV gives colo
 Beside the scheduler, each engine has its prefix cache (:mod:`pdctl.sim.prefix_cache`) and its KV connector
 (:mod:`pdctl.sim.connector`: NIXL-like pulls and leases, or shared storage), which holds a request while its KV
 is pulled and takes each finished prefill's KV.
+
+Prefix caching follows vLLM's ``KVCacheManager.cache_blocks``: at each step a request's full blocks whose KV is
+computed by then enter the cache, the prompt's chunk by chunk, then the generated tokens' as the decode fills
+them (a block's last token is computed one step after it is sampled, so the final token never is); a decode
+whose KV came from a prefill caches the pulled blocks at its first step. Each step that changed the cache
+publishes one batch of KV events (:mod:`pdctl.sim.kv_events`), as vLLM's scheduler does after a model step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +42,12 @@ from pdctl.sim import logfmt as L
 from pdctl.sim import logprobs as lp
 from pdctl.sim.connector import KVConnector, KVSettings, SideChannelInUse
 from pdctl.sim.faults import FaultSet
+from pdctl.sim.kv_events import NullEventPublisher, Publisher
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.prefix_cache import PrefixCache
 from pdctl.sim.text import Tokenizer
 from pdctl.sim.timing import Link, Profile
+from pdctl.vllm.kv_events import KVEventBatch
 
 __all__ = ["EngineConfig", "KVSettings", "SideChannelInUse", "SimEngine", "SimRequest", "StreamEvent"]
 
@@ -64,6 +73,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
+    num_gpu_blocks_override: int | None = None
+    """The prefix cache's capacity in blocks (default: the profile's KV capacity, at least 1024 blocks)."""
     kv: KVSettings = field(default_factory=KVSettings)
 
     @property
@@ -113,6 +124,8 @@ class SimRequest:
     events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
     nonce: bytes = b""
     cached_tokens: int = 0
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    cached_blocks: int = 0  # leading blocks in the prefix cache: hit or stored by this request
 
     @property
     def prompt_len(self) -> int:
@@ -130,6 +143,7 @@ class SimEngine:
         log: L.VllmLog | None = None,
         metrics: SimMetrics | None = None,
         on_crash: Callable[[int], None] | None = None,
+        kv_events: Publisher | None = None,
     ) -> None:
         self.cfg = cfg
         self.faults = faults or FaultSet([])
@@ -142,10 +156,12 @@ class SimEngine:
         self.remote_wait: set[SimRequest] = set()
         self._wakeup = asyncio.Event()
         self._target = 0.0
+        self.kv_events: Publisher = kv_events or NullEventPublisher()
         self.prefix = PrefixCache(
             cfg.block_size,
-            max(1024, cfg.profile.kv_capacity_tokens // cfg.block_size),
+            cfg.num_gpu_blocks_override or max(1024, cfg.profile.kv_capacity_tokens // cfg.block_size),
             enabled=cfg.enable_prefix_caching,
+            record_events=kv_events is not None and not isinstance(kv_events, NullEventPublisher),
         )
         self.connector = KVConnector(self)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -200,7 +216,9 @@ class SimEngine:
             req.nonce = secrets.token_bytes(8)
         elif req.seed is not None and req.temperature > 0:
             req.nonce = f"seed{req.seed}".encode()
-        hits = self.prefix.hits(req.prompt_ids, req.cache_salt)
+        req.block_keys = self.prefix.block_keys(req.prompt_ids, req.cache_salt) if self.prefix.enabled else []
+        hits = self.prefix.hits(req.prompt_ids, req.cache_salt, req.block_keys)
+        req.cached_blocks = hits // self.cfg.block_size
         req.cached_tokens = hits
         req.num_computed = hits
         if self.prefix.enabled:
@@ -325,15 +343,51 @@ class SimEngine:
             if r.state != "RUNNING":
                 continue
             r.num_computed += chunk
+            self._cache_blocks(r, min(r.num_computed, r.prompt_len))
             if r.num_computed >= r.prompt_len:
                 self._prefill_done(r)
                 self._emit(r)
         for r in decode:
             if r.state == "RUNNING":
                 if not r.digest:
+                    if r.kv_ready:
+                        # vLLM caches pulled blocks less the last prompt token, which the first step recomputes.
+                        self._cache_blocks(r, r.prompt_len - 1)
                     self._prefill_done(r)
+                # This step computes the KV of the last token sampled (or of the prompt's end).
+                self._cache_blocks(r, r.prompt_len + len(r.output_ids))
                 self._emit(r)
         self._update_gauges()
+        self._publish_events()
+
+    def _cache_blocks(self, r: SimRequest, num_tokens: int) -> None:
+        """The request's full blocks within its first ``num_tokens`` tokens enter the prefix cache."""
+        full = num_tokens // self.cfg.block_size
+        if not self.prefix.enabled or full <= r.cached_blocks:
+            return
+        tokens = r.prompt_ids if num_tokens <= r.prompt_len else r.prompt_ids + r.output_ids
+        if len(r.block_keys) < full:
+            self.prefix.block_keys(tokens[: full * self.cfg.block_size], r.cache_salt, r.block_keys)
+        r.cached_blocks = self.prefix.store(tokens, r.block_keys[:full], r.cached_blocks, r.cache_salt)
+
+    def _publish_events(self) -> None:
+        events = self.prefix.take_events()
+        if events:
+            self.kv_events.publish(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+
+    def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``: drop the cache unless a request still holds blocks (vLLM's
+        ``BlockPool.reset_prefix_cache``); AllBlocksCleared goes out with the next step's events."""
+        held = sum(r.prompt_len + len(r.output_ids) for r in [*self.waiting, *self.running, *self.remote_wait])
+        held += self.connector.store.held_tokens
+        if held:
+            blocks = -(-held // self.cfg.block_size)
+            self.log.warning(L.W_RESET_FAILED, f"Failed to reset prefix cache because some blocks ({blocks}) are "
+                             "not freed yet")  # fmt: skip
+            return False
+        self.prefix.reset()
+        self.log.info(L.W_RESET_OK, "Successfully reset prefix cache")
+        return True
 
     def _prefill_done(self, r: SimRequest) -> None:
         if r.kv_prefix:
@@ -344,7 +398,6 @@ class SimEngine:
             if not r.kv_ready:
                 self._count_sources(r)
         r.digest = self._set_digest(data)
-        self.prefix.remember(r.prompt_ids, r.cache_salt)
         self.connector.publish(r, data)
 
     def _token(self, r: SimRequest, i: int) -> tuple[int, int]:

@@ -1,15 +1,21 @@
-"""The simulator's HTTP front end: a raw ASGI app with vLLM's OpenAI-compatible endpoints and shapes."""
+"""The simulator's HTTP front end: a raw ASGI app with vLLM's OpenAI-compatible endpoints and shapes.
+
+With ``VLLM_SERVER_DEV_MODE=1`` it also serves vLLM's ``POST /reset_prefix_cache``
+(vllm/entrypoints/serve/dev/cache/api_router.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
+from pdctl.sim import logfmt as L
 from pdctl.sim import logprobs as lp
 from pdctl.sim.agentapi import (
     COUNT_TOKENS,
@@ -74,6 +80,7 @@ class SimApp:
         self.created = int(time.time())
         self._on_crash = on_crash
         self.ready = True
+        self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -104,6 +111,11 @@ class SimApp:
                 await self._agent(scope, receive, send, path)
             elif path == COUNT_TOKENS and method == "POST":
                 await _json(send, 200, self._count_tokens(await _read_json(receive)))
+            elif path == "/reset_prefix_cache" and self.dev_mode and method == "POST":
+                self.engine.log.info(L.W_RESET_API, "Resetting prefix cache...")
+                await _json(send, 200, {"success": self.engine.reset_prefix_cache()})
+            elif path == "/reset_prefix_cache" and self.dev_mode:
+                await _json(send, 405, error_body(405, "Method Not Allowed"))
             elif path in ("/health", "/v1/models", "/version", "/metrics", "/tokenize", "/detokenize",
                           "/v1/completions", "/v1/chat/completions", RESPONSES, MESSAGES, COUNT_TOKENS):  # fmt: skip
                 await _json(send, 405, error_body(405, "Method Not Allowed"))
