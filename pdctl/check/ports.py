@@ -35,9 +35,14 @@ class _PortUse:
 
 
 def _port_uses(dep: Deployment) -> list[_PortUse]:
-    """Every port the plan binds: the gateway's, each worker's HTTP port and its side channel."""
+    """Every port the plan binds: the gateway's (and its KV events socket's), each worker's HTTP port and its side
+    channel."""
     g = dep.gateway
     uses = [_PortUse("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
+    r = dep.routing
+    if r.pd_mode == "adaptive" and r.prefix_view == "exact" and r.strategy == "pd_disagg":
+        key = "routing.kv_events_port"
+        uses.append(_PortUse("gateway KV events", g.listen_host, r.kv_events_port, "settings", key))
     for w in dep.workers:
         ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"
         uses.append(_PortUse(w.name, w.host, w.port, "settings", f"routing.{ep}", w))
@@ -53,6 +58,8 @@ def _moved(dep: Deployment, use: _PortUse, taken: set[int]) -> Mapping[str, obje
     candidates = [*range(use.port + 100, 65536, 100), *range(use.port % 100 + 1100, use.port, 100)]
     port = next((p for p in candidates if p not in taken and not port_in_use(use.host, p)), use.port)
     taken.add(port)  # the next finding's fix must not pick it too
+    if use.key == "routing.kv_events_port":
+        return {f"{SETTINGS}{use.key}": port}
     if use.worker is None:
         fix: dict[str, object] = {f"{SETTINGS}gateway.listen": f"{use.host}:{port}"}
         if "cluster.gateway_port" in dep.config_keys:

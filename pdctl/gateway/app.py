@@ -35,6 +35,7 @@ from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError, Wire
 from pdctl.gateway.keys import KeyEntry, KeyRing
+from pdctl.gateway.kv_view import KvEventSubscriber
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
 from pdctl.gateway.prefix import Decision, PrefixRouter
@@ -59,6 +60,7 @@ from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
+from pdctl.vllm.kv_events import bind_endpoint
 from pdctl.vllm.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
@@ -129,7 +131,13 @@ class Gateway:
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
-        prefix = PrefixRouter(settings.routing) if settings.routing.pd_mode == "adaptive" else None
+        prefix = None
+        self.kv_events: KvEventSubscriber | None = None
+        if settings.routing.pd_mode == "adaptive":
+            if settings.routing.prefix_view == "exact":
+                events = bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
+                self.kv_events = KvEventSubscriber(events, self._count_kv_event)
+            prefix = PrefixRouter(settings.routing, self.kv_events)
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
                               self.secrets, self.spawn, self.upstream, prefix)  # fmt: skip
 
@@ -142,6 +150,8 @@ class Gateway:
             await self.discovery.start()
             await self.pool.start()
             self.spawn(self._load_tokenizers())
+            if self.kv_events is not None:
+                self.spawn(self.kv_events.run())
             if self.keys.per_user:
                 self.spawn(self._watch_keys())
 
@@ -150,7 +160,11 @@ class Gateway:
         sources = {m.name: m.source or m.name for m in self.settings.models}
         for name in self.local_models():
             sources.setdefault(name, name)
-        await asyncio.to_thread(self.tokens.load, sources)
+        sim = [m.name for m in self.settings.models if m.engine == "sim"]
+        await asyncio.to_thread(self.tokens.load, sources, sim)
+
+    def _count_kv_event(self, instance: str, event: str) -> None:
+        self.metrics.child(self.metrics.kv_events, instance, event).inc()
 
     async def _watch_keys(self) -> None:
         """Reload the keys file when it changes (checked every second; SIGHUP reloads at once)."""
@@ -310,7 +324,10 @@ class Gateway:
             self.metrics.child(self.metrics.key_tokens, key_name).inc(tokens)
             pd = route == "local" and self.settings.routing.strategy != "colocated" and not req.colocated_only
             # Adaptive PD decides before admission: a request for the decode alone is judged without the prefill.
-            plan = self.legs.prefix.decide(self.pool, body, prompt_tokens) if pd and self.legs.prefix else None
+            plan = None
+            if pd and self.legs.prefix is not None:
+                ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
+                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids)
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":

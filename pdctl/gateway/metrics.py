@@ -53,6 +53,20 @@ class GatewayMetrics:
             "pdctl_pd_decisions", "routing.pd_mode = adaptive: requests by path (local, disagg) and reason.",
             ["path", "reason"], registry=r,
         )  # fmt: skip
+        self.kv_events = Counter(
+            "pdctl_kv_events", "routing.prefix_view = exact: KV cache events applied, by worker and event type; "
+            "gap and restart: the worker's view started over; malformed: an unreadable message.",
+            ["instance", "event"], registry=r,
+        )  # fmt: skip
+        self.view_cached_tokens = Counter(
+            "pdctl_pd_view_cached_tokens", "routing.prefix_view = exact: prompt tokens cached on the chosen decode, "
+            "by the view that counted them (approx: what the approximate view counted for the same requests).",
+            ["view"], registry=r,
+        )  # fmt: skip
+        self.view_disagreements = Counter(
+            "pdctl_pd_view_disagreements", "routing.prefix_view = exact: decisions the approximate view would have "
+            "made the other way, by the exact view's path.", ["path"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter("pdctl_rejected", "Requests rejected before any worker call.", ["reason"], registry=r)
         self.upstream_calls = Counter(
             "pdctl_upstream_calls", "Calls to the upstream channel, by outcome.", ["outcome"], registry=r

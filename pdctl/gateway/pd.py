@@ -166,6 +166,12 @@ async def serve_pd(
     if ctx.prefix is not None:
         plan = plan or ctx.prefix.decide(ctx.pool, body, prompt_tokens)
         ex.decision = plan.log_fields()
+        if plan.view == "exact" and plan.approx_cached_tokens is not None:
+            m = ctx.metrics
+            m.child(m.view_cached_tokens, "exact").inc(plan.cached_tokens)
+            m.child(m.view_cached_tokens, "approx").inc(plan.approx_cached_tokens)
+            if plan.approx_local != plan.local:
+                m.child(m.view_disagreements, "local" if plan.local else "disagg").inc()
         if plan.local:  # counted once, as local, even when it ends on the two legs (pdctl_retries_total{leg=local})
             if await _serve_local(ctx, ex, endpoint, body, prompt_tokens, plan):
                 return
@@ -257,7 +263,7 @@ async def _leg1(
     plan: Decision | None = None,
 ) -> LegResult:  # fmt: skip
     if plan is not None and ctx.prefix is not None:
-        inst, _ = ctx.prefix.pick(ctx.pool, "prefill", plan.hashes)
+        inst = ctx.prefix.pick(ctx.pool, "prefill", plan)
     else:
         inst = ctx.pool.choose(("prefill",))
     if inst is None:
@@ -276,7 +282,7 @@ async def _leg1(
         raise asyncio.CancelledError
     if leg.reply is not None:
         if plan is not None and ctx.prefix is not None:
-            ctx.prefix.view(inst).insert(plan.hashes)
+            ctx.prefix.record(inst, plan)
         ctx.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
         ctx.metrics.child(ctx.metrics.leg, "prefill").observe(leg.elapsed_s)
         ex.prefill = inst.name
@@ -392,7 +398,7 @@ async def _decode(
     if result.error is None:
         ctx.pool.record_success(inst)
         if plan is not None and ctx.prefix is not None:
-            ctx.prefix.view(inst).insert(plan.hashes)
+            ctx.prefix.record(inst, plan)
     else:
         # After a first token the KV was already pulled: whatever broke is decode's.
         _count_failure(ctx, inst, source if result.first_chunk_at is None else None)

@@ -14,6 +14,14 @@ Characters become tokens by the prompt's own ratio: cached tokens = prompt token
 characters. vLLM also caches the answer's full blocks, which the view leaves out, so it under-counts what a
 decode holds after a turn: the decision errs towards the prefill leg.
 
+**The exact view** (``routing.prefix_view = "exact"``, :mod:`pdctl.gateway.kv_view`): each worker's own KV cache
+events, matched against the prompt's exact token ids (:meth:`pdctl.gateway.tokens.TokenCounter.prompt_ids`) in
+the engine's blocks. It sees what the engine really holds: the answers' blocks, evictions, a cache reset. A
+request whose ids are not known exactly (an agent route, tools, a model without a local tokenizer) and a worker
+that has published nothing yet are judged by the approximate view, which is kept in either mode; each exact
+decision also counts what the approximate view would have said (``pdctl_pd_view_cached_tokens_total``,
+``pdctl_pd_view_disagreements_total``), the drift between the two.
+
 **The decision** (:meth:`PrefixRouter.decide`), following llm-d's ``prefix-based-pd-decider`` and Dynamo's
 conditional disaggregation (``../shared/reference/routing-peers.md`` §1):
 
@@ -31,11 +39,12 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdctl.config import RoutingConfig
+from pdctl.gateway.kv_view import ExactIndex, KvEventSubscriber, leading, token_block_hashes
 from pdctl.gateway.routing import Instance, Pool, Role
 
 __all__ = ["BLOCK_CHARS", "Decision", "PrefixIndex", "PrefixRouter", "block_hashes", "prompt_text"]
@@ -50,6 +59,7 @@ IMBALANCE_REL = 1.5
 _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "prompt")
 
 Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy"]
+View = Literal["approx", "exact"]
 
 
 def _walk(value: Any, out: list[str]) -> None:
@@ -97,12 +107,7 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``' leading blocks are held."""
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return leading(hashes, self._blocks)
 
     def insert(self, hashes: Iterable[int]) -> None:
         """Record ``hashes`` as held (most recently used), evicting the least recently used beyond capacity."""
@@ -131,34 +136,84 @@ class Decision:
     cached_tokens: int
     uncached_tokens: int
     hashes: tuple[int, ...]
+    """The approximate view's block hashes of the prompt (recorded on the instances that serve it)."""
+    view: View = "approx"
+    """The view the decision was made with: ``exact`` when the prompt's token ids and the decode's events were
+    known (``routing.prefix_view = "exact"``)."""
+    token_ids: tuple[int, ...] | None = None
+    """The prompt's exact token ids (``prefix_view = "exact"`` only)."""
+    approx_cached_tokens: int | None = None
+    """Under the exact view, what the approximate view would have counted as cached on the same decode."""
+    chars: int = 0
+    """The length of the prompt's text (:func:`prompt_text`), to turn approximate blocks into tokens."""
+    approx_local: bool | None = None
+    """Under the exact view, whether the approximate view would have gone local (the views' drift)."""
 
     def log_fields(self) -> str:
         """The decision as access-log fields."""
-        return f"decision={self.reason} cached_tokens={self.cached_tokens} uncached_tokens={self.uncached_tokens}"
+        fields = f"decision={self.reason} cached_tokens={self.cached_tokens} uncached_tokens={self.uncached_tokens}"
+        if self.view == "exact":
+            fields += f" view=exact approx_cached_tokens={self.approx_cached_tokens}"
+        return fields
 
 
 class PrefixRouter:
-    """The per-instance views and the decision, for one gateway process."""
+    """The per-instance views and the decision, for one gateway process; ``events``: the workers' KV cache events
+    (``prefix_view = "exact"``, :mod:`pdctl.gateway.kv_view`), None for the approximate view alone."""
 
-    def __init__(self, routing: RoutingConfig) -> None:
+    def __init__(self, routing: RoutingConfig, events: KvEventSubscriber | None = None) -> None:
         self.routing = routing
+        self.events = events
         self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
+        self._exact_epoch: weakref.WeakKeyDictionary[Instance, int] = weakref.WeakKeyDictionary()
 
     def view(self, inst: Instance) -> PrefixIndex:
-        """``inst``'s view: created empty on first use, emptied when the instance came back from being down (a
-        restarted engine's prefix cache is empty; :attr:`~pdctl.gateway.routing.Instance.epoch`)."""
+        """``inst``'s approximate view: created empty on first use, emptied when the instance came back from being
+        down (a restarted engine's prefix cache is empty; :attr:`~pdctl.gateway.routing.Instance.epoch`)."""
         held = self._views.get(inst)
         if held is None or held[0] != inst.epoch:
             held = self._views[inst] = (inst.epoch, PrefixIndex(self.routing.prefix_cache_blocks))
         return held[1]
 
-    def pick(self, pool: Pool, role: Role, hashes: Sequence[int]) -> tuple[Instance | None, int]:
-        """The instance of ``role`` holding most of ``hashes`` (ties and an imbalanced pool: least loaded), and how
-        many leading blocks it holds."""
+    def exact_view(self, inst: Instance) -> ExactIndex | None:
+        """``inst``'s exact view (None: no events from it yet, or no exact view); emptied, as the approximate one,
+        when the instance came back from being down."""
+        if self.events is None:
+            return None
+        ev = self.events.view(inst.name)
+        if ev is not None and self._exact_epoch.setdefault(inst, inst.epoch) != inst.epoch:
+            self._exact_epoch[inst] = inst.epoch
+            ev.clear()
+        return ev if ev is not None and ev.block_size is not None else None
+
+    def record(self, inst: Instance, plan: Decision) -> None:
+        """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now."""
+        self.view(inst).insert(plan.hashes)
+
+    def cached(self, inst: Instance, plan: Decision) -> int:
+        """Prompt tokens of ``plan`` cached on ``inst``, by the plan's view."""
+        return self._cached(inst, plan.hashes, plan.token_ids, plan.cached_tokens + plan.uncached_tokens, plan.chars)[0]
+
+    def _cached(
+        self, inst: Instance, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int, text_chars: int
+    ) -> tuple[int, View]:
+        if ids is not None:
+            ev = self.exact_view(inst)
+            if ev is not None and ev.block_size is not None:
+                bs = ev.block_size
+                return min(prompt_tokens, ev.match(token_block_hashes(ids, bs)) * bs), "exact"
+        blocks = self.view(inst).match(hashes)
+        return min(prompt_tokens, prompt_tokens * blocks * BLOCK_CHARS // max(1, text_chars)), "approx"
+
+    def pick(self, pool: Pool, role: Role, plan: Decision) -> Instance | None:
+        """The instance of ``role`` holding most of ``plan``'s prompt (ties and an imbalanced pool: least loaded)."""
+        return self._pick(pool, role, lambda i: self.cached(i, plan))[0]
+
+    def _pick(self, pool: Pool, role: Role, score: Callable[[Instance], int]) -> tuple[Instance | None, int]:
         candidates = [i for i in pool.instances if i.role == role and i.available()]
         if not candidates:
             return None, 0
-        matched = {i: self.view(i).match(hashes) for i in candidates}
+        matched = {i: score(i) for i in candidates}
         loads = [i.in_flight for i in candidates]
         lo, hi = min(loads), max(loads)
         if hi - lo > IMBALANCE_ABS and hi > lo * IMBALANCE_REL:
@@ -169,21 +224,39 @@ class PrefixRouter:
         inst = pool.choose((role,), among=best)
         return inst, matched[inst] if inst is not None else 0
 
-    def decide(self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int) -> Decision:
-        """Choose the decode, count the prompt's uncached tokens on it, and decide local or P→D."""
+    def decide(
+        self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> Decision:
+        """Choose the decode, count the prompt's uncached tokens on it, and decide local or P→D. ``token_ids``: the
+        prompt's exact ids (the exact view is used where the decode has published events)."""
         text = prompt_text(body)
         hashes = tuple(block_hashes(text))
-        decode, blocks = self.pick(pool, "decode", hashes)
-        chars = max(1, len(text))
-        cached = min(prompt_tokens, prompt_tokens * blocks * BLOCK_CHARS // chars)
-        uncached = prompt_tokens - cached
+        ids = tuple(token_ids) if token_ids is not None and self.events is not None else None
+        if ids is not None:
+            prompt_tokens = len(ids)
+        chars = len(text)
+        decode, cached = self._pick(pool, "decode", lambda i: self._cached(i, hashes, ids, prompt_tokens, chars)[0])
+        view: View = "approx"
+        approx: int | None = None
+        if decode is not None and ids is not None:
+            view = self._cached(decode, hashes, ids, prompt_tokens, chars)[1]
+            if view == "exact":
+                approx = self._cached(decode, hashes, None, prompt_tokens, chars)[0]
+        reason = self._reason(decode, prompt_tokens - cached, prompt_tokens)
+        approx_local = None
+        if approx is not None:
+            approx_local = self._reason(decode, prompt_tokens - approx, prompt_tokens) == "cached"
+        exact_ids = ids if view == "exact" else None
+        return Decision(reason == "cached" and decode is not None, reason, decode, cached, prompt_tokens - cached,
+                        hashes, view, exact_ids, approx, chars, approx_local)  # fmt: skip
+
+    def _reason(self, decode: Instance | None, uncached: int, prompt_tokens: int) -> Reason:
         r = self.routing
-        reason: Reason = "cached"
         if uncached > r.local_max_uncached_tokens:
-            reason = "uncached_tokens"
-        elif uncached > r.local_max_uncached_share * prompt_tokens:
-            reason = "uncached_share"
-        elif decode is not None and r.local_max_decode_requests is not None:
+            return "uncached_tokens"
+        if uncached > r.local_max_uncached_share * prompt_tokens:
+            return "uncached_share"
+        if decode is not None and r.local_max_decode_requests is not None:
             if decode.in_flight >= r.local_max_decode_requests:
-                reason = "decode_busy"
-        return Decision(reason == "cached" and decode is not None, reason, decode, cached, uncached, hashes)
+                return "decode_busy"
+        return "cached"

@@ -27,6 +27,8 @@ class LocalModel:
     max_model_len: int | None = None
     source: str | None = None
     """The model path or Hugging Face repo id the workers load (where its tokenizer is); None: ``name``."""
+    engine: str = "vllm"
+    """The workers' engine (``sim``: the simulator, whose tokenizer is its own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,9 @@ def from_deployment(dep: Deployment) -> GatewaySettings:
     """Settings from config.toml + settings.json: instance names, models and limits from the workers."""
     models: dict[str, int | None] = {}
     sources: dict[str, str] = {}
+    engines: dict[str, str] = {}
     for w in dep.workers:
+        engines.setdefault(w.model_name, w.engine)
         sources.setdefault(w.model_name, dep.resolve_path(w.model) if w.model.startswith((".", "~")) else w.model)
         known = models.get(w.model_name)
         lens = [x for x in (known, w.max_model_len) if x is not None]
@@ -93,7 +97,7 @@ def from_deployment(dep: Deployment) -> GatewaySettings:
         logging=dep.logging,
         prefill=tuple(InstanceSpec(w.name, "prefill", w.url) for w in dep.prefill),
         decode=tuple(InstanceSpec(w.name, "decode", w.url) for w in dep.decode),
-        models=tuple(LocalModel(n, m, sources[n]) for n, m in models.items()),
+        models=tuple(LocalModel(n, m, sources[n], engines[n]) for n, m in models.items()),
         connector=dep.routing.kv_connector or dep.connector.kv_connector,
         kv_timeout_s=dep.kv_transfer.timeout_ms / 1000.0,
     )

@@ -5,6 +5,11 @@
 and counts the text of a request body. Chat templates add a few tokens per message that are not counted.
 Without a tokenizer, :func:`estimate_tokens` counts each CJK character as a token and four ASCII characters
 as one, so Chinese prompts are not under-counted (one token is about 1-1.5 Chinese characters).
+
+:meth:`TokenCounter.prompt_ids` gives a request's exact prompt token ids, as the engine computes them (adaptive PD's
+exact view): a completion's prompt encoded with the tokenizer's special tokens, a chat rendered with the model's
+chat template (:mod:`pdctl.gateway.chat_template`) and encoded without them, as vLLM does; the simulator's models
+(``engine = "sim"``) with the simulator's own tokenizer and template. None where that cannot be known exactly.
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pdctl.gateway.chat_template import ChatTemplate
+
 __all__ = ["TokenCounter", "estimate_tokens", "find_tokenizer", "prompt_parts"]
+
+#: The endpoints whose prompt :meth:`TokenCounter.prompt_ids` knows (vLLM renders the agent routes' own way).
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -80,13 +90,21 @@ class TokenCounter:
 
     def __init__(self) -> None:
         self._tok: dict[str, Any] = {}
+        self._templates: dict[str, ChatTemplate] = {}
+        self._sim: dict[str, tuple[Any, Any]] = {}
 
-    def load(self, models: Mapping[str, str]) -> None:
-        """Load the tokenizer of each ``{served name: model path or repo id}`` that has one (blocking)."""
+    def load(self, models: Mapping[str, str], sim: Iterable[str] = ()) -> None:
+        """Load the tokenizer (and chat template) of each ``{served name: model path or repo id}`` that has one
+        (blocking); the models in ``sim`` are the simulator's, tokenized as it does."""
         from tokenizers import Tokenizer
 
+        for name in sim:
+            from pdctl.sim.text import Tokenizer as SimTokenizer
+            from pdctl.sim.text import apply_chat_template
+
+            self._sim[name] = (SimTokenizer(), apply_chat_template)
         for name, source in models.items():
-            if name in self._tok:
+            if name in self._tok or name in self._sim:
                 continue
             path = find_tokenizer(source)
             if path is None:
@@ -96,6 +114,14 @@ class TokenCounter:
                 self._tok[name] = Tokenizer.from_file(str(path))
             except Exception as exc:  # a corrupt file must not stop the gateway: counts fall back to estimates
                 log.warning("model %s: cannot load %s (%s); token counts are estimates", name, path, exc)
+                continue
+            try:
+                template = ChatTemplate.load(path.parent)
+            except (OSError, ValueError) as exc:  # unreadable config: chats get no exact prompt ids
+                log.warning("model %s: cannot read its chat template (%s)", name, exc)
+                template = None
+            if template is not None:
+                self._templates[name] = template
 
     def exact(self, model: str) -> bool:
         """Whether ``model`` is counted with its tokenizer."""
@@ -109,6 +135,39 @@ class TokenCounter:
             return max(1, ids)
         encs = tok.encode_batch(texts, add_special_tokens=False)
         return max(1, ids + sum(len(e.ids) for e in encs))
+
+    def _ids(self, model: str, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one
+        sim = self._sim.get(model)
+        if sim is not None:
+            tok, template = sim
+            if endpoint == CHAT and isinstance(body.get("messages"), list):
+                return list(tok.encode(template(body["messages"], bool(body.get("add_generation_prompt", True)))))
+            if endpoint == COMPLETIONS and isinstance(prompt, str):
+                return list(tok.encode(prompt))
+        else:
+            tok = self._tok.get(model)
+            if tok is None:
+                return None
+            if endpoint == CHAT:
+                template = self._templates.get(model)
+                text = template.render(body) if template is not None else None
+                return None if text is None else list(tok.encode(text, add_special_tokens=False).ids)
+            if endpoint == COMPLETIONS and isinstance(prompt, str):
+                return list(tok.encode(prompt, add_special_tokens=True).ids)
+        if endpoint == COMPLETIONS and isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return list(prompt)
+        return None
+
+    async def prompt_ids(self, model: str, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine computes them (module docstring); None: not known exactly. A long
+        prompt is encoded on a thread."""
+        if sum(len(t) for t in prompt_parts(body)[0]) > _THREAD_CHARS:
+            return await asyncio.to_thread(self._ids, model, endpoint, body)
+        return self._ids(model, endpoint, body)
 
     async def count(self, model: str, body: Mapping[str, Any]) -> int:
         """Prompt tokens of ``body`` for ``model``; a long prompt is counted on a thread."""

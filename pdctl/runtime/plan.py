@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdctl.config import Deployment, WorkerConfig, keys_of
+from pdctl.vllm.kv_events import connect_endpoint, publisher_config
 from pdctl.vllm.protocol import NIXL_CONNECTORS, connector_kind
 
 __all__ = [
@@ -311,6 +312,10 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
     if w.engine == "sim":
         flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
         flags += ["--sim-link", dep.kv_transfer.link]
+    r = dep.routing
+    if r.pd_mode == "adaptive" and r.prefix_view == "exact" and r.strategy == "pd_disagg":
+        events = publisher_config(connect_endpoint(dep.gateway.listen_host, r.kv_events_port), w.name)
+        flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     flags += list(w.extra_args)
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1"}

@@ -82,6 +82,7 @@ import msgspec
 __all__ = [
     "END_SEQ",
     "AllBlocksCleared",
+    "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "KVCacheEvent",
@@ -89,9 +90,12 @@ __all__ = [
     "SeqCheck",
     "SeqStatus",
     "SequenceTracker",
+    "bind_endpoint",
+    "connect_endpoint",
     "decode_batch",
     "decode_batch_skipping_unknown",
     "parse_seq",
+    "publisher_config",
     "split_message",
 ]
 
@@ -166,6 +170,27 @@ _LENIENT = msgspec.msgpack.Decoder(_LenientBatch)
 _EVENT = msgspec.msgpack.Decoder(Event)
 _TAG = msgspec.msgpack.Decoder(_Tag)
 _KNOWN = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
+
+
+def publisher_config(endpoint: str, topic: str) -> dict[str, Any]:
+    """``--kv-events-config`` for an engine whose PUB socket dials ``endpoint`` (:func:`connect_endpoint`) and tags
+    its messages with ``topic``."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": topic}
+
+
+def connect_endpoint(host: str, port: int) -> str:
+    """The address engines dial to reach a subscriber listening on ``host`` (a wildcard means this machine).
+    It must contain neither ``*`` nor ``::``, or vLLM would bind it instead."""
+    if host in ("0.0.0.0", "", "::", "*"):
+        host = "127.0.0.1"
+    return f"tcp://{host}:{port}"
+
+
+def bind_endpoint(host: str, port: int) -> str:
+    """The address a subscriber binds for engines to dial (``host`` as the gateway's listen address)."""
+    if host in ("0.0.0.0", "", "::", "*"):
+        return f"tcp://*:{port}"
+    return f"tcp://{host}:{port}"
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

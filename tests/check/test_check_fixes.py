@@ -74,7 +74,8 @@ def _set_json(settings: dict[str, Any], key: str, value: object) -> None:
 
 def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path = RECIPE) -> Path:
     """The files of ``source`` in ``d``, on the simulator with free ports, plus ``edits`` (dotted keys; in a string
-    value ``<prefill>`` stands for prefill's side-channel port, ``<gateway>`` for the gateway's port)."""
+    value ``<prefill>`` stands for prefill's side-channel port, ``<gateway>`` for the gateway's port, ``<free>`` for a
+    free one)."""
     d.mkdir(parents=True, exist_ok=True)
     doc = tomlkit.parse((source / "config.toml").read_text(encoding="utf-8"))
     for table in ("prefill", "decode"):
@@ -89,7 +90,8 @@ def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path =
     settings["gateway"]["drain_timeout_s"] = 2
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{free_port()}"
     settings["routing"]["decode_endpoint"] = f"http://127.0.0.1:{free_port()}"
-    ports = {"<prefill>": doc["prefill"]["side_channel_port"], "<gateway>": gateway_port}  # type: ignore[index]
+    ports = {"<prefill>": doc["prefill"]["side_channel_port"], "<gateway>": gateway_port,  # type: ignore[index]
+             "<free>": free_port()}  # fmt: skip
 
     def fill(value: object) -> object:
         if isinstance(value, str) and value in ports:
@@ -213,6 +215,12 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
                                      f"{SETTINGS}routing.local_max_uncached_tokens": 1 << 20}, {"PD033"}),
     "adaptive-colocated": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive",
                                   f"{SETTINGS}routing.strategy": "colocated"}, {"PD033"}),
+    "exact-view-many-gateways": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive", f"{SETTINGS}routing.prefix_view":
+                                        "exact", f"{SETTINGS}routing.kv_events_port": "<free>",
+                                        f"{SETTINGS}gateway.workers": 2}, {"PD034"}),
+    "exact-view-unused": (INIT, {f"{SETTINGS}routing.prefix_view": "exact"}, {"PD034"}),
+    "kv-events-port-clash": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive", f"{SETTINGS}routing.prefix_view": "exact",
+                                    f"{SETTINGS}routing.kv_events_port": "<prefill>"}, {"PD017"}),
 }  # fmt: skip
 
 

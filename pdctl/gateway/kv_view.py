@@ -1,0 +1,201 @@
+"""Adaptive PD's exact view (``routing.prefix_view = "exact"``): what each worker's prefix cache holds, from the
+worker's own vLLM KV cache events.
+
+The plan starts every worker with ``--kv-events-config`` whose ``endpoint`` is ``tcp://<gateway host>:<
+routing.kv_events_port>`` and whose ``topic`` is the worker's name (:func:`pdctl.vllm.args.kv_events_config`).
+vLLM's PUB socket *connects* to such an address (:mod:`pdctl.vllm.kv_events`), so the gateway *binds* one SUB
+socket there and every worker dials in, as llm-d's KV cache manager does; the topic tells the workers apart.
+
+Map:
+
+- :func:`token_block_hashes`: a prompt's token ids -> chained hashes of its full blocks, the keys of the view.
+- :class:`ExactIndex`: one worker's cached blocks. vLLM's block hashes depend on its hash algorithm and seed, so
+  each ``BlockStored`` is re-hashed here from its ``token_ids``, chained from the parent's (llm-d does the same);
+  the engine's hashes are kept only to find a parent and to apply ``BlockRemoved``. A stored block whose parent
+  is unknown (published before the gateway listened, or lost) cannot be chained and is left out: the view then
+  under-counts, and the decision errs towards the prefill leg. Blocks stored with ``extra_keys`` (a LoRA, a
+  ``cache_salt``, multimodal inputs) hash with them and never match a plain prompt, as in the engine.
+- :class:`KvEventSubscriber`: the SUB socket and its loop. Per topic a
+  :class:`~pdctl.vllm.kv_events.SequenceTracker`: a gap (messages lost) or a restart (the seq went back; a
+  restarted engine starts at 0) empties that worker's view before the message is applied, so the view never
+  claims a block the engine may have dropped. ``AllBlocksCleared`` empties it too.
+
+The prefix router (:mod:`pdctl.gateway.prefix`) reads the views; a worker with no events yet, or a request whose
+exact token ids are unknown (:meth:`pdctl.gateway.tokens.TokenCounter.prompt_ids`), is judged by the approximate
+view instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Container, Sequence
+
+import msgspec
+
+from pdctl.vllm.kv_events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    SeqStatus,
+    SequenceTracker,
+    decode_batch_skipping_unknown,
+    split_message,
+)
+
+__all__ = ["ExactIndex", "KvEventSubscriber", "leading", "token_block_hashes"]
+
+log = logging.getLogger("pdctl.gateway")
+
+
+def _chain(parent: int, block: Sequence[int], extra: tuple[object, ...] | None = None) -> int:
+    return hash((parent, tuple(block), extra))
+
+
+def leading(hashes: Sequence[int], held: Container[int]) -> int:
+    """How many of ``hashes``, from the first, are in ``held`` (a chained block matches only after its prefix)."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+def token_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full ``block_size`` blocks of ``ids`` (vLLM caches full blocks only)."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = _chain(parent, ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class ExactIndex:
+    """One worker's prefix cache, as its events describe it (module docstring)."""
+
+    __slots__ = ("_held", "_ours", "block_size", "orphans")
+
+    def __init__(self) -> None:
+        self.block_size: int | None = None
+        """The engine's block size, from its first ``BlockStored`` (None: no event yet)."""
+        self._ours: dict[BlockHash, int] = {}
+        self._held: dict[int, int] = {}
+        self.orphans = 0
+        """Stored blocks left out because their parent was unknown."""
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def apply(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        """Apply one event."""
+        if isinstance(event, AllBlocksCleared):
+            self.clear()
+        elif isinstance(event, BlockRemoved):
+            for eh in event.block_hashes:
+                ours = self._ours.pop(eh, None)
+                if ours is not None:
+                    left = self._held[ours] - 1
+                    if left:
+                        self._held[ours] = left
+                    else:
+                        del self._held[ours]
+        else:
+            self._store(event)
+
+    def _store(self, ev: BlockStored) -> None:
+        if ev.group_idx not in (None, 0):  # hybrid models' other KV groups (sliding window): not the prefix's
+            return
+        bs = ev.block_size
+        if self.block_size is None:
+            self.block_size = bs
+        elif bs != self.block_size:
+            return
+        if ev.parent_block_hash is None:
+            parent: int | None = 0
+        else:
+            parent = self._ours.get(ev.parent_block_hash)
+        if parent is None:
+            self.orphans += len(ev.block_hashes)
+            return
+        extras = ev.extra_keys or ()
+        for i, eh in enumerate(ev.block_hashes):
+            block = ev.token_ids[i * bs : (i + 1) * bs]
+            if len(block) != bs:
+                return
+            extra = extras[i] if i < len(extras) else None
+            parent = _chain(parent, block, tuple(extra) if extra is not None else None)
+            if eh not in self._ours:
+                self._ours[eh] = parent
+                self._held[parent] = self._held.get(parent, 0) + 1
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes``' leading blocks (:func:`token_block_hashes`, this index's block size) are held."""
+        return leading(hashes, self._held)
+
+    def clear(self) -> None:
+        """Forget every block (the block size stays: it is the engine's)."""
+        self._ours.clear()
+        self._held.clear()
+
+
+class KvEventSubscriber:
+    """The gateway's SUB socket for its workers' KV cache events, and the :class:`ExactIndex` of each topic."""
+
+    def __init__(self, endpoint: str, count: Callable[[str, str], None] | None = None) -> None:
+        """``endpoint``: the address to bind (``tcp://127.0.0.1:5557``); ``count(topic, what)``: called per event
+        applied (its type name) and per resync (``gap``, ``restart``) or unreadable message (``malformed``)."""
+        self.endpoint = endpoint
+        self.views: dict[str, ExactIndex] = {}
+        self.bound = False
+        self._seq: dict[str, SequenceTracker] = {}
+        self._count = count or (lambda topic, what: None)
+
+    def view(self, topic: str) -> ExactIndex | None:
+        """The view of the worker publishing on ``topic`` (None: no event from it yet)."""
+        return self.views.get(topic)
+
+    def feed(self, frames: Sequence[bytes]) -> None:
+        """Apply one multipart message (topic, seq, payload)."""
+        try:
+            topic, seq, payload = split_message(frames)
+            check = self._seq.setdefault(topic, SequenceTracker()).observe(seq)
+            batch, _ = decode_batch_skipping_unknown(payload)
+        except (ValueError, msgspec.DecodeError) as exc:
+            self._count("-", "malformed")
+            log.warning("KV events: an unreadable message (%s); ignored", exc)
+            return
+        view = self.views.setdefault(topic, ExactIndex())
+        if check.status in (SeqStatus.GAP, SeqStatus.RESTART):
+            self._count(topic, check.status.value)
+            log.info("KV events from %s: %s at seq %d (expected %s); its view starts over", topic,
+                     check.status.value, seq, check.expected)  # fmt: skip
+            view.clear()
+        for ev in batch.events:
+            view.apply(ev)
+            self._count(topic, type(ev).__name__)
+
+    async def run(self) -> None:
+        """Bind and apply messages until cancelled. A port that cannot be bound is logged and leaves every worker
+        to the approximate view."""
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            try:
+                sock.bind(self.endpoint)
+            except zmq.ZMQError as exc:
+                log.error("KV events: cannot bind %s (%s); adaptive PD uses the approximate view", self.endpoint, exc)
+                return
+            self.bound = True
+            log.info("KV events: listening on %s", self.endpoint)
+            while True:
+                self.feed(await sock.recv_multipart())
+        finally:
+            self.bound = False
+            sock.close(linger=0)
+            ctx.term()

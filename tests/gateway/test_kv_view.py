@@ -1,0 +1,215 @@
+"""Adaptive PD's exact view (``routing.prefix_view = "exact"``): vLLM's KV cache events into a per-worker index, the
+prompt's exact token ids, and the decision made with both, through a real ZMQ socket.
+
+The events are built with the wire structs of :mod:`pdctl.vllm.kv_events` (their shape is checked against real vLLM
+recordings in tests/vllm/test_kv_events.py) and published from a PUB socket that connects, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from pdctl.gateway.app import Gateway, create_app
+from pdctl.gateway.chat_template import ChatTemplate
+from pdctl.gateway.kv_view import ExactIndex, KvEventSubscriber, token_block_hashes
+from pdctl.gateway.memory import MemoryWorkers
+from pdctl.gateway.settings import LocalModel
+from pdctl.gateway.tokens import TokenCounter
+from pdctl.sim.text import Tokenizer, apply_chat_template
+from pdctl.vllm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tests.fakes.gateway_harness import KEY, asgi_request, make_settings, run_app
+from tests.gateway.test_adaptive import _decisions, _decoded, _prefill, _turn
+
+BS = 16
+_ENC = msgspec.msgpack.Encoder()
+
+
+def _stored(ids: Sequence[int], hashes: Sequence[int], parent: int | None = None, extra: Any = None) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(ids), block_size=BS,
+                       lora_id=None, medium="GPU", lora_name=None, extra_keys=extra or [None] * len(hashes),
+                       group_idx=0, kv_cache_spec_kind="full_attention")  # fmt: skip
+
+
+def _frames(topic: str, seq: int, *events: Any) -> list[bytes]:
+    return [topic.encode(), seq.to_bytes(8, "big"), _ENC.encode(KVEventBatch(1.0, list(events), 0))]
+
+
+def test_the_index_rehashes_token_ids_and_follows_parents_removals_and_clears() -> None:
+    ids = list(range(100, 100 + 5 * BS))
+    want = token_block_hashes(ids, BS)
+    assert len(want) == 5 and token_block_hashes(ids[: 2 * BS + 3], BS) == want[:2]  # a partial block is not cached
+    ix = ExactIndex()
+    ix.apply(_stored(ids[: 2 * BS], [901, 902]))  # the engine's own hashes: any values
+    assert ix.block_size == BS and ix.match(want) == 2
+    ix.apply(_stored(ids[2 * BS : 4 * BS], [903, 904], parent=902))  # chained from the parent's tokens
+    assert ix.match(want) == 4
+    ix.apply(_stored(ids[4 * BS :], [999], parent=12345))  # an unknown parent cannot be chained: left out
+    assert ix.match(want) == 4 and ix.orphans == 1
+    ix.apply(BlockRemoved(block_hashes=[903], medium="GPU"))  # evicted: the prefix ends before it
+    assert ix.match(want) == 2
+    ix.apply(AllBlocksCleared())
+    assert ix.match(want) == 0 and len(ix) == 0 and ix.block_size == BS
+    # blocks stored with extra keys (a LoRA, a cache_salt) never match a plain prompt, as in the engine
+    ix.apply(_stored(ids[:BS], [1], extra=[("salt",)]))
+    assert ix.match(want) == 0
+
+
+def test_the_subscriber_starts_a_view_over_after_a_gap_or_a_restart() -> None:
+    counted: list[tuple[str, str]] = []
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", lambda t, w: counted.append((t, w)))
+    ids = list(range(3 * BS))
+    want = token_block_hashes(ids, BS)
+    sub.feed(_frames("decode", 0, _stored(ids[:BS], [1])))
+    sub.feed(_frames("decode", 1, _stored(ids[BS : 2 * BS], [2], parent=1)))
+    view = sub.view("decode")
+    assert view is not None and view.match(want) == 2
+    sub.feed(_frames("decode", 5, _stored(ids[2 * BS :], [3], parent=2)))  # seqs 2-4 were lost
+    assert view.match(want) == 0  # nothing before the gap is trusted, and block 3's parent is gone with it
+    sub.feed(_frames("decode", 6, _stored(ids[:BS], [1])))
+    assert view.match(want) == 1
+    sub.feed(_frames("decode", 0, _stored(ids[:BS], [7])))  # a restarted engine counts from 0 again
+    assert view.match(want) == 1 and ("decode", "restart") in counted and ("decode", "gap") in counted
+    sub.feed([b"decode", b"short", b""])
+    assert ("-", "malformed") in counted and sub.view("prefill") is None
+
+
+CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_the_chat_template_renders_as_transformers_does_and_declines_what_vllm_rewrites(tmp_path: Path) -> None:
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": {"content": "<|im_end|>", "special": true}}')
+    tpl = ChatTemplate.load(tmp_path)
+    assert tpl is not None and tpl.special_tokens == {"eos_token": "<|im_end|>"}
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    text = tpl.render({"messages": msgs})
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tpl.render({"messages": msgs, "add_generation_prompt": False}) == text.removesuffix(
+        "<|im_start|>assistant\n"
+    )
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        pass
+    else:  # the reference renderer, where installed (it comes with vLLM)
+        rendered, _ = render_jinja_template([[{**msgs[0]}, {"role": "user", "content": "Hi"}]], chat_template=CHATML,
+                                            add_generation_prompt=True)  # fmt: skip
+        assert rendered == [text]
+    declined: list[dict[str, Any]] = [
+        {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": [*msgs, {"role": "assistant", "content": "He"}], "continue_final_message": True},
+        {"messages": [{"role": "developer", "content": "x"}]},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        {"messages": []},
+    ]
+    assert [tpl.render(b) for b in declined] == [None] * len(declined)
+    raising = ChatTemplate("{{ raise_exception('no system role') }}", {})
+    assert raising.render({"messages": msgs}) is None
+    (tmp_path / "chat_template.jinja").write_text("{% generation %}x{% endgeneration %}")  # transformers-only tag
+    assert ChatTemplate.load(tmp_path) is None
+
+
+def test_prompt_ids_are_the_simulators_own_for_its_models() -> None:
+    tc = TokenCounter()
+    tc.load({}, sim=["tiny"])
+    body = _turn()
+    ids = asyncio.run(tc.prompt_ids("tiny", "/v1/chat/completions", body))
+    assert ids == Tokenizer().encode(apply_chat_template(body["messages"]))
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": "a b c"})) == Tokenizer().encode("a b c")
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": [5, 6, 7]})) == [5, 6, 7]
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", body)) is None  # vLLM renders the agent routes itself
+    assert asyncio.run(tc.prompt_ids("other", "/v1/chat/completions", body)) is None  # no tokenizer: not exact
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_gateway_decides_with_the_decodes_own_events(caplog: pytest.LogCaptureFixture) -> None:
+    """Events published for decode-1 make a chat local there (view=exact); cleared, it takes both legs."""
+    port = _free_port()
+    workers = MemoryWorkers()
+    workers["prefill"].script(*(_prefill() for _ in range(4)))
+    for i in range(2):
+        workers[f"decode-{i}"].script(*(_decoded() for _ in range(4)))
+    body = _turn()
+    ids = Tokenizer().encode(apply_chat_template(body["messages"]))
+    full = len(ids) // BS * BS
+    caplog.set_level("INFO", logger="pdctl.gateway.access")
+
+    async def test(app: Gateway) -> None:
+        assert app.kv_events is not None
+        for _ in range(200):
+            if app.kv_events.bound:
+                break
+            await asyncio.sleep(0.01)
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(f"tcp://127.0.0.1:{port}")  # vLLM's PUB connects to a tcp://host:port endpoint
+        try:
+            await _until(app, pub, "decode-1", _frames("decode-1", 0, _stored(ids[:full], range(1, full // BS + 1))))
+            reply = await asgi_request(app, "/v1/chat/completions", body)
+            assert reply.status == 200 and reply.headers["x-pd-path"] == "local", reply.body
+            assert len(workers["decode-1"].completions()) == 1
+            assert not workers["prefill"].completions() and not workers["decode-0"].completions()
+            metric = app.metrics.registry.get_sample_value
+            assert metric("pdctl_pd_view_cached_tokens_total", {"view": "exact"}) == full
+            assert metric("pdctl_pd_view_cached_tokens_total", {"view": "approx"}) == 0  # the gateway sent nothing
+            assert metric("pdctl_pd_view_disagreements_total", {"path": "local"}) == 1
+            assert (metric("pdctl_kv_events_total", {"instance": "decode-1", "event": "BlockStored"}) or 0) >= 1
+            await pub.send_multipart(_frames("decode-1", 1, AllBlocksCleared()))
+            view = app.kv_events.view("decode-1")
+            assert view is not None
+            for _ in range(200):
+                if not len(view):
+                    break
+                await asyncio.sleep(0.01)
+            reply = await asgi_request(app, "/v1/chat/completions", body)
+            assert reply.status == 200 and reply.headers["x-pd-path"] == "disagg"
+            assert _decisions(app, "disagg", "uncached_tokens") == 1
+        finally:
+            pub.close(linger=0)
+            ctx.term()
+
+    settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"],
+                             models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
+    settings = dataclasses.replace(
+        settings,
+        routing=dataclasses.replace(
+            settings.routing, pd_mode="adaptive", prefix_view="exact", kv_events_port=port, local_max_uncached_tokens=64
+        ),
+    )
+    app = run_app(create_app(settings, KEY, clients=workers), test)
+    assert app.kv_events is not None and not app.kv_events.bound  # the socket is closed with the gateway
+    assert any("view=exact" in r.getMessage() for r in caplog.records)
+
+
+async def _until(app: Gateway, pub: Any, topic: str, frames: list[bytes]) -> None:
+    """Publish ``frames`` until the subscriber has them (a PUB drops messages until the connection is up)."""
+    assert app.kv_events is not None
+    for _ in range(300):
+        await pub.send_multipart(frames)
+        await asyncio.sleep(0.02)
+        view = app.kv_events.view(topic)
+        if view is not None and len(view):
+            return
+    pytest.fail(f"no KV event from {topic} reached the gateway")
