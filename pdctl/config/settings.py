@@ -127,6 +127,34 @@ class GatewayConfig:
         doc="*extension*: gateway processes on the one port (SO_REUSEPORT); each enforces its share of every rate "
         "limit (docs/gateway.md, \"Several gateway processes\")",
     )
+    max_header_bytes: int = key(
+        60 * 1024, as_int(1024), "an integer >= 1024", use="gateway", type="integer", default="`61440` (60 KiB)",
+        doc="*extension*: a larger request head (request line and headers) gets 431, counted as it arrives "
+        "(Envoy's default)",
+    )
+    max_headers: int = key(
+        100, as_int(1), "an integer >= 1", use="gateway", type="integer",
+        doc="*extension*: a request with more header lines gets 431 (Envoy's default)",
+    )
+    header_timeout_s: float = key(
+        60.0, as_num(0), "a number of seconds > 0", use="gateway", type="number",
+        doc="*extension*: the request head must be complete this long after the connection opened or the head's "
+        "first byte (408, or a close if nothing came; nginx's `client_header_timeout`)",
+    )
+    body_timeout_s: float = key(
+        60.0, as_num(0), "a number of seconds > 0", use="gateway", type="number",
+        doc="*extension*: the longest wait between two reads of a request body (408, or a close once the "
+        "response started; nginx's `client_body_timeout`)",
+    )
+    max_connections: int = key(
+        4096, as_int(1), "an integer >= 1", use="gateway", type="integer",
+        doc="*extension*: client connections open at once, split between `workers`; above it 503 with "
+        "`Retry-After`; lowered at start to what the file-descriptor limit allows (3 per connection)",
+    )
+    keepalive_timeout_s: float = key(
+        30.0, as_num(0), "a number of seconds > 0", use="gateway", type="number",
+        doc="*extension*: an idle keep-alive connection is closed after it",
+    )
     # fmt: on
 
     @property

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from pdctl.gateway.edge import EdgeProtocol
 
 __all__ = ["ClientSocket", "HttpProtocol", "client_socket", "watch_disconnect"]
 
@@ -35,9 +35,9 @@ __all__ = ["ClientSocket", "HttpProtocol", "client_socket", "watch_disconnect"]
 _ON_DISCONNECT = "pdctl_on_disconnect"
 
 
-class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol that also calls the callback of :func:`watch_disconnect` when the client of a
-    request in progress leaves."""
+class HttpProtocol(EdgeProtocol):
+    """uvicorn's httptools protocol, with the gateway's edge limits (:mod:`pdctl.gateway.edge`), that also calls the
+    callback of :func:`watch_disconnect` when the client of a request in progress leaves."""
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
+import math
 import os
 import signal
 import socket
@@ -43,6 +45,7 @@ from pdctl.config import GatewayConfig
 from pdctl.errors import ConfigError
 from pdctl.gateway.app import Gateway
 from pdctl.gateway.direct import HttpProtocol
+from pdctl.gateway.edge import FD_RESERVE, FDS_PER_CONNECTION, EdgeLimits, attach_limits, connection_cap
 from pdctl.gateway.processes import FORCE_SIGNAL, STOP_SIGNAL
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "READY_GRACE_S",
     "DrainingServer",
     "configure_logging",
+    "edge_limits",
     "make_server",
     "run",
     "serve",
@@ -200,7 +204,7 @@ def make_server(gateway: Gateway, host: str, port: int, parent_pid: int | None =
         access_log=False,
         log_level="warning",
         timeout_graceful_shutdown=max(1, int(g.drain_timeout_s)) if g.drain_timeout_s > 0 else None,
-        timeout_keep_alive=30,
+        timeout_keep_alive=max(1, math.ceil(g.keepalive_timeout_s)),  # HttpProtocol keeps the exact number
         backlog=4096,
         # The gateway reads no client address, so X-Forwarded-* need no rewriting: one ASGI layer less per request.
         proxy_headers=False,
@@ -208,7 +212,23 @@ def make_server(gateway: Gateway, host: str, port: int, parent_pid: int | None =
         ssl_keyfile=tls[1] if tls else None,
     )
     config.load()
+    attach_limits(config, edge_limits(gateway))
     return DrainingServer(config, gateway, parent_pid)
+
+
+def edge_limits(gateway: Gateway) -> EdgeLimits:
+    """This process's edge limits (:mod:`pdctl.gateway.edge`): its share of ``gateway.max_connections``, lowered to
+    what its file descriptors allow (with a warning)."""
+    limits = EdgeLimits.of(gateway.settings.gateway, gateway.settings.process)
+    cap = connection_cap(limits.max_connections)
+    if cap < limits.max_connections:
+        logging.getLogger("pdctl.gateway").warning(
+            "gateway.max_connections: this process's share %d needs %d file descriptors, more than the limit "
+            "(ulimit -n) allows; capped at %d connections",
+            limits.max_connections, limits.max_connections * FDS_PER_CONNECTION + FD_RESERVE, cap,
+        )  # fmt: skip
+        limits = dataclasses.replace(limits, max_connections=cap)
+    return limits
 
 
 def settle_heap() -> None:

@@ -180,6 +180,12 @@ def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
         "metrics_public": True,
         "fallback": "decode",
         "workers": 3,
+        "max_header_bytes": 4096,
+        "max_headers": 20,
+        "header_timeout_s": 3,
+        "body_timeout_s": 4,
+        "max_connections": 10,
+        "keepalive_timeout_s": 7.5,
     }
     set_keys = {f"{k}.{sub}" for k, v in gateway.items() if isinstance(v, dict) for sub in v}
     set_keys |= {k for k, v in gateway.items() if not isinstance(v, dict)}
@@ -191,6 +197,8 @@ def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
     assert (g.api_key_env, g.upstream_api_key_env, g.request_timeout_s, g.max_retries) == ("MY_KEY", "UP_KEY", 5, 0)
     assert (g.max_body_bytes, g.drain_timeout_s, g.metrics_public, g.fallback) == (2048, 0, True, "decode")
     assert g.workers == 3
+    assert (g.max_header_bytes, g.max_headers, g.header_timeout_s, g.body_timeout_s) == (4096, 20, 3, 4)
+    assert (g.max_connections, g.keepalive_timeout_s) == (10, 7.5)
     assert g.rate_limit == config.RateLimitConfig(60, 1000, 4)
     # Relative paths are relative to settings.json's folder, wherever pdctl runs from.
     assert (g.keys_file, g.tls_certfile, g.tls_keyfile) == (
