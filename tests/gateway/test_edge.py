@@ -21,20 +21,13 @@ from pdctl.gateway.app import create_app
 from pdctl.gateway.edge import RETRY_AFTER_S, EdgeLimits, attach_limits, connection_cap
 from pdctl.gateway.server import edge_limits
 from tests.fakes.gateway_harness import KEY, FakeProc, GatewayThread, make_settings, wait_for
+from tests.gateway.test_app import CHAT, workers
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5}
+__all__ = ["workers"]  # the module fixture this module borrows
+
 SHORT = EdgeLimits(header_timeout_s=0.5, body_timeout_s=0.5, keepalive_timeout_s=0.5)
 #: How long a test waits for a timeout of 0.5 s to show (a loaded 2-core machine, never a speed check).
 PATIENCE_S = 15.0
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[FakeProc, FakeProc]]:
-    p = FakeProc("fake_pd_worker.py", {"role": "prefill"})
-    d = FakeProc("fake_pd_worker.py", {"role": "decode", "chunks": 5})
-    yield p, d
-    p.kill()
-    d.kill()
 
 
 def _gateway(workers: tuple[FakeProc, FakeProc], limits: EdgeLimits) -> GatewayThread:
