@@ -9,6 +9,7 @@
 #   scripts/ab-demo.sh                                  # small model, rates 1,2,4,8, 80 requests per run
 #   scripts/ab-demo.sh --size tiny --rates 1,2 -n 12    # a smoke run: a few minutes
 #   scripts/ab-demo.sh --engine sim                     # the same flow on pdctl's simulator (no vLLM needed)
+#   scripts/ab-demo.sh --exact --rates 0                # + adaptive PD on the engines' KV events; agents only
 #   scripts/ab-demo.sh ... -- --goodput ttft:3000 tpot:150   # anything after -- goes to `pdctl bench`
 #
 # Writes into the results folder (--out, default results/ab-DATE): ab.json (every run, vLLM's keys), report.html,
@@ -34,6 +35,7 @@ INSTALL=1
 PNG=1
 SLO_SCALE=3
 CONVERSATIONS=4,8
+EXACT=0
 PORT=8000
 OUT=""
 BENCH_EXTRA=()
@@ -41,18 +43,21 @@ BENCH_EXTRA=()
 usage() {
     cat <<EOF
 usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --duration S] [--engine vllm|sim]
-                          [--slo-scale S] [--conversations N,N..] [--no-install] [--no-png] [--port P] [--out DIR]
-                          [-- pdctl bench options]
+                          [--slo-scale S] [--conversations N,N..] [--exact] [--no-install] [--no-png] [--port P]
+                          [--out DIR] [-- pdctl bench options]
   --size      model preset of \`pdctl model tiny\` (default small; tiny for a smoke run)
-  --rates     request rates of the sweep, req/s (default 1,2,4,8)
+  --rates     request rates of the sweep, req/s (default 1,2,4,8; 0: no mixed sweep, the agent runs only)
   -n          requests per run and side (default 80); --duration S instead: seconds per run
   --engine    vllm (default) or sim (pdctl's simulator: the same flow in seconds, no vLLM)
   --slo-scale SLOs = S x the unloaded latency measured first: TTFT of a long prompt, TPOT of a short request
               (default 3; \`-- --goodput ttft:MS tpot:MS\` sets them instead)
   --conversations  agent workload: conversation counts, one run of each per side (default 4,8; 0: none)
+  --exact     a fourth side, "exact": adaptive PD judged by the engines' own KV cache events
+              (routing.prefix_view = "exact", events on P+300); "adaptive" keeps the approximate view
   --no-install  use \$VENV as it is (default: scripts/install-cpu-engine.sh into it first, with vllm)
   --no-png    SVG plots only (default: also PNG, with rsvg-convert or headless Chromium)
-  --port      PD gateway port; colocated gets P+1, adaptive P+2, prefill P+100, decode P+200 (default 8000)
+  --port      PD gateway port; colocated gets P+1, adaptive P+2, exact P+3, prefill P+100, decode P+200
+              (default 8000)
   --out       results folder (default results/ab-DATE)
 EOF
 }
@@ -68,6 +73,7 @@ while [[ $# -gt 0 ]]; do
         --no-png) PNG=0; shift ;;
         --slo-scale) SLO_SCALE="$2"; shift 2 ;;
         --conversations) CONVERSATIONS="$2"; shift 2 ;;
+        --exact) EXACT=1; shift ;;
         --port) PORT="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
@@ -134,14 +140,14 @@ else
 fi
 
 step 2/8 "deployment files in $DEPLOY (from examples/cpu-ab/)"
-"$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" <<'EOF'
+"$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" "$EXACT" <<'EOF'
 import json, sys
 from pathlib import Path
 
 import tomlkit
 
-src, dst, model, size, engine, port = sys.argv[1:7]
-src, dst, port = Path(src), Path(dst), int(port)
+src, dst, model, size, engine, port, exact = sys.argv[1:8]
+src, dst, port, exact = Path(src), Path(dst), int(port), exact == "1"
 dst.mkdir(parents=True, exist_ok=True)
 doc = tomlkit.parse((src / "config.toml").read_text())
 max_len = 8192
@@ -158,15 +164,22 @@ if engine == "sim":
     # H100 timing; the KV bytes actually moved scaled down, so the copies do not load this machine's cores.
     doc["sim"] = {"profile": "h100", "speed": 1, "kv_scale": 0.001}
 (dst / "config.toml").write_text(tomlkit.dumps(doc))
-sides = (("settings.json", "settings.json", port), ("settings-colocated.json", "settings-colocated.json", port + 1),
-         ("settings.json", "settings-adaptive.json", port + 2))
+sides = [("settings.json", "settings.json", port), ("settings-colocated.json", "settings-colocated.json", port + 1),
+         ("settings.json", "settings-adaptive.json", port + 2)]
+if exact:
+    sides.append(("settings.json", "settings-exact.json", port + 3))
 for name, out, listen in sides:
     settings = json.loads((src / name).read_text())
     settings["gateway"]["listen"] = f"127.0.0.1:{listen}"
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{port + 100}"
     settings["routing"]["decode_endpoint"] = f"http://127.0.0.1:{port + 200}"
-    if out == "settings-adaptive.json":
+    if out in ("settings-adaptive.json", "settings-exact.json"):
         settings["routing"]["pd_mode"] = "adaptive"  # the thresholds' defaults (docs/gateway.md, Adaptive PD)
+    if exact and out in ("settings.json", "settings-exact.json"):
+        # settings.json starts the engines: with prefix_view "exact" the plan has them publish KV cache events to
+        # P+300, where only the exact side listens (pdctl check's PD034 info says so for the always-PD side).
+        settings["routing"]["prefix_view"] = "exact"
+        settings["routing"]["kv_events_port"] = port + 300
     (dst / out).write_text(json.dumps(settings, indent=2) + "\n")
 EOF
 "$PDCTL" check "${CONFIG[@]}"
@@ -203,6 +216,10 @@ step 4/8 "start the colocated (:$((PORT + 1))) and adaptive (:$((PORT + 2))) gat
 start_side colocated $((PORT + 1))
 start_side adaptive $((PORT + 2))
 SIDES=(--ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" --ab-side "adaptive=http://127.0.0.1:$((PORT + 2))")
+if [[ "$EXACT" == 1 ]]; then
+    start_side exact $((PORT + 3))
+    SIDES+=(--ab-side "exact=http://127.0.0.1:$((PORT + 3))")
+fi
 
 scrape() {
     local when="$1" role port
@@ -237,10 +254,14 @@ step 6/8 "bench: mixed workload at $RATES req/s, colocated, always-PD and adapti
 BOUND=(-n "$REQUESTS")
 if [[ -n "$DURATION" ]]; then BOUND=(--duration "$DURATION"); fi
 scrape before
-"$PDCTL" bench "${CONFIG[@]}" "${WORKLOAD[@]}" --long-fraction 0.2 --rate "$RATES" "${BOUND[@]}" \
-    --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" "${SIDES[@]}" \
-    -o "$OUT/ab.json" --html "$OUT/report.html" --plots "$OUT/plots" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
-    | tee "$OUT/bench.txt"
+if [[ "$RATES" != 0 ]]; then
+    "$PDCTL" bench "${CONFIG[@]}" "${WORKLOAD[@]}" --long-fraction 0.2 --rate "$RATES" "${BOUND[@]}" \
+        --goodput "ttft:$TTFT_SLO" "tpot:$TPOT_SLO" "${SIDES[@]}" \
+        -o "$OUT/ab.json" --html "$OUT/report.html" --plots "$OUT/plots" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
+        | tee "$OUT/bench.txt"
+else
+    echo "--rates 0: no mixed sweep"
+fi
 
 step 7/8 "bench: agent workload (multi-turn conversations) with ${CONVERSATIONS} conversations, the three sides in turn"
 # vLLM's multi-turn generator's shapes (500-token system prompt, ~1,000-token context, 120-160-token user turns),

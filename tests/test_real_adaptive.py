@@ -33,12 +33,15 @@ __all__ = ["_require_engine", "root"]  # the fixtures this module borrows
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
 
-SYSTEM = "You are a coding agent working in a large repository. " * 24
+SYSTEM = "You are a coding agent working in a large repository. " * 24  # ~900 tokens of the tiny tokenizer
+#: local_max_uncached_tokens: above the approximate view's unmatched tail (up to a 256-character block and the new
+#: message: ~150 of the tiny tokenizer's tokens), well below turn 1.
+LOCAL_MAX = 256
 
 
 @pytest.fixture
 def adaptive(root: Path) -> Iterator[Deployment]:
-    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": 128,
+    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": LOCAL_MAX,
                                    "routing.prefix_view": "exact", "routing.kv_events_port": free_port()})  # fmt: skip
     try:
         yield dep
@@ -71,14 +74,19 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Depl
     model = next(m for m in from_deployment(load(dep.files[1], dep.files[3])).models if m.name == "tiny")
     counter = TokenCounter()
     counter.load({"tiny": model.source or "tiny"})
-    ours = asyncio.run(counter.prompt_ids("tiny", "/v1/chat/completions", {"messages": turn1}))
+    # (another conversation than turn1's: the decode caches what it serves, and the exact view would see it)
+    probe = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name three sorting algorithms. 中文"},
+    ]
+    ours = asyncio.run(counter.prompt_ids("tiny", "/v1/chat/completions", {"messages": probe}))
     theirs = httpx.post(f"{dep.decode}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, trust_env=False, json={
-        "model": "tiny", "messages": turn1, "max_tokens": 1, "return_token_ids": True}).json()  # fmt: skip
+        "model": "tiny", "messages": probe, "max_tokens": 1, "return_token_ids": True}).json()  # fmt: skip
     assert ours == theirs["prompt_token_ids"]
     before = kv_counters(dep.decode)
     first = _chat(dep, turn1)
     assert first.headers["x-pd-path"] == "disagg"
-    assert first.json()["usage"]["prompt_tokens"] > 128  # past the threshold: both legs
+    assert first.json()["usage"]["prompt_tokens"] > LOCAL_MAX  # past the threshold: both legs
     rise = kv_moved(dep.decode, before)
     assert rise.external > 0 and rise.nixl is not None and rise.nixl > 0, rise
 

@@ -225,10 +225,10 @@ def test_ab_demo_refuses_bad_options_before_starting_anything(tmp_path: Path, ar
 
 
 def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
-    """The one command's whole flow with simulated engines: files, the three sides measured on the mixed and the
-    agent workload, everything stopped."""
+    """The one command's whole flow with simulated engines: files, the four sides (``--exact``: adaptive PD on the
+    engines' KV cache events too) measured on the mixed and the agent workload, everything stopped."""
     out, port = tmp_path / "ab", _ab_port_base()
-    proc = _ab_demo(out, port, "--rates", "4,8", "-n", "6", "--conversations", "2", "--no-png")
+    proc = _ab_demo(out, port, "--rates", "4,8", "-n", "6", "--conversations", "2", "--exact", "--no-png")
     try:
         stdout, _ = proc.communicate(timeout=240)
     finally:
@@ -237,16 +237,19 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, stdout
     assert f"Results in {out}" in stdout and "Traceback" not in stdout
     runs = json.loads((out / "ab.json").read_text())
-    assert [(r["label"], r["request_rate"]) for r in runs] == [
-        ("colocated", 4.0), ("pd", 4.0), ("adaptive", 4.0), ("colocated", 8.0), ("pd", 8.0), ("adaptive", 8.0),
-    ]  # fmt: skip
+    sides = ("colocated", "pd", "adaptive", "exact")
+    assert [(r["label"], r["request_rate"]) for r in runs] == [(side, rate) for rate in (4.0, 8.0) for side in sides]
     assert all(r["completed"] == 6 and r["failed"] == 0 for r in runs)
-    adaptive = [r["pdctl"]["paths"] for r in runs if r["label"] == "adaptive"]
+    adaptive = [r["pdctl"]["paths"] for r in runs if r["label"] in ("adaptive", "exact")]
     assert all(set(paths) <= {"local", "disagg"} for paths in adaptive) and any("local" in p for p in adaptive)
     agent = json.loads((out / "agent-2.json").read_text())
-    assert [r["label"] for r in agent] == ["colocated", "pd", "adaptive"]
+    assert [r["label"] for r in agent] == list(sides)
     assert all(r["failed"] == 0 and set(r["pdctl"]["turn_groups"]) == {"1", "2+"} for r in agent)
     assert agent[2]["pdctl"]["paths"].get("local", 0) > 0  # later turns served by the decode holding them
+    assert agent[3]["pdctl"]["paths"].get("local", 0) > 0
+    exact = agent[3]["pdctl"]["kv_transfer"]
+    assert exact["view_exact_cached_tokens"] > 0  # judged by the simulated engines' own KV cache events
+    assert agent[2]["pdctl"]["kv_transfer"]["view_exact_cached_tokens"] == 0  # the approximate side's
     assert all(set(r["pdctl"]["by_kind"]) == {"short", "long"} for r in runs)
     for run in runs:
         engines = run["pdctl"]["engine"]

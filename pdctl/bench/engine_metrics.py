@@ -116,6 +116,11 @@ def kv_summary(deltas: dict[str, dict[str, float]]) -> dict[str, float]:
         "local_cache_hit_tokens": total("vllm:prompt_tokens_by_source_total{source=local_cache_hit}"),
         "gateway_fallbacks": total("pdctl_pd_fallback_total"),
         "gateway_rejected": total("pdctl_rejected_total"),
+        # routing.prefix_view = "exact": what each view counted as cached for the same decisions, and how many
+        # decisions the approximate view would have made the other way (the drift between the views).
+        "view_exact_cached_tokens": total("pdctl_pd_view_cached_tokens_total{view=exact}"),
+        "view_approx_cached_tokens": total("pdctl_pd_view_cached_tokens_total{view=approx}"),
+        "view_disagreements": total("pdctl_pd_view_disagreements_total"),
     }
     out["kv_xfer_ms_mean"] = 1000.0 * total("vllm:nixl_xfer_time_seconds_sum") / count if count else 0.0
     return out

@@ -40,7 +40,7 @@ def _port_uses(dep: Deployment) -> list[_PortUse]:
     g = dep.gateway
     uses = [_PortUse("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
     r = dep.routing
-    if r.pd_mode == "adaptive" and r.prefix_view == "exact" and r.strategy == "pd_disagg":
+    if r.prefix_view == "exact" and r.strategy == "pd_disagg":
         key = "routing.kv_events_port"
         uses.append(_PortUse("gateway KV events", g.listen_host, r.kv_events_port, "settings", key))
     for w in dep.workers:

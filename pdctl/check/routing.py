@@ -6,7 +6,8 @@
   where it changes nothing.
 - :func:`exact_view` PD034: ``routing.prefix_view = "exact"`` where it cannot work: with several gateway processes
   (``gateway.workers``: only one process can bind ``routing.kv_events_port``, which every worker's events dial),
-  or where nothing reads it (``pd_mode = "always"``).
+  or where it changes nothing (``strategy = "colocated"``) or this gateway does not read it (``pd_mode =
+  "always"``: the workers still publish, for another gateway over them).
 """
 
 from __future__ import annotations
@@ -54,11 +55,18 @@ def exact_view(c: Ctx) -> Iterable[Finding]:
     r = c.dep.routing
     if r.prefix_view != "exact":
         return
-    if r.pd_mode != "adaptive" or r.strategy == "colocated":
+    if r.strategy == "colocated":
         yield c.at("PD034", "info", "settings", "routing.prefix_view",
-                   "prefix_view \"exact\" is read only by pd_mode \"adaptive\" with strategy \"pd_disagg\"; "
-                   "the workers get no --kv-events-config",
-                   fixes=({f"{SETTINGS}routing.prefix_view": "approx"},))  # fmt: skip
+                   "prefix_view \"exact\" changes nothing under strategy \"colocated\": the workers get no "
+                   "--kv-events-config", fixes=({f"{SETTINGS}routing.prefix_view": "approx"},))  # fmt: skip
+        return
+    if r.pd_mode != "adaptive":
+        yield c.at("PD034", "info", "settings", "routing.prefix_view",
+                   "the workers publish their KV cache events to routing.kv_events_port, but under pd_mode "
+                   "\"always\" this gateway does not read them (a second, adaptive gateway over the same workers "
+                   "may, as scripts/ab-demo.sh --exact runs it)",
+                   fixes=({f"{SETTINGS}routing.prefix_view": "approx"},
+                          {f"{SETTINGS}routing.pd_mode": "adaptive"}))  # fmt: skip
         return
     if c.dep.gateway.workers > 1:
         yield c.at("PD034", "error", "settings", "routing.prefix_view",

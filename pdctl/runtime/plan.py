@@ -313,7 +313,7 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
         flags += ["--sim-link", dep.kv_transfer.link]
     r = dep.routing
-    if r.pd_mode == "adaptive" and r.prefix_view == "exact" and r.strategy == "pd_disagg":
+    if r.prefix_view == "exact" and r.strategy == "pd_disagg":  # pd_mode "always": for another gateway (PD034)
         events = publisher_config(connect_endpoint(dep.gateway.listen_host, r.kv_events_port), w.name)
         flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     flags += list(w.extra_args)
