@@ -208,6 +208,11 @@ class RoutingConfig:
         31250, as_int(1), "an integer >= 1", use="gateway", type="integer",
         doc="*extension*, `adaptive`: blocks (about 64 tokens each) the gateway remembers per instance",
     )
+    local_max_stall_ms: float | None = key(
+        None, as_num(0.0), "a number >= 0", use="gateway", type="number", default="none",
+        doc="*extension*, `adaptive`: no local prefill on a decode with streams in flight when it would stall them "
+        "longer than this (uncached tokens x the prefill seconds per token the gateway measures); e.g. `slo.tpot_ms`",
+    )
     prefix_view: PrefixView = key(
         "approx", as_choice("approx", "exact"), "approx or exact", use="gateway", type="`approx` \\| `exact`",
         doc="*extension*, `adaptive`: `exact` follows each worker's vLLM KV cache events (the plan adds "

@@ -30,7 +30,9 @@ conditional disaggregation (``../shared/reference/routing-peers.md`` §1):
 2. the prompt's tokens not cached there (``uncached``);
 3. local (that decode alone computes the rest, ``x-pd-path: local``) when ``uncached <=
    routing.local_max_uncached_tokens`` and ``uncached / prompt <= routing.local_max_uncached_share`` and the
-   decode has fewer than ``routing.local_max_decode_requests`` requests in flight; otherwise P→D, with the
+   decode has fewer than ``routing.local_max_decode_requests`` requests in flight and, with streams in flight,
+   the prefill would stall them at most ``routing.local_max_stall_ms`` (uncached tokens × the prefill seconds per
+   token the admission predictor measured on leg 1s: the same cores compute it); otherwise P→D, with the
    prefill chosen the same way by its own cached prefix (vLLM's prefill computes the whole prompt except its own
    cache hits; decode pulls only the blocks it lacks).
 """
@@ -58,7 +60,7 @@ IMBALANCE_REL = 1.5
 #: The body's fields that make up the prompt, in the order a chat template renders them.
 _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "prompt")
 
-Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy"]
+Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy", "decode_stall"]
 View = Literal["approx", "exact"]
 
 
@@ -161,9 +163,14 @@ class PrefixRouter:
     """The per-instance views and the decision, for one gateway process; ``events``: the workers' KV cache events
     (``prefix_view = "exact"``, :mod:`pdctl.gateway.kv_view`), None for the approximate view alone."""
 
-    def __init__(self, routing: RoutingConfig, events: KvEventSubscriber | None = None) -> None:
+    def __init__(
+        self, routing: RoutingConfig, events: KvEventSubscriber | None = None,
+        sec_per_token: Callable[[], float | None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.routing = routing
         self.events = events
+        self.sec_per_token = sec_per_token
+        """The prefill seconds per prompt token measured so far (None: not yet), for ``local_max_stall_ms``."""
         self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
         self._exact_epoch: weakref.WeakKeyDictionary[Instance, int] = weakref.WeakKeyDictionary()
 
@@ -259,4 +266,8 @@ class PrefixRouter:
         if decode is not None and r.local_max_decode_requests is not None:
             if decode.in_flight >= r.local_max_decode_requests:
                 return "decode_busy"
+        if decode is not None and decode.in_flight > 0 and r.local_max_stall_ms is not None:
+            spt = self.sec_per_token()
+            if spt is not None and uncached * spt * 1000.0 > r.local_max_stall_ms:
+                return "decode_stall"
         return "cached"

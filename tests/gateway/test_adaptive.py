@@ -162,18 +162,43 @@ def test_a_busy_decode_gets_no_local_prefill() -> None:
     replies: list[AsgiReply] = []
 
     async def test(app: Gateway) -> None:
-        slow = asyncio.ensure_future(asgi_request(app, CHAT, short, request_id="slow"))
-        for _ in range(500):  # until the slow request is on the decode
-            if workers["decode"].completions():
-                break
-            await asyncio.sleep(0.01)
-        replies.append(await asgi_request(app, CHAT, short, request_id="second"))
-        replies.append(await slow)
+        replies.extend(await _beside_a_slow_stream(app, workers, short))
 
     app = _run(workers, 1, test, local_max_decode_requests=1)
     second, slow = replies
     assert slow.headers["x-pd-path"] == "local" and second.headers["x-pd-path"] == "disagg"
     assert _decisions(app, "disagg", "decode_busy") == 1
+
+
+async def _beside_a_slow_stream(app: Gateway, workers: MemoryWorkers, body: dict[str, Any]) -> list[AsgiReply]:
+    """``body`` sent as "slow", then, once it is on the decode, as "second": the replies, second first."""
+    slow = asyncio.ensure_future(asgi_request(app, CHAT, body, request_id="slow"))
+    for _ in range(500):  # until the slow request is on the decode
+        if workers["decode"].completions():
+            break
+        await asyncio.sleep(0.01)
+    return [await asgi_request(app, CHAT, body, request_id="second"), await slow]
+
+
+def test_no_local_prefill_that_would_stall_the_decodes_streams_past_local_max_stall_ms() -> None:
+    """With a stream in flight on the decode, a prompt whose prefill would take longer than local_max_stall_ms (its
+    uncached tokens x the prefill seconds per token measured) takes both legs; on an idle decode it goes local."""
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill())
+    workers["decode"].script(MemoryReply.json({"id": "slow", "choices": []}, delay_s=0.3), _decoded(), _decoded())
+    short = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 40}], "max_tokens": 4}
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        app.admission.sec_per_token.add(0.001)  # 1 ms a token, as if measured on leg 1s: ~40 tokens stall 40 ms
+        replies.extend(await _beside_a_slow_stream(app, workers, short))
+        replies.append(await asgi_request(app, CHAT, short, request_id="third"))  # the decode is idle again
+
+    app = _run(workers, 1, test, local_max_stall_ms=10.0)
+    second, slow, third = replies
+    assert slow.headers["x-pd-path"] == "local" and third.headers["x-pd-path"] == "local"
+    assert second.headers["x-pd-path"] == "disagg"
+    assert _decisions(app, "disagg", "decode_stall") == 1 and _decisions(app, "local", "cached") == 2
 
 
 def test_a_local_attempt_that_fails_before_any_byte_takes_the_two_legs() -> None:
