@@ -6,7 +6,10 @@
 Mixed: per rate and side, the short requests' TTFT and TPOT percentiles, their longest gap between two tokens
 and its gaps over the TPOT SLO, the long prompts' TTFT, the paths taken, KV moved, goodput and SLO attainment at the
 run's own SLOs. Agent: per side, TTFT p50 / p90 of turn 1 and of turns 2+, TPOT p50, the paths, KV moved and each
-engine's prefix-cache hit rate. Numbers are the runs' own (``pdctl bench``'s JSON); nothing is recomputed.
+engine's prefix-cache hit rate. Both: for a side run with ``routing.prefix_view = "exact"`` (``ab-demo.sh --exact``),
+a line of the views' drift: the prompt tokens each view counted as cached on the decodes chosen, and the decisions
+the approximate view would have made the other way. Numbers are the runs' own (``pdctl bench``'s JSON); nothing is
+recomputed but those ratios.
 """
 
 from __future__ import annotations
@@ -73,6 +76,24 @@ def agent_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+def drift_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per run whose gateway judged by the exact view: the two views' cached tokens and disagreements."""
+    out = []
+    for run in runs:
+        kv = run["pdctl"].get("kv_transfer") or {}
+        exact, approx = kv.get("view_exact_cached_tokens") or 0, kv.get("view_approx_cached_tokens") or 0
+        if not exact and not approx:
+            continue
+        decisions = sum((run["pdctl"].get("paths") or {}).get(p, 0) for p in ("local", "disagg"))
+        rate = f" at {run['request_rate']:g}/s" if isinstance(run.get("request_rate"), (int, float)) else ""
+        out.append(
+            f"{run['label']}{rate}: cached tokens on the chosen decodes, exact view {exact:,.0f}, approximate view "
+            f"{approx:,.0f} ({approx / exact if exact else float('inf'):.3f}x); the approximate view would have "
+            f"decided {kv.get('view_disagreements') or 0:.0f} of {decisions} requests the other way"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="ab.json or agent-N.json from scripts/ab-demo.sh")
@@ -84,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     agent = any(r["pdctl"].get("turn_groups") for r in runs)
     print("\n".join(agent_rows(runs) if agent else mixed_rows(runs)))
+    drift = drift_lines(runs)
+    if drift:
+        print("\n" + "\n".join(drift))
     return 0
 
 

@@ -10,6 +10,7 @@
 #   scripts/ab-demo.sh --size tiny --rates 1,2 -n 12    # a smoke run: a few minutes
 #   scripts/ab-demo.sh --engine sim                     # the same flow on pdctl's simulator (no vLLM needed)
 #   scripts/ab-demo.sh --exact --rates 0                # + adaptive PD on the engines' KV events; agents only
+#   scripts/ab-demo.sh --stall-ms 20                    # + adaptive PD with routing.local_max_stall_ms = 20
 #   scripts/ab-demo.sh ... -- --goodput ttft:3000 tpot:150   # anything after -- goes to `pdctl bench`
 #
 # Writes into the results folder (--out, default results/ab-DATE): ab.json (every run, vLLM's keys), report.html,
@@ -36,6 +37,7 @@ PNG=1
 SLO_SCALE=3
 CONVERSATIONS=4,8
 EXACT=0
+STALL_MS=""
 PORT=8000
 OUT=""
 BENCH_EXTRA=()
@@ -43,8 +45,8 @@ BENCH_EXTRA=()
 usage() {
     cat <<EOF
 usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --duration S] [--engine vllm|sim]
-                          [--slo-scale S] [--conversations N,N..] [--exact] [--no-install] [--no-png] [--port P]
-                          [--out DIR] [-- pdctl bench options]
+                          [--slo-scale S] [--conversations N,N..] [--exact] [--stall-ms MS] [--no-install]
+                          [--no-png] [--port P] [--out DIR] [-- pdctl bench options]
   --size      model preset of \`pdctl model tiny\` (default small; tiny for a smoke run)
   --rates     request rates of the sweep, req/s (default 1,2,4,8; 0: no mixed sweep, the agent runs only)
   -n          requests per run and side (default 80); --duration S instead: seconds per run
@@ -54,9 +56,11 @@ usage: scripts/ab-demo.sh [--size tiny|small|medium] [--rates R,R..] [-n N | --d
   --conversations  agent workload: conversation counts, one run of each per side (default 4,8; 0: none)
   --exact     a fourth side, "exact": adaptive PD judged by the engines' own KV cache events
               (routing.prefix_view = "exact", events on P+300); "adaptive" keeps the approximate view
+  --stall-ms  a side "stall": adaptive PD with routing.local_max_stall_ms = MS (no local prefill that would
+              stall the decode's streams longer)
   --no-install  use \$VENV as it is (default: scripts/install-cpu-engine.sh into it first, with vllm)
   --no-png    SVG plots only (default: also PNG, with rsvg-convert or headless Chromium)
-  --port      PD gateway port; colocated gets P+1, adaptive P+2, exact P+3, prefill P+100, decode P+200
+  --port      PD gateway port; colocated gets P+1, adaptive P+2, exact P+3, stall P+4, prefill P+100, decode P+200
               (default 8000)
   --out       results folder (default results/ab-DATE)
 EOF
@@ -74,6 +78,7 @@ while [[ $# -gt 0 ]]; do
         --slo-scale) SLO_SCALE="$2"; shift 2 ;;
         --conversations) CONVERSATIONS="$2"; shift 2 ;;
         --exact) EXACT=1; shift ;;
+        --stall-ms) STALL_MS="$2"; shift 2 ;;
         --port) PORT="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
@@ -85,6 +90,8 @@ case "$SIZE" in tiny|small|medium) ;; *) echo "error: --size: expected tiny, sma
 case "$ENGINE" in vllm|sim) ;; *) echo "error: --engine: expected vllm or sim, got '$ENGINE'" >&2; exit 2 ;; esac
 [[ "$SLO_SCALE" =~ ^[0-9]+([.][0-9]+)?$ && ! "$SLO_SCALE" =~ ^0*([.]0*)?$ ]] \
     || { echo "error: --slo-scale: expected a positive number, got '$SLO_SCALE'" >&2; exit 2; }
+[[ -z "$STALL_MS" || "$STALL_MS" =~ ^[0-9]+([.][0-9]+)?$ ]] \
+    || { echo "error: --stall-ms: expected milliseconds, got '$STALL_MS'" >&2; exit 2; }
 [[ "$CONVERSATIONS" =~ ^[0-9]+(,[0-9]+)*$ ]] \
     || { echo "error: --conversations: expected counts like 4,8 (0: no agent runs), got '$CONVERSATIONS'" >&2; exit 2; }
 [[ "$PORT" =~ ^[0-9]+$ ]] && (( PORT >= 1024 && PORT <= 65000 )) \
@@ -140,13 +147,13 @@ else
 fi
 
 step 2/8 "deployment files in $DEPLOY (from examples/cpu-ab/)"
-"$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" "$EXACT" <<'EOF'
+"$PY" - "$ROOT/examples/cpu-ab" "$DEPLOY" "$MODEL_DIR" "$SIZE" "$ENGINE" "$PORT" "$EXACT" "$STALL_MS" <<'EOF'
 import json, sys
 from pathlib import Path
 
 import tomlkit
 
-src, dst, model, size, engine, port, exact = sys.argv[1:8]
+src, dst, model, size, engine, port, exact, stall_ms = sys.argv[1:9]
 src, dst, port, exact = Path(src), Path(dst), int(port), exact == "1"
 dst.mkdir(parents=True, exist_ok=True)
 doc = tomlkit.parse((src / "config.toml").read_text())
@@ -168,13 +175,17 @@ sides = [("settings.json", "settings.json", port), ("settings-colocated.json", "
          ("settings.json", "settings-adaptive.json", port + 2)]
 if exact:
     sides.append(("settings.json", "settings-exact.json", port + 3))
+if stall_ms:
+    sides.append(("settings.json", "settings-stall.json", port + 4))
 for name, out, listen in sides:
     settings = json.loads((src / name).read_text())
     settings["gateway"]["listen"] = f"127.0.0.1:{listen}"
     settings["routing"]["prefill_endpoint"] = f"http://127.0.0.1:{port + 100}"
     settings["routing"]["decode_endpoint"] = f"http://127.0.0.1:{port + 200}"
-    if out in ("settings-adaptive.json", "settings-exact.json"):
+    if out in ("settings-adaptive.json", "settings-exact.json", "settings-stall.json"):
         settings["routing"]["pd_mode"] = "adaptive"  # the thresholds' defaults (docs/gateway.md, Adaptive PD)
+    if out == "settings-stall.json":
+        settings["routing"]["local_max_stall_ms"] = float(stall_ms)
     if exact and out in ("settings.json", "settings-exact.json"):
         # settings.json starts the engines: with prefix_view "exact" the plan has them publish KV cache events to
         # P+300, where only the exact side listens (pdctl check's PD034 info says so for the always-PD side).
@@ -219,6 +230,10 @@ SIDES=(--ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" --ab-side "adaptive=ht
 if [[ "$EXACT" == 1 ]]; then
     start_side exact $((PORT + 3))
     SIDES+=(--ab-side "exact=http://127.0.0.1:$((PORT + 3))")
+fi
+if [[ -n "$STALL_MS" ]]; then
+    start_side stall $((PORT + 4))
+    SIDES+=(--ab-side "stall=http://127.0.0.1:$((PORT + 4))")
 fi
 
 scrape() {
