@@ -14,7 +14,8 @@
 #   scripts/ab-demo.sh ... -- --goodput ttft:3000 tpot:150   # anything after -- goes to `pdctl bench`
 #
 # Writes into the results folder (--out, default results/ab-DATE): ab.json (every run, vLLM's keys), report.html,
-# agent-N.json / agent-N.html / agent-N.txt (the agent workload with N conversations),
+# agent-N.json / agent-N.html / agent-N.txt (the agent workload with N conversations), agreement.json / .txt
+# (every side's greedy answers against colocated's, benchmarks/side_agreement.py),
 # plots/*.svg (and *.png when rsvg-convert or ImageMagick is installed), bench.txt (the tables), metrics/ (each
 # worker's raw /metrics before and after), machine.txt (CPU, cores, load before and after), deploy/ (the files
 # the deployment ran from, its logs under deploy/.pdctl/logs). Stops everything it started on exit, Ctrl-C
@@ -227,13 +228,16 @@ step 4/8 "start the colocated (:$((PORT + 1))) and adaptive (:$((PORT + 2))) gat
 start_side colocated $((PORT + 1))
 start_side adaptive $((PORT + 2))
 SIDES=(--ab --ab-gateway "http://127.0.0.1:$((PORT + 1))" --ab-side "adaptive=http://127.0.0.1:$((PORT + 2))")
+NAMED=("colocated=http://127.0.0.1:$((PORT + 1))" "pd=http://127.0.0.1:$PORT" "adaptive=http://127.0.0.1:$((PORT + 2))")
 if [[ "$EXACT" == 1 ]]; then
     start_side exact $((PORT + 3))
     SIDES+=(--ab-side "exact=http://127.0.0.1:$((PORT + 3))")
+    NAMED+=("exact=http://127.0.0.1:$((PORT + 3))")
 fi
 if [[ -n "$STALL_MS" ]]; then
     start_side stall $((PORT + 4))
     SIDES+=(--ab-side "stall=http://127.0.0.1:$((PORT + 4))")
+    NAMED+=("stall=http://127.0.0.1:$((PORT + 4))")
 fi
 
 scrape() {
@@ -293,6 +297,11 @@ for n in ${CONVERSATIONS//,/ }; do
         "${SIDES[@]}" -o "$OUT/agent-$n.json" --html "$OUT/agent-$n.html" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} \
         | tee "$OUT/agent-$n.txt"
 done
+echo
+echo "greedy answers of every side against colocated's, judged as pdctl verify judges them:"
+"$PY" -m benchmarks.side_agreement --model "$SIZE" -n 4 --long-words "$LONG_LEN" "${NAMED[@]}" \
+    -o "$OUT/agreement.json" | tee "$OUT/agreement.txt" \
+    || echo "warning: some answers differ beyond a near-tie, or a side failed: see $OUT/agreement.json"
 scrape after
 machine "after" >> "$OUT/machine.txt"
 
@@ -327,5 +336,6 @@ Results in $OUT:
   agent-N.*      the agent workload with N conversations: results by turn (pdctl.by_turn), report, tables
   plots/         goodput vs rate, latency CDFs per rate (sides overlaid), TPOT over time with long-prompt arrivals,
                  requests running on each engine
+  agreement.*    every side's greedy answers against colocated's (identical / near-tie / diverged), and paths
   bench.txt      the tables as printed; metrics/ raw /metrics of both engines before and after; machine.txt
 EOF

@@ -253,6 +253,10 @@ def test_ab_demo_on_the_simulator_end_to_end(tmp_path: Path) -> None:
     exact = agent[3]["pdctl"]["kv_transfer"]
     assert exact["view_exact_cached_tokens"] > 0  # judged by the simulated engines' own KV cache events
     assert agent[2]["pdctl"]["kv_transfer"]["view_exact_cached_tokens"] == 0  # the approximate side's
+    agreement = json.loads((out / "agreement.json").read_text())  # greedy answers of every side against colocated's
+    assert agreement["reference"] == "colocated" and set(agreement["verdicts"]) == set(sides[1:])
+    assert all(v == {"identical": 12} for v in agreement["verdicts"].values()), agreement["verdicts"]
+    assert agreement["paths"]["adaptive"]["long+followup: local"] == 4  # the decode holding the long prompt
     assert all(set(r["pdctl"]["by_kind"]) == {"short", "long"} for r in runs)
     for run in runs:
         engines = run["pdctl"]["engine"]
