@@ -40,6 +40,7 @@ from pdctl import __version__
 from pdctl.check import Finding, Severity
 from pdctl.config import Deployment, WorkerConfig
 from pdctl.runtime.plan import GATEWAY_HOLD_ENV, IPC_ENV, ProcessSpec, VllmInstall, build_plan
+from pdctl.vllm.kv_events import connect_endpoint
 from pdctl.vllm.protocol import connector_kind
 
 __all__ = [
@@ -160,6 +161,12 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
             add("K8S006", "info", f"{t}.replicas",
                 f"{w.replicas} {w.name} pods behind one headless Service: the gateway reaches them by that "
                 "name, re-resolved; a new pod gets traffic after its warm-up, a leaving one is drained")  # fmt: skip
+            if dep.routing.prefix_view == "exact" and dep.routing.strategy == "pd_disagg":
+                add("K8S008", "warning", f"{t}.replicas",
+                    f"routing.prefix_view = \"exact\": the {w.replicas} {w.name} pods publish their KV cache "
+                    f"events under one topic, {w.name!r}, so the gateway cannot tell their caches apart and "
+                    "judges them by the approximate view", 'set routing.prefix_view = "approx", or one pod per '
+                    "[[decode]]/[[prefill]] entry")  # fmt: skip
     if not _uses_gpu(dep) and opts.image is None and any(w.engine == "vllm" for w in dep.workers):
         add("K8S005", "warning", "connector.kv_buffer_device",
             f"the pods request no GPU (kv_buffer_device = {dep.connector.kv_buffer_device!r}), but the default "
@@ -244,9 +251,15 @@ def _configmap(dep: Deployment, ns: str, workers: Sequence[ProcessSpec]) -> dict
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(dep, "pdctl-config", ns), "data": data}
 
 
-def _worker_argv(spec: ProcessSpec) -> list[str]:
-    """The plan's command line as the container runs it: the image's own ``vllm serve``, the pod IP bound."""
+def _worker_argv(spec: ProcessSpec, dep: Deployment) -> list[str]:
+    """The plan's command line as the container runs it: the image's own ``vllm serve``, the pod IP bound, and KV
+    cache events (``routing.prefix_view = "exact"``) sent to the gateway's Service."""
     argv = list(spec.argv)
+    if "--kv-events-config" in argv:
+        i = argv.index("--kv-events-config") + 1
+        events = json.loads(argv[i])
+        events["endpoint"] = connect_endpoint(_GATEWAY, dep.routing.kv_events_port)
+        argv[i] = json.dumps(events, separators=(",", ":"))
     launch = VllmInstall("vllm", None).launch  # how `render` planned it: this interpreter's module form
     if spec.engine == "vllm" and tuple(argv[: len(launch)]) == launch:
         argv = ["vllm", "serve", *argv[len(launch) :]]
@@ -337,8 +350,8 @@ def _worker_objects(
     container: dict[str, Any] = {
         "name": "vllm" if w.engine == "vllm" else "sim",
         "image": opts.vllm_image if w.engine == "vllm" else opts.pdctl_image,
-        "command": _worker_argv(spec)[:1],
-        "args": _worker_argv(spec)[1:],
+        "command": _worker_argv(spec, dep)[:1],
+        "args": _worker_argv(spec, dep)[1:],
         "env": _worker_env(w, spec, opts),
         "ports": ports,
         "startupProbe": _probe("/health", _STARTUP_PERIOD_S,
@@ -411,7 +424,7 @@ def _gateway_objects(dep: Deployment, spec: ProcessSpec, ns: str, opts: K8sOptio
         "command": argv[:1],
         "args": argv[1:],
         "env": env,
-        "ports": [{"name": "http", "containerPort": g.listen_port}],
+        "ports": _gateway_ports(dep),
         "readinessProbe": _probe("/ready", _READY_PERIOD_S, 3),
         "livenessProbe": _probe("/health", 10, 3),
         "volumeMounts": [mount],
@@ -438,9 +451,23 @@ def _gateway_objects(dep: Deployment, spec: ProcessSpec, ns: str, opts: K8sOptio
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(dep, _GATEWAY, ns, **labels),
-        "spec": {"selector": select, "ports": [{"name": "http", "port": g.listen_port, "targetPort": "http"}]},
+        "spec": {
+            "selector": select,
+            "ports": [
+                {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in _gateway_ports(dep)
+            ],
+        },
     }
     return [deployment, service]
+
+
+def _gateway_ports(dep: Deployment) -> list[dict[str, Any]]:
+    """The gateway's HTTP port, and the port its workers' KV cache events dial (``prefix_view = "exact"``)."""
+    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": dep.gateway.listen_port}]
+    r = dep.routing
+    if r.prefix_view == "exact" and r.strategy == "pd_disagg":
+        ports.append({"name": "kv-events", "containerPort": r.kv_events_port})
+    return ports
 
 
 def _verify_job(dep: Deployment, ns: str, opts: K8sOptions) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ import yaml
 
 from pdctl import config
 from pdctl.gateway.settings import from_deployment
-from pdctl.render.k8s import CONFIG_MOUNT, KUBERNETES_VERSION, K8sOptions, Rendered, dump_yaml, render
+from pdctl.render.k8s import CONFIG_MOUNT, KUBERNETES_VERSION, K8sOptions, Rendered, dump_yaml, findings, render
 from pdctl.runtime.plan import VllmInstall, build_plan
 from pdctl.sim.server import VLLM_VERSION
 from tests.conftest import REPO
@@ -215,6 +216,29 @@ def test_gateway_and_verify_run_pdctl_on_the_mounted_files() -> None:
     v = job["containers"][0]
     assert v["command"] + v["args"] == ["pdctl", "verify", *files, "--gateway", "http://gateway:8000"]
     assert "http://gateway:8000/ready" in job["initContainers"][0]["command"][2]
+
+
+def test_the_exact_prefix_view_sends_every_workers_kv_events_to_the_gateway_service() -> None:
+    dep = load("seed")
+    dep = dataclasses.replace(dep, routing=dataclasses.replace(dep.routing, pd_mode="adaptive", prefix_view="exact",
+                                                               kv_events_port=5557))  # fmt: skip
+    docs = objects(render(dep))
+    for doc in docs:
+        assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+    gw = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "kv-events", "containerPort": 5557} in gw["ports"]
+    svc = find(docs, "Service", "gateway")["spec"]["ports"]
+    assert {"name": "kv-events", "port": 5557, "targetPort": "kv-events"} in svc
+    for w in dep.workers:
+        args = container(find(docs, "StatefulSet", w.name))["args"]
+        events = json.loads(args[args.index("--kv-events-config") + 1])
+        # vLLM's PUB socket connects to a tcp://host:port address; the gateway binds it on the pod IP (--host 0.0.0.0)
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://gateway:5557",
+                          "topic": w.name}  # fmt: skip
+    many = load("2p2d")  # a group of two pods: one topic for both, the gateway cannot tell them apart
+    many = dataclasses.replace(many, routing=dataclasses.replace(many.routing, pd_mode="adaptive",
+                                                                 prefix_view="exact"))  # fmt: skip
+    assert [f.key for f in findings(many) if f.code == "K8S008"] == [many.workers[-1].table + ".replicas"]
 
 
 def test_ucx_and_rdma_knobs_reach_every_worker_pod() -> None:
