@@ -6,6 +6,8 @@ import copy
 import dataclasses
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +271,34 @@ def test_the_cli_writes_a_kustomization_and_a_plain_stream(cli: Any, tmp_path: P
     streamed = [d for d in yaml.safe_load_all(stream.stdout) if d]
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     assert sorted(map(key, streamed)) == sorted(key(d) for d in written if d["kind"] != "Kustomization")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) is not installed")
+def test_kubectl_kustomize_builds_the_rendered_folder(cli: Any, tmp_path: Path) -> None:
+    """`kubectl apply -k DIR` reads the folder through kustomize: the build holds every rendered object, unchanged
+    but for the namespace kustomize stamps on, and the verify Job builds from its own kustomization."""
+    folder = CONFIGS["2p2d"]
+    out = tmp_path / "k8s"
+    result = cli(
+        "render", "k8s", "-c", str(folder / "config.toml"), "-s", str(folder / "settings.json"), "-o", str(out)
+    )
+    assert result.exit_code == 0, result.output
+
+    def build(path: Path) -> list[dict[str, Any]]:
+        proc = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    written = {key(d): d for p in sorted(out.glob("*.yaml")) if p.name != "kustomization.yaml"
+               for d in yaml.safe_load_all(p.read_text(encoding="utf-8")) if d}  # fmt: skip
+    built = {key(d): d for d in build(out)}
+    assert built.keys() == written.keys()
+    for k, doc in written.items():
+        assert built[k]["spec" if "spec" in doc else "metadata"] == doc["spec" if "spec" in doc else "metadata"], k
+        assert built[k]["metadata"].get("namespace") == doc["metadata"].get("namespace"), k
+    (job,) = build(out / "verify")
+    assert job["kind"] == "Job" and job["metadata"]["name"] == "pdctl-verify"
 
 
 def test_a_config_that_cannot_render_says_where_and_exits_2(cli: Any, recipe_files: Any, tmp_path: Path) -> None:
