@@ -1,4 +1,5 @@
-"""``pdctl render k8s``: the two files as Kubernetes manifests (``kubectl apply -k DIR`` or ``-f -``)."""
+"""``pdctl render k8s``: the two files as Kubernetes manifests (``kubectl apply -k DIR`` or ``-f -``);
+``pdctl render monitoring``: Prometheus scrape config, rules and a Grafana dashboard for the same processes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pdctl import config
 from pdctl.cli._app import app, console, err_console, handle_errors
 from pdctl.cli.config_cmds import ConfigOpt, SettingsOpt, render_findings
 
-render_app = typer.Typer(no_args_is_help=True, help="Export the deployment to other tools (Kubernetes).")
+render_app = typer.Typer(
+    no_args_is_help=True, help="Export the deployment to other tools (Kubernetes, Prometheus, Grafana)."
+)
 app.add_typer(render_app, name="render")
 
 
@@ -66,6 +69,46 @@ def k8s(
     console.print("next:")
     for step in next_steps(dep, rendered, out, options):
         console.print(f"  {step}", markup=False)
+
+
+@render_app.command("monitoring")
+@handle_errors
+def monitoring(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    out: Annotated[str, typer.Option("-o", "--out", help="Folder to write.")] = "monitoring",
+    scrape_interval: Annotated[int, typer.Option(min=1, help="Seconds between scrapes.")] = 15,
+    evaluation_interval: Annotated[int, typer.Option(min=1, help="Seconds between rule evaluations.")] = 15,
+    file_sd: Annotated[
+        bool, typer.Option("--file-sd", help="prometheus.yml reads the targets from targets/*.json (file_sd).")
+    ] = False,
+    runbook: Annotated[str, typer.Option(help="The page each alert's runbook links to (#<alert> appended).")] = (
+        "docs/troubleshooting.md"
+    ),
+) -> None:
+    """Write prometheus.yml, recording and alert rules, file_sd targets and a Grafana dashboard.
+
+    Targets are `pdctl plan`'s processes, labelled role, instance (the process name) and deployment ([cluster]
+    name). Check them with `promtool check config DIR/prometheus.yml`.
+    """
+    from pdctl.render.monitoring import MonitoringOptions, render, write
+
+    options = MonitoringOptions(
+        scrape_interval_s=scrape_interval, evaluation_interval_s=evaluation_interval, file_sd=file_sd, runbook=runbook
+    )
+    rendered = render(config.load(config_path, settings_path), options)
+    for path in write(rendered, Path(out)):
+        console.print(f"wrote {path}", markup=False)
+    for note in rendered.notes:
+        err_console.print(f"note: {note}", markup=False)
+    console.print("next:")
+    console.print(f"  promtool check config {Path(out) / 'prometheus.yml'}", markup=False)
+    console.print(
+        f"  prometheus --config.file={Path(out) / 'prometheus.yml'} --storage.tsdb.path=DATA_DIR", markup=False
+    )
+    console.print(
+        f"  import {Path(out) / 'grafana' / 'pdctl.json'} in Grafana (Dashboards > New > Import)", markup=False
+    )
 
 
 @render_app.command("vllm-router")

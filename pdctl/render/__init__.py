@@ -1,1 +1,2 @@
-"""Files for other systems, from the same two files: Kubernetes manifests, peer routers' command lines."""
+"""Files for other systems, from the same two files: Kubernetes manifests, Prometheus and Grafana files, peer
+routers' command lines."""
