@@ -321,8 +321,10 @@ class SimConfig:
 
     # fmt: off
     profile: str = key(
-        "fast", as_str, "a profile name (fast, h100, h200, a100)", use="argv", flag="--sim-profile",
-        doc="timing profile: `fast`, `h100`, `h200`, `a100` (docs/simulator.md)",
+        "fast", as_str, "a profile name (fast, h100, h200, a100, cpu-tiny, cpu-small, cpu-medium)", use="argv",
+        flag="--sim-profile",
+        doc="timing profile: `fast`, `h100`, `h200`, `a100`, or `cpu-tiny` / `cpu-small` / `cpu-medium` (vLLM CPU on "
+        "one core, fitted to real runs) (docs/simulator.md)",
     )
     speed: float = key(
         1.0, as_num(0), "a number > 0", use="argv", flag="--sim-speed", doc="divides every simulated time",

@@ -5,12 +5,13 @@ All times are *simulated* seconds; the engine divides them by ``--sim-speed`` be
 * prefill chunk of ``c`` new tokens after ``p`` already computed ones:
   ``flops = 2·N_nonemb·c + 4·c·(p + c/2)·(n_heads·head_dim)·L + 2·N_lmhead``
 * decode token at context ``ctx``: ``flops = 2·N_nonemb + 4·ctx·(n_heads·head_dim)·L + 2·N_lmhead``
-* one engine step (a batch of prefill chunks and decode tokens):
-  ``t = max(Σflops / (peak·mfu), (W_bytes + Σ KV bytes read) / (hbm_bw·bw_eff)) + step_overhead``
+* one engine step (a batch of prefill chunks and decode tokens, ``n`` sequences in all):
+  ``t = max(Σflops / (peak·mfu), (W_bytes + Σ KV bytes read) / (hbm_bw·bw_eff)) + step_overhead + n·seq_overhead``
 * KV transfer of a prompt: ``t = kv_bytes / link_bw + link_latency`` with
   ``kv_bytes = 2·L·kv_heads·head_dim·dtype_bytes·tokens`` (the full model size, not the scaled test bytes).
 
-See docs/simulator.md for the derivation and the calibration against bench-anchors.md §5.
+See docs/simulator.md for the derivation, the calibration of the GPU profiles against bench-anchors.md §5 and of
+the ``cpu-*`` profiles against real vLLM CPU runs (``benchmarks/calibrate_sim.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pdctl.vllm.tiny_model import SIZES, TinyModelSpec
+
 __all__ = [
+    "CPU_CORE",
+    "CPU_MODELS",
     "LINKS",
     "MODELS",
     "PROFILES",
@@ -28,6 +33,7 @@ __all__ = [
     "Profile",
     "get_link",
     "get_profile",
+    "tiny_model_shape",
 ]
 
 
@@ -91,6 +97,9 @@ class Hardware:
     bw_eff: float  # achieved fraction of hbm_bw
     step_overhead_s: float  # scheduler + launch cost per engine step
     memory_bytes: float  # device memory, sizes the KV cache
+    # Cost per sequence in a step (input preparation, sampling, output processing): negligible next to a GPU's
+    # step, but on a CPU core vLLM's per-request Python work is what makes a decode step grow with the batch.
+    seq_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,18 +125,31 @@ QWEN3_8B = ModelShape(
     intermediate=12288,
     vocab=151936,
 )
-# Shape of the tiny random Qwen3 used on CPU (`pdctl model tiny`).
-TINY = ModelShape(
-    name="tiny-qwen3",
-    layers=2,
-    hidden=128,
-    n_heads=4,
-    kv_heads=1,
-    head_dim=64,
-    intermediate=256,
-    vocab=151936,
-)
-MODELS: dict[str, ModelShape] = {"qwen3-8b": QWEN3_8B, "tiny": TINY}
+
+
+def tiny_model_shape(size: str, spec: TinyModelSpec) -> ModelShape:
+    """The shape of the model ``pdctl model tiny --size SIZE`` generates from ``spec``.
+
+    ``vocab`` is the tokenizer trainer's ceiling (``spec.vocab_size``); the trained vocabulary can come out
+    smaller (1178 tokens for ``small`` and ``medium``), which changes the lm_head by well under 10 % of the
+    parameters.
+    """
+    return ModelShape(
+        name=f"tiny-qwen3-{size}",
+        layers=spec.num_hidden_layers,
+        hidden=spec.hidden_size,
+        n_heads=spec.num_attention_heads,
+        kv_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate=spec.intermediate_size,
+        vocab=spec.vocab_size,
+    )
+
+
+# The random Qwen3 models `pdctl model tiny --size tiny|small|medium` writes (pdctl/vllm/tiny_model.py).
+CPU_MODELS: dict[str, ModelShape] = {size: tiny_model_shape(size, spec) for size, spec in SIZES.items()}
+TINY = CPU_MODELS["tiny"]
+MODELS: dict[str, ModelShape] = {"qwen3-8b": QWEN3_8B, **CPU_MODELS}
 
 _GB = 1e9
 H100 = Hardware("H100-SXM", 989.4e12, 3.35e12, 0.5, 0.9, 0.0005, 80 * _GB)
@@ -135,6 +157,16 @@ H200 = Hardware("H200-SXM", 989.4e12, 4.8e12, 0.5, 0.9, 0.0005, 141 * _GB)
 A100 = Hardware("A100-SXM-80GB", 312e12, 2.039e12, 0.5, 0.9, 0.0005, 80 * _GB)
 # Near-zero compute so tests run in milliseconds; the overhead keeps streams observable.
 FAST = Hardware("fast", 1e18, 1e18, 1.0, 1.0, 0.0002, 16 * _GB)
+# One core of the 2-vCPU AMD EPYC machine running vLLM 0.32.0 CPU (bf16), one engine pinned to each core. The
+# achieved numbers are fitted (mfu = bw_eff = 1: peak_flops and hbm_bw *are* the achieved rates), from
+# docs/data/ab3-real-2026-12-04/ab.json.gz (2026-12-04, the `small` model, scripts/ab-demo.sh) with
+#   .venv/bin/python -m benchmarks.calibrate_sim docs/data/ab3-real-2026-12-04/ab.json.gz
+# The `tiny` and `medium` profiles reuse the core's numbers: extrapolated, not fitted. Memory: the 1 GiB of
+# VLLM_CPU_KVCACHE_SPACE that examples/cpu-ab gives each engine.
+CPU_CORE = Hardware(
+    "cpu-core", peak_flops=57.5e9, hbm_bw=43.4e9, mfu=1.0, bw_eff=1.0, step_overhead_s=0.0131,
+    memory_bytes=2**30, seq_overhead_s=0.00106,
+)  # fmt: skip
 
 LINKS: dict[str, Link] = {
     "loopback": Link("loopback", 20e9, 20e-6),
@@ -179,7 +211,9 @@ class Profile:
         m, hw = self.model, self.hw
         flops = 0.0
         kv_read = 0
+        seqs = len(decode_ctx)
         for new, past in prefill:
+            seqs += 1
             flops += self.prefill_flops(new, past)
             kv_read += (past + new) * m.kv_bytes_per_token
         for ctx in decode_ctx:
@@ -187,7 +221,7 @@ class Profile:
             kv_read += ctx * m.kv_bytes_per_token
         compute = flops / (hw.peak_flops * hw.mfu)
         memory = (m.weight_bytes + kv_read) / (hw.hbm_bw * hw.bw_eff)
-        return max(compute, memory) + hw.step_overhead_s
+        return max(compute, memory) + hw.step_overhead_s + hw.seq_overhead_s * seqs
 
     def prefill_s(self, tokens: int) -> float:
         """One whole-prompt prefill step on an otherwise idle engine."""
@@ -203,6 +237,7 @@ PROFILES: dict[str, Profile] = {
     "h100": Profile("h100", QWEN3_8B, H100),
     "h200": Profile("h200", QWEN3_8B, H200),
     "a100": Profile("a100", QWEN3_8B, A100),
+    **{f"cpu-{size}": Profile(f"cpu-{size}", shape, CPU_CORE) for size, shape in CPU_MODELS.items()},
 }
 
 
