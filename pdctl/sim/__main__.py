@@ -27,7 +27,7 @@ from pdctl.sim.faults import FaultSet
 from pdctl.sim.kv_events import KVEventsSettings, create_publisher, parse_config
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.server import SimApp
-from pdctl.sim.timing import get_link, get_profile
+from pdctl.sim.timing import PROFILES, get_link, get_profile
 from pdctl.vllm.modelinfo import context_length
 from pdctl.vllm.protocol import NIXL_CONNECTORS
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Accepted (and checked as vLLM checks them) so PD032's fix starts here; the simulator fakes tool calls anyway.
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", default=None)
-    p.add_argument("--sim-profile", default="fast", help="fast | h100 | h200 | a100")
+    p.add_argument("--sim-profile", default="fast", help=" | ".join(PROFILES))
     p.add_argument("--sim-speed", type=float, default=1.0, help="divide every simulated time by this")
     p.add_argument("--sim-kv-scale", type=float, default=1.0, help="fraction of the model's KV bytes to move")
     p.add_argument("--sim-seed", type=int, default=0)
