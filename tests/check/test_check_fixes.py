@@ -29,7 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +141,18 @@ def started(tmp_path: Path) -> Iterator[list[Path]]:
     dirs: list[Path] = []
     yield dirs
     for d in dirs:
-        pdctl(d, "down")
-        with contextlib.suppress(OSError, ValueError):
-            state = json.loads((d / ".pdctl" / "state.json").read_text())
-            for pid in [state.get("supervisor_pid"), *(p.get("pid") for p in state["processes"])]:
-                if pid:
-                    with contextlib.suppress(OSError):
-                        os.killpg(pid, signal.SIGKILL)
+        bring_down(d)
+
+
+def bring_down(d: Path, run: Callable[..., object] = pdctl) -> None:
+    """``pdctl down`` in ``d`` (with ``run``), then SIGKILL to whatever process group its state file still names."""
+    run(d, "down")
+    with contextlib.suppress(OSError, ValueError):
+        state = json.loads((d / ".pdctl" / "state.json").read_text())
+        for pid in [state.get("supervisor_pid"), *(p.get("pid") for p in state["processes"])]:
+            if pid:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
 
 
 def assert_starts(d: Path, started: list[Path]) -> None:

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from pdctl.render.monitoring import MonitoringOptions, Rendered, alerts, dashboa
 from pdctl.runtime.plan import VllmInstall, build_plan
 from pdctl.testing import free_port, stop_group
 from pdctl.testing.procs import wait_until_ready
+from tests.check.test_check_fixes import bring_down
 from tests.conftest import REPO
 
 PROMTOOL = shutil.which("promtool")
@@ -421,13 +421,7 @@ def deployment(tmp_path: Path) -> Iterator[Path]:
         assert r.returncode == 0, r.stdout + r.stderr
         yield d
     finally:
-        _pdctl(d, "down")
-        with contextlib.suppress(OSError, ValueError):
-            state = json.loads((d / ".pdctl" / "state.json").read_text())
-            for pid in [state.get("supervisor_pid"), *(p.get("pid") for p in state["processes"])]:
-                if pid:
-                    with contextlib.suppress(OSError):
-                        os.killpg(pid, signal.SIGKILL)
+        bring_down(d, _pdctl)
 
 
 class Prom:
