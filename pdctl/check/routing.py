@@ -4,10 +4,9 @@
   (``local_max_uncached_tokens = 0``: always the two legs; a threshold at the decode's context length with no
   share rule and no request cap: always local, colocated in all but name), or with ``strategy = "colocated"``,
   where it changes nothing.
-- :func:`exact_view` PD034: ``routing.prefix_view = "exact"`` where it cannot work: with several gateway processes
-  (``gateway.workers``: only one process can bind ``routing.kv_events_port``, which every worker's events dial),
-  or where it changes nothing (``strategy = "colocated"``) or this gateway does not read it (``pd_mode =
-  "always"``: the workers still publish, for another gateway over them).
+- :func:`exact_view` PD034: ``routing.prefix_view = "exact"`` where it changes nothing (``strategy =
+  "colocated"``) or this gateway does not read it (``pd_mode = "always"``: the workers still publish, for another
+  gateway over them).
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ def adaptive(c: Ctx) -> Iterable[Finding]:
 
 
 def exact_view(c: Ctx) -> Iterable[Finding]:
-    """PD034: the exact prefix view with several gateway processes, or without adaptive PD to use it."""
+    """PD034: the exact prefix view without adaptive PD to use it."""
     r = c.dep.routing
     if r.prefix_view != "exact":
         return
@@ -67,10 +66,3 @@ def exact_view(c: Ctx) -> Iterable[Finding]:
                    "may, as scripts/ab-demo.sh --exact runs it)",
                    fixes=({f"{SETTINGS}routing.prefix_view": "approx"},
                           {f"{SETTINGS}routing.pd_mode": "adaptive"}))  # fmt: skip
-        return
-    if c.dep.gateway.workers > 1:
-        yield c.at("PD034", "error", "settings", "routing.prefix_view",
-                   f"prefix_view \"exact\" needs one gateway process: the workers' KV events dial one socket "
-                   f"(routing.kv_events_port {r.kv_events_port}), which only one of gateway.workers = "
-                   f"{c.dep.gateway.workers} processes can bind",
-                   fixes=({f"{SETTINGS}routing.prefix_view": "approx"}, {f"{SETTINGS}gateway.workers": 1}))  # fmt: skip

@@ -32,7 +32,14 @@ def gateway(
     """
     from pdctl.gateway.app import create_app
     from pdctl.gateway.auth import read_key
-    from pdctl.gateway.processes import listener_for, metrics_dir, process_slot, supervise
+    from pdctl.gateway.processes import (
+        KV_EVENTS_RELAY_ENV,
+        events_relay,
+        listener_for,
+        metrics_dir,
+        process_slot,
+        supervise,
+    )
     from pdctl.gateway.server import configure_logging, make_server, run, stop_timeout_s, tls_files, wait_for_release
     from pdctl.gateway.settings import from_deployment, from_settings
 
@@ -58,12 +65,19 @@ def gateway(
         argv += ["-c", str(config)] if config is not None else []
         argv += ["--host", host] if host is not None else []
         argv += ["--port", str(port)] if port is not None else []
-        code = supervise(argv, g.workers, metrics_dir(dep.run_dir if dep else None), stop_timeout_s(g), dep is None)
+        relay = events_relay(replace(gw_settings, gateway=replace(gw_settings.gateway, listen_host=listen_host)))
+        try:
+            extra = {KV_EVENTS_RELAY_ENV: relay.endpoint} if relay is not None else {}
+            code = supervise(argv, g.workers, metrics_dir(dep.run_dir if dep else None), stop_timeout_s(g),
+                             dep is None, extra)  # fmt: skip
+        finally:
+            if relay is not None:
+                relay.close()
         if code:
             raise typer.Exit(code)
         return
     if slot is not None:
-        gw_settings = replace(gw_settings, process=slot[:2])
+        gw_settings = replace(gw_settings, process=slot[:2], kv_events_connect=os.environ.get(KV_EVENTS_RELAY_ENV))
     app_ = create_app(gw_settings, key, upstream_key)
     server = make_server(app_, listen_host, listen_port, slot[2] if slot is not None else None)
     hold = os.environ.get(GATEWAY_HOLD_ENV)

@@ -135,8 +135,9 @@ class Gateway:
         self.kv_events: KvEventSubscriber | None = None
         if settings.routing.pd_mode == "adaptive":
             if settings.routing.prefix_view == "exact":
-                events = bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
-                self.kv_events = KvEventSubscriber(events, self._count_kv_event)
+                relay = settings.kv_events_connect
+                events = relay or bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
+                self.kv_events = KvEventSubscriber(events, self._count_kv_event, connect=relay is not None)
             prefix = PrefixRouter(settings.routing, self.kv_events, lambda: self.admission.sec_per_token.mean)
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
                               self.secrets, self.spawn, self.upstream, prefix)  # fmt: skip

@@ -15,6 +15,9 @@ Map:
   is unknown (published before the gateway listened, or lost) cannot be chained and is left out: the view then
   under-counts, and the decision errs towards the prefill leg. Blocks stored with ``extra_keys`` (a LoRA, a
   ``cache_salt``, multimodal inputs) hash with them and never match a plain prompt, as in the engine.
+- :class:`EventsRelay`: with several gateway processes (``gateway.workers``) only one can bind the port, so the
+  parent binds it and relays every message, unchanged, to its children over an ipc socket (ZMQ's XSUB/XPUB
+  proxy); each child's subscriber connects there and keeps its own view, as with one process.
 - :class:`KvEventSubscriber`: the SUB socket and its loop. Per topic a
   :class:`~pdctl.vllm.kv_events.SequenceTracker`: a gap (messages lost) or a restart (the seq went back; a
   restarted engine starts at 0) empties that worker's view before the message is applied, so the view never
@@ -28,10 +31,14 @@ view instead.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Container, Sequence
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
+from pdctl.errors import LaunchError
 from pdctl.vllm.kv_events import (
     AllBlocksCleared,
     BlockHash,
@@ -43,7 +50,7 @@ from pdctl.vllm.kv_events import (
     split_message,
 )
 
-__all__ = ["ExactIndex", "KvEventSubscriber", "leading", "token_block_hashes"]
+__all__ = ["EventsRelay", "ExactIndex", "KvEventSubscriber", "leading", "token_block_hashes"]
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -143,10 +150,14 @@ class ExactIndex:
 class KvEventSubscriber:
     """The gateway's SUB socket for its workers' KV cache events, and the :class:`ExactIndex` of each topic."""
 
-    def __init__(self, endpoint: str, count: Callable[[str, str], None] | None = None) -> None:
-        """``endpoint``: the address to bind (``tcp://127.0.0.1:5557``); ``count(topic, what)``: called per event
-        applied (its type name) and per resync (``gap``, ``restart``) or unreadable message (``malformed``)."""
+    def __init__(
+        self, endpoint: str, count: Callable[[str, str], None] | None = None, connect: bool = False
+    ) -> None:  # fmt: skip
+        """``endpoint``: the address to bind (``tcp://127.0.0.1:5557``), or with ``connect`` the relay's to connect
+        to (:class:`EventsRelay`); ``count(topic, what)``: called per event applied (its type name) and per resync
+        (``gap``, ``restart``) or unreadable message (``malformed``)."""
         self.endpoint = endpoint
+        self.connect = connect
         self.views: dict[str, ExactIndex] = {}
         self.bound = False
         self._seq: dict[str, SequenceTracker] = {}
@@ -187,7 +198,10 @@ class KvEventSubscriber:
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             try:
-                sock.bind(self.endpoint)
+                if self.connect:
+                    sock.connect(self.endpoint)
+                else:
+                    sock.bind(self.endpoint)
             except zmq.ZMQError as exc:
                 log.error("KV events: cannot bind %s (%s); adaptive PD uses the approximate view", self.endpoint, exc)
                 return
@@ -199,3 +213,53 @@ class KvEventSubscriber:
             self.bound = False
             sock.close(linger=0)
             ctx.term()
+
+
+class EventsRelay:
+    """The parent gateway process's relay: binds the workers' events address, republishes on an ipc socket."""
+
+    def __init__(self, bind: str, ipc_path: Path) -> None:
+        self.bind = bind
+        self.endpoint = f"ipc://{ipc_path}"
+        """Where the children connect (:class:`KvEventSubscriber` with ``connect``)."""
+        self._thread: threading.Thread | None = None
+        self._ctx: Any = None
+
+    def start(self) -> None:
+        """Bind both sockets (a :class:`~pdctl.errors.LaunchError` if the events port is taken) and relay on a
+        thread until :meth:`close`."""
+        import zmq
+
+        ctx = self._ctx = zmq.Context()
+        front, back = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+        try:
+            front.bind(self.bind)
+            back.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            front.close(linger=0)
+            back.close(linger=0)
+            ctx.term()
+            raise LaunchError(f"the gateway cannot bind {self.bind} for the workers' KV cache events: {exc}",
+                              hint="another program holds routing.kv_events_port: stop it or change the port",
+                              ) from None  # fmt: skip
+
+        def relay() -> None:
+            try:
+                zmq.proxy(front, back)
+            except zmq.ContextTerminated:
+                pass
+            finally:
+                front.close(linger=0)
+                back.close(linger=0)
+
+        self._thread = threading.Thread(target=relay, name="kv-events-relay", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop relaying and close both sockets."""
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -44,12 +44,17 @@ from pathlib import Path
 from types import FrameType
 
 from pdctl.errors import LaunchError
+from pdctl.gateway.kv_view import EventsRelay
+from pdctl.gateway.settings import GatewaySettings
+from pdctl.vllm.kv_events import bind_endpoint
 
 __all__ = [
     "FORCE_SIGNAL",
+    "KV_EVENTS_RELAY_ENV",
     "METRICS_DIR_ENV",
     "PROCESS_ENV",
     "STOP_SIGNAL",
+    "events_relay",
     "listener",
     "listener_for",
     "metrics_dir",
@@ -60,6 +65,8 @@ __all__ = [
 PROCESS_ENV = "PDCTL_GATEWAY_PROCESS"
 """Set by the parent in each child: ``index/count/parent pid``."""
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+KV_EVENTS_RELAY_ENV = "PDCTL_KV_EVENTS_RELAY"
+"""Set by the parent in each child when it relays the workers' KV cache events: the address to connect to."""
 STOP_SIGNAL = signal.SIGUSR1
 """Parent -> children: drain and exit (once draining, a no-op)."""
 FORCE_SIGNAL = signal.SIGUSR2
@@ -112,9 +119,26 @@ def listener_for(host: str, port: int) -> socket.socket:
         ) from None
 
 
+def events_relay(settings: GatewaySettings) -> EventsRelay | None:
+    """The parent's relay of the workers' KV cache events (``routing.prefix_view = "exact"``), started; None when
+    the view is not used. Each child gets its address in :data:`KV_EVENTS_RELAY_ENV`."""
+    r = settings.routing
+    if not (r.pd_mode == "adaptive" and r.prefix_view == "exact" and r.strategy == "pd_disagg"):
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="pdctl-kv-events-"))
+    relay = EventsRelay(bind_endpoint(settings.gateway.listen_host, r.kv_events_port), folder / "relay.ipc")
+    try:
+        relay.start()
+    except LaunchError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return relay
+
+
 def supervise(
-    argv: Sequence[str], count: int, metrics: Path, stop_timeout_s: float, remove_metrics: bool = False
-) -> int:
+    argv: Sequence[str], count: int, metrics: Path, stop_timeout_s: float, remove_metrics: bool = False,
+    extra_env: Mapping[str, str] | None = None,
+) -> int:  # fmt: skip
     """Run ``count`` children (``argv``, each with :data:`PROCESS_ENV` set) until a signal or a child's exit.
 
     Returns 0 after a stop asked by a signal, 1 when a child exited on its own. ``metrics`` is emptied first
@@ -135,7 +159,8 @@ def supervise(
     children: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(count):
-            env = os.environ | {PROCESS_ENV: f"{i}/{count}/{os.getpid()}", METRICS_DIR_ENV: str(metrics)}
+            env = os.environ | dict(extra_env or {}) | {PROCESS_ENV: f"{i}/{count}/{os.getpid()}",
+                                                        METRICS_DIR_ENV: str(metrics)}  # fmt: skip
             children.append(subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL))
         return _watch(children, received, wake_r, stop_timeout_s, metrics)
     finally:

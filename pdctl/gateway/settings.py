@@ -52,6 +52,9 @@ class GatewaySettings:
     breaker_cooldown_s: float = 5.0
     connect_timeout_s: float = 5.0
     max_nesting: int = 64
+    kv_events_connect: str | None = None
+    """The parent's relay of the workers' KV cache events to connect to (``gateway.workers`` > 1), instead of binding
+    ``routing.kv_events_port`` (:class:`pdctl.gateway.kv_view.EventsRelay`)."""
     process: tuple[int, int] = (0, 1)
     """This gateway process's index and the number of processes (``gateway.workers``), for the limits' shares."""
 

@@ -140,6 +140,9 @@ class TokenCounter:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
+        if endpoint == COMPLETIONS and isinstance(prompt, list) and prompt:  # the ids themselves, any model
+            ok = all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            return list(prompt) if ok else None
         sim = self._sim.get(model)
         if sim is not None:
             tok, template = sim
@@ -157,9 +160,6 @@ class TokenCounter:
                 return None if text is None else list(tok.encode(text, add_special_tokens=False).ids)
             if endpoint == COMPLETIONS and isinstance(prompt, str):
                 return list(tok.encode(prompt, add_special_tokens=True).ids)
-        if endpoint == COMPLETIONS and isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return list(prompt)
         return None
 
     async def prompt_ids(self, model: str, endpoint: str, body: Mapping[str, Any]) -> list[int] | None:

@@ -220,9 +220,6 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
                                      f"{SETTINGS}routing.local_max_uncached_tokens": 1 << 20}, {"PD033"}),
     "adaptive-colocated": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive",
                                   f"{SETTINGS}routing.strategy": "colocated"}, {"PD033"}),
-    "exact-view-many-gateways": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive", f"{SETTINGS}routing.prefix_view":
-                                        "exact", f"{SETTINGS}routing.kv_events_port": "<free>",
-                                        f"{SETTINGS}gateway.workers": 2}, {"PD034"}),
     "exact-view-unused": (INIT, {f"{SETTINGS}routing.prefix_view": "exact"}, {"PD034"}),
     "kv-events-port-clash": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive", f"{SETTINGS}routing.prefix_view": "exact",
                                     f"{SETTINGS}routing.kv_events_port": "<prefill>"}, {"PD017"}),

@@ -19,9 +19,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from pdctl.errors import LaunchError
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.chat_template import ChatTemplate
-from pdctl.gateway.kv_view import ExactIndex, KvEventSubscriber, token_block_hashes
+from pdctl.gateway.kv_view import EventsRelay, ExactIndex, KvEventSubscriber, token_block_hashes
 from pdctl.gateway.memory import MemoryWorkers
 from pdctl.gateway.settings import LocalModel
 from pdctl.gateway.tokens import TokenCounter
@@ -136,6 +137,7 @@ def test_prompt_ids_are_the_simulators_own_for_its_models() -> None:
     assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": [5, 6, 7]})) == [5, 6, 7]
     assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", body)) is None  # vLLM renders the agent routes itself
     assert asyncio.run(tc.prompt_ids("other", "/v1/chat/completions", body)) is None  # no tokenizer: not exact
+    assert asyncio.run(tc.prompt_ids("other", "/v1/completions", {"prompt": [9, 8]})) == [9, 8]  # ids: any model
 
 
 def _free_port() -> int:
@@ -213,3 +215,50 @@ async def _until(app: Gateway, pub: Any, topic: str, frames: list[bytes]) -> Non
         if view is not None and len(view):
             return
     pytest.fail(f"no KV event from {topic} reached the gateway")
+
+
+def test_the_relay_gives_every_gateway_process_every_event(tmp_path: Path) -> None:
+    """gateway.workers > 1: the parent binds the events port and relays; two subscribers that connect to the relay
+    (two processes' views) each apply what one engine published."""
+    port = _free_port()
+    relay = EventsRelay(f"tcp://127.0.0.1:{port}", tmp_path / "relay.ipc")
+    relay.start()
+    ids = list(range(2 * BS))
+
+    async def main() -> list[int]:
+        subs = [KvEventSubscriber(relay.endpoint, connect=True) for _ in range(2)]
+        tasks = [asyncio.ensure_future(s.run()) for s in subs]
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            for _ in range(300):  # a PUB drops messages until the subscriptions have travelled the relay
+                await pub.send_multipart(_frames("decode", 0, _stored(ids, [1, 2])))
+                await asyncio.sleep(0.02)
+                views = [s.view("decode") for s in subs]
+                if all(v is not None and len(v) for v in views):
+                    break
+            return [
+                v.match(token_block_hashes(ids, BS)) if v is not None else 0 for v in (s.view("decode") for s in subs)
+            ]
+        finally:
+            pub.close(linger=0)
+            ctx.term()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        assert asyncio.run(main()) == [2, 2]
+    finally:
+        relay.close()
+    taken = EventsRelay(f"tcp://127.0.0.1:{port}", tmp_path / "again.ipc")
+    blocker = zmq.Context()
+    held = blocker.socket(zmq.SUB)
+    held.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(LaunchError, match="cannot bind"):
+            taken.start()
+    finally:
+        held.close(linger=0)
+        blocker.term()

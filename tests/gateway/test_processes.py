@@ -51,14 +51,16 @@ def pair(sim_procs: list[SimProcess], tmp_path: Path) -> tuple[SimProcess, SimPr
 class Gateway:
     """``pdctl gateway`` with ``gateway.workers = 2`` in its own process group; output in ``log``."""
 
-    def __init__(self, tmp_path: Path, pair: tuple[SimProcess, SimProcess], **gateway: Any) -> None:
+    def __init__(
+        self, tmp_path: Path, pair: tuple[SimProcess, SimProcess], routing: dict[str, Any] | None = None, **gateway: Any
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         settings = {
             "gateway": {"listen": f"127.0.0.1:{self.port}", "workers": 2, "api_key_env": "PDCTL_TEST_KEY",
                         "drain_timeout_s": 20, **gateway},
             "routing": {"prefill_endpoint": pair[0].url, "decode_endpoint": pair[1].url,
-                        "kv_connector": "NixlConnector"},
+                        "kv_connector": "NixlConnector", **(routing or {})},
             "logging": {"level": "info"},
         }  # fmt: skip
         (tmp_path / "settings.json").write_text(json.dumps(settings))
@@ -157,6 +159,46 @@ def test_a_keys_limit_holds_across_two_processes(
     text = httpx.get(gw.url + "/metrics", timeout=10).text
     assert _total(text, "pdctl_key_requests_total", key="alice", status="200") == 4
     assert _total(text, "pdctl_key_requests_total", key="alice", status="429") == 16
+
+
+def test_every_process_judges_by_the_engines_kv_events(
+    sim_procs: list[SimProcess], tmp_path: Path, gateways: list[Gateway]
+) -> None:
+    """prefix_view "exact" with two processes: the parent binds the events port and relays to both, so a follow-up
+    goes to decode alone whichever process its connection lands on (the approximate view is per process)."""
+    events = free_port()
+    pair = []
+    for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}", "topic": name}
+        args = ["--max-model-len", "1024", "--kv-events-config", json.dumps(config)]
+        pair.append(start_sim(args, str(tmp_path), name=name, role=role))
+        sim_procs.append(pair[-1])
+    routing = {"pd_mode": "adaptive", "prefix_view": "exact", "kv_events_port": events, "local_max_uncached_tokens": 64}
+    gw = Gateway(tmp_path, (pair[0], pair[1]), routing=routing)
+    gateways.append(gw)
+    history = list(range(1000, 1300))  # token ids: exact for any model
+
+    def complete(prompt: list[int]) -> httpx.Response:
+        with httpx.Client(timeout=30) as c:  # a connection of its own: either process
+            r = c.post(gw.url + "/v1/completions", json={"model": "sim-model", "prompt": prompt, "max_tokens": 2},
+                       headers={"authorization": f"Bearer {KEY}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r
+
+    assert complete(history).headers["x-pd-path"] == "disagg"
+
+    def stored() -> bool:  # both processes applied decode's events (the metric sums the processes)
+        text = httpx.get(gw.url + "/metrics", timeout=10).text
+        return _total(text, "pdctl_kv_events_total", instance="decode", event="BlockStored") >= 2
+
+    assert wait_for(stored, timeout=30), gw.log.read_text()
+    paths = [complete([*history, 7, 8, i]).headers["x-pd-path"] for i in range(16)]
+    assert paths == ["local"] * 16, paths
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert _total(text, "pdctl_pd_view_cached_tokens_total", view="exact") >= 16 * 288  # 18 blocks of 16 each
+    pids = {line.split("pdctl.gateway.access[")[1].split("]")[0] for line in gw.log.read_text().splitlines()
+            if "pdctl.gateway.access[" in line and "view=exact" in line}  # fmt: skip
+    assert pids == {str(c.pid) for c in gw.children}  # both processes decided by the exact view
 
 
 @pytest.mark.parametrize("to", ["parent", "group"])
