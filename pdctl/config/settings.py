@@ -272,6 +272,15 @@ class LoggingConfig:
         "`VLLM_LOGGING_CONFIG_PATH` (vLLM 0.32's default config plus those two loggers), so `pdctl logs --kv` and "
         "verify's `kv_logs` see per-request KV lines",
     )
+    otlp_traces_endpoint: str | None = key(
+        None, as_http_url, "an http(s) URL (an OTLP/HTTP traces endpoint)", use="gateway", type="URL",
+        default="none",
+        doc="an OpenTelemetry collector's OTLP/HTTP traces URL (`http://collector:4318/v1/traces`): the gateway "
+        "exports a span per request and per worker call there and sends each worker call's `traceparent`; vLLM "
+        "workers get `--otlp-traces-endpoint` (and `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`), so their "
+        "spans join the trace. Unset: a client's `traceparent`/`tracestate` are passed to the workers unchanged "
+        "(docs/observability.md)",
+    )
     # fmt: on
 
 

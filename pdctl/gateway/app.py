@@ -58,6 +58,7 @@ from pdctl.gateway.routing import Pool
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
+from pdctl.gateway.tracing import Tracing
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
 from pdctl.vllm.kv_events import bind_endpoint
@@ -110,6 +111,7 @@ class Gateway:
         self.metrics_need_key = not g.metrics_public and g.listen_host not in ("127.0.0.1", "localhost", "::1")
         self.limiter = RateLimiter(settings.gateway.rate_limit, share=settings.process)
         self.admission = Admission(settings.slo)
+        self.tracing = Tracing(settings.logging.otlp_traces_endpoint)
         if g.upstream_base_url and not upstream_key and keys.per_user:
             raise ConfigError("settings.json", "gateway.upstream_api_key_env",
                               "per-user keys (gateway.keys_file) with an upstream need the upstream's own key",
@@ -186,6 +188,7 @@ class Gateway:
         await self.pool.close()
         if self.upstream is not None:
             await self.upstream.close()
+        await asyncio.to_thread(self.tracing.shutdown)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background, kept referenced until it ends."""
@@ -289,7 +292,9 @@ class Gateway:
         rid_header = _header(scope, b"x-request-id")
         rid = _clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"  # the form of uuid4().hex, without a UUID object
         ex = Exchange(send=send, request_id=rid, started=started,
-                      deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint))  # fmt: skip
+                      deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint),
+                      trace=self.tracing.start("POST", endpoint, _header(scope, b"traceparent"),
+                                               _header(scope, b"tracestate")))  # fmt: skip
         self.in_flight += 1
         self.metrics.accepted.inc()
         self.metrics.gateway_in_flight.inc()
@@ -386,6 +391,8 @@ class Gateway:
         m.child(m.duration, ex.path).observe(duration)
         if ex.ttft_s is not None:
             m.child(m.ttft, ex.path).observe(ex.ttft_s)
+        if ex.trace is not None and ex.trace.recording:
+            ex.trace.end(_span_attributes(ex, status_label), status_label == "stream_error" or ex.status >= 500)
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
@@ -508,6 +515,29 @@ async def _watch_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
         if message["type"] == "http.disconnect":
             gone()
             return
+
+
+def _span_attributes(ex: Exchange, outcome: str) -> dict[str, str | int | float | bool]:
+    """The server span's outcome attributes: names, counts and statuses, never request or response content."""
+    attrs: dict[str, str | int | float | bool] = {
+        "pdctl.request_id": ex.request_id, "gen_ai.request.model": ex.model, "pdctl.pd_path": ex.path,
+        "http.response.status_code": ex.status or 500, "pdctl.outcome": outcome, "pdctl.stream": ex.stream,
+    }  # fmt: skip
+    if ex.prefill:
+        attrs["pdctl.prefill"] = ex.prefill
+    if ex.decode:
+        attrs["pdctl.decode"] = ex.decode
+    if ex.error_code:
+        attrs["error.type"] = ex.error_code
+    if ex.fallback_reason:
+        attrs["pdctl.fallback_reason"] = ex.fallback_reason
+    if ex.ttft_s is not None:
+        attrs["pdctl.ttft_ms"] = round(ex.ttft_s * 1000.0, 3)
+    if ex.prompt_tokens is not None:
+        attrs["gen_ai.usage.input_tokens"] = ex.prompt_tokens
+    if ex.tokens is not None:
+        attrs["gen_ai.usage.output_tokens"] = ex.tokens
+    return attrs
 
 
 def _client_key(scope: Scope, endpoint: str) -> bytes | None:

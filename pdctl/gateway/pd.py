@@ -41,6 +41,7 @@ from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange, relay
+from pdctl.gateway.tracing import Leg
 from pdctl.gateway.upstream import Upstream
 from pdctl.vllm.protocol import ConnectorKind, build_decode_body, build_prefill_body, cap_output, check_kv_params
 from pdctl.vllm.transport import TransportError
@@ -51,6 +52,8 @@ log = logging.getLogger("pdctl.gateway")
 _MAX_ERROR_BODY = 64 * 1024
 #: Each PD retry holds a prefill's KV blocks until its lease ends: more than a few only adds load to a sick pool.
 MAX_PD_RETRIES = 3
+#: The paths whose worker call is named after them in a trace; any other call to a decode is ``decode``.
+_LEG_NAMES = ("local", "fallback", "colocated")
 
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
@@ -88,19 +91,57 @@ class LegResult:
     instance: Instance | None = None
 
 
-def _headers(request_id: str) -> dict[str, str]:
-    return {"content-type": "application/json", "x-request-id": request_id}
+def _headers(request_id: str, leg: Leg | None = None) -> dict[str, str]:
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if leg is not None:
+        headers.update(leg.headers)
+    return headers
+
+
+def _leg(ex: Exchange, name: str, inst: Instance, request_id: str) -> Leg | None:
+    """The worker call's trace headers and span (:mod:`pdctl.gateway.tracing`); None without a trace."""
+    return ex.trace.leg(name, inst.name, request_id) if ex.trace is not None else None
 
 
 async def _prefill_once(
-    ctx: PdContext, inst: Instance, endpoint: str, body: bytes, request_id: str, tokens: int, timeout_s: float
+    ctx: PdContext,
+    inst: Instance,
+    endpoint: str,
+    body: bytes,
+    request_id: str,
+    tokens: int,
+    timeout_s: float,
+    span: Leg | None = None,
+) -> LegResult:
+    result: LegResult | None = None
+    try:
+        result = await _prefill_call(ctx, inst, endpoint, body, request_id, tokens, timeout_s, span)
+        return result
+    finally:
+        if span is not None:
+            err = result.error if result is not None else None
+            if result is None:
+                span.end(None, "cancelled")
+            else:
+                span.end(200 if err is None else err.status, None if err is None else err.code or err.type)
+
+
+async def _prefill_call(
+    ctx: PdContext,
+    inst: Instance,
+    endpoint: str,
+    body: bytes,
+    request_id: str,
+    tokens: int,
+    timeout_s: float,
+    span: Leg | None,
 ) -> LegResult:
     start = time.monotonic()
     try:
         with inst.track(tokens):
             # total_timeout_s bounds the whole leg (headers and body): leg 1 is one short JSON answer.
             resp = await inst.client.request(
-                "POST", endpoint, body=body, headers=_headers(request_id), total_timeout_s=timeout_s
+                "POST", endpoint, body=body, headers=_headers(request_id, span), total_timeout_s=timeout_s
             )
             try:
                 payload = await resp.read()
@@ -273,12 +314,14 @@ async def _leg1(
     timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
     ex.in_leg1 = True
     try:
-        leg = await _prefill_once(ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout)
+        leg = await _prefill_once(
+            ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout, _leg(ex, "prefill", inst, rid)
+        )
     finally:
         ex.in_leg1 = False
     if ex.client_gone:  # the client left during leg 1: free what the prefill now holds, then end as cancelled
         if leg.reply is not None:
-            ctx.spawn(_release(ctx, leg, endpoint, body))
+            ctx.spawn(_release(ctx, leg, endpoint, body, ex))
         raise asyncio.CancelledError
     if leg.reply is not None:
         if plan is not None and ctx.prefix is not None:
@@ -356,10 +399,39 @@ async def _decode(
     if inst is None:
         raise _no_instance(ctx, roles, what)
     ex.decode = inst.name
+    payload = codec.encode(body)
+    span = _leg(ex, ex.path if ex.path in _LEG_NAMES else "decode", inst, request_id)
+    try:
+        await _decode_call(ctx, ex, inst, endpoint, payload, request_id, prompt_tokens, roles, what, source, plan, span)
+    except ApiError as err:
+        if span is not None:
+            span.end(err.status, err.code or err.type)
+        raise
+    except BaseException:
+        if span is not None:
+            span.end(None, "cancelled")
+        raise
+    if span is not None:
+        span.end(ex.status or 200, ex.error_code)
+
+
+async def _decode_call(
+    ctx: PdContext,
+    ex: Exchange,
+    inst: Instance,
+    endpoint: str,
+    payload: bytes,
+    request_id: str,
+    prompt_tokens: int,
+    roles: tuple[Role, ...],
+    what: str,
+    source: Instance | None,
+    plan: Decision | None,
+    span: Leg | None,
+) -> None:
     stream = ex.stream
     concurrency = sum(i.in_flight for i in ctx.pool.instances if i.role in roles)
-    payload = codec.encode(body)
-    headers = _headers(request_id)
+    headers = _headers(request_id, span)
     sent = time.monotonic()
     # Until the first token: the request's deadline plus the KV handoff's. Each read is also bounded by the
     # client's read timeout (request_timeout_s), so an explicit deadline (a Task per wait) is only needed
@@ -439,7 +511,7 @@ async def _blame(ctx: PdContext, decode: Instance, prefill: Instance) -> None:
         ctx.pool.record_failure(decode)
 
 
-async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[str, Any]) -> None:
+async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[str, Any], ex: Exchange) -> None:
     """The client left during leg 1, which finished: have decode pull (and so free) the blocks."""
     assert leg.reply is not None
     check = check_kv_params(leg.reply)
@@ -452,17 +524,24 @@ async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[
     if inst is None:
         ctx.metrics.kv_release.labels("no_decode").inc()
         return
+    rid = f"{leg.request_id}-release"
+    span = _leg(ex, "release", inst, rid)
+    status: int | None = None
     try:
         with inst.track(0):
             resp = await inst.client.request(
-                "POST", endpoint, body=codec.encode(dbody), headers=_headers(f"{leg.request_id}-release"),
+                "POST", endpoint, body=codec.encode(dbody), headers=_headers(rid, span),
                 total_timeout_s=ctx.settings.kv_timeout_s + ctx.settings.gateway.request_timeout_s,
             )  # fmt: skip
             try:
                 await resp.read()
             finally:
                 resp.close()
+        status = resp.status
         ctx.metrics.kv_release.labels("ok" if resp.status == 200 else "error").inc()
     except TransportError:
         ctx.metrics.kv_release.labels("error").inc()
+    finally:
+        if span is not None:
+            span.end(status, None if status == 200 else "release_failed")
     log.info("request %s: client left during leg 1; release leg sent to %s", leg.request_id, inst.name)

@@ -17,11 +17,14 @@ import asyncio
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdctl.gateway.direct import ClientSocket, client_socket
 from pdctl.gateway.errors import ApiError, Wire, error_event
 from pdctl.vllm.transport import TransportError
+
+if TYPE_CHECKING:
+    from pdctl.gateway.tracing import RequestTrace
 
 __all__ = ["END_EVENTS", "Body", "Exchange", "RelayResult", "relay"]
 
@@ -65,6 +68,9 @@ class Exchange:
     decision: str | None = None
     """``routing.pd_mode = "adaptive"``: the decision's access-log fields (``prefix.Decision.log_fields``)."""
     kv: dict[str, Any] = field(default_factory=dict)
+    trace: RequestTrace | None = None
+    """The request's trace context (:mod:`pdctl.gateway.tracing`): the headers each worker call carries, and
+    spans when tracing; None: no trace headers at all."""
     wire: Wire = "openai"
     upstream_allowed: bool = True
     """Whether the client's key may use the upstream channel (``gateway.fallback = "upstream"`` asks it too)."""

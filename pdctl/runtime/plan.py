@@ -316,9 +316,16 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
     if r.prefix_view == "exact" and r.strategy == "pd_disagg":  # pd_mode "always": for another gateway (PD034)
         events = publisher_config(connect_endpoint(dep.gateway.listen_host, r.kv_events_port), w.name)
         flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    traces = dep.logging.otlp_traces_endpoint
+    if w.engine == "vllm" and traces:  # the simulator makes no spans
+        flags += ["--otlp-traces-endpoint", traces]
     flags += list(w.extra_args)
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1"}
+    if w.engine == "vllm" and traces:
+        # The endpoint is an OTLP/HTTP URL, as the gateway's; vLLM's exporter defaults to gRPC.
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        env["OTEL_SERVICE_NAME"] = w.name
     if w.gpu_ids:
         env[_env_name("gpu_ids")] = ",".join(str(g) for g in w.gpu_ids)
     if w.cpu_ids:
