@@ -98,6 +98,16 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Depl
         time.sleep(0.1)
     assert stored > 0
 
+    # `pdctl trace` on the real engines' logs: turn 1's journey, prefill -> KV handoff -> decode loading it.
+    trace = dep.pdctl("trace", first.headers["x-request-id"], "--json")
+    assert trace.returncode == 0, trace.stdout + trace.stderr
+    rows = json.loads(trace.stdout)["rows"]
+    stages = [r["stage"] for r in rows]
+    assert stages == sorted(stages, key=["arrival", "decision", "prefill", "kv", "decode", "stall", "end"].index)
+    events = {r["event"] for r in rows}
+    assert {"prefill start", "prefill end", "KV handoff", "end"} <= events, rows
+    assert any(r["stage"] == "kv" and r["process"] == "decode" for r in rows), rows  # vLLM's own KV lines
+
     answer = first.json()["choices"][0]["message"]["content"] or "ok"
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Fix the first one."}]
     prefill_requests = _metric(prefill_url, "vllm:request_success_total")
