@@ -26,6 +26,7 @@ from pdctl.gateway.settings import from_deployment
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.testing.ports import free_port
 from pdctl.vllm.promtext import metric_value, samples
+from tests.gateway.test_tracing import _Receiver
 from tests.real_engine import kv_counters, kv_moved
 from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
 
@@ -40,9 +41,24 @@ LOCAL_MAX = 256
 
 
 @pytest.fixture
-def adaptive(root: Path) -> Iterator[Deployment]:
-    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": LOCAL_MAX,
-                                   "routing.prefix_view": "exact", "routing.kv_events_port": free_port()})  # fmt: skip
+def collector() -> Iterator[_Receiver | None]:
+    """An OTLP/HTTP receiver for the deployment's spans (None without the OpenTelemetry packages)."""
+    try:
+        r = _Receiver()
+    except ImportError:
+        yield None
+        return
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def adaptive(root: Path, collector: _Receiver | None) -> Iterator[Deployment]:
+    edits = {"routing.pd_mode": "adaptive", "routing.local_max_uncached_tokens": LOCAL_MAX,
+             "routing.prefix_view": "exact", "routing.kv_events_port": free_port()}  # fmt: skip
+    if collector is not None:
+        edits["logging.otlp_traces_endpoint"] = collector.url
+    dep = Deployment(root, "cpu", edits)
     try:
         yield dep
     finally:
@@ -62,7 +78,9 @@ def _chat(dep: Deployment, messages: list[dict[str, Any]]) -> httpx.Response:
     return r
 
 
-def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Deployment) -> None:
+def test_a_later_turn_is_served_by_the_decode_holding_its_history(
+    adaptive: Deployment, collector: _Receiver | None
+) -> None:
     dep = adaptive
     dep.up()
     plan = json.loads(dep.pdctl("plan", "--json").stdout)
@@ -107,6 +125,22 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(adaptive: Depl
     events = {r["event"] for r in rows}
     assert {"prefill start", "prefill end", "KV handoff", "end"} <= events, rows
     assert any(r["stage"] == "kv" and r["process"] == "decode" for r in rows), rows  # vLLM's own KV lines
+
+    if collector is not None:  # vLLM's own spans join the gateway's trace (their parent: the leg's span)
+        rid = first.headers["x-request-id"]
+
+        def joined() -> tuple[set[str], dict[str, Any] | None]:
+            spans = collector.spans()
+            server = next((s for s in spans if s["attrs"].get("pdctl.request_id") == rid and s["kind"] == 2), None)
+            same = {s["service"] for s in spans if server is not None and s["trace_id"] == server["trace_id"]}
+            return same, server
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not {"prefill", "decode"} <= joined()[0]:
+            time.sleep(1)
+        services, server = joined()
+        assert server is not None, [s["name"] for s in collector.spans()]
+        assert {"prefill", "decode"} <= services, (services, [(s["service"], s["name"]) for s in collector.spans()])
 
     answer = first.json()["choices"][0]["message"]["content"] or "ok"
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Fix the first one."}]
