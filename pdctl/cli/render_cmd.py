@@ -34,6 +34,9 @@ def k8s(
         list[str] | None, typer.Option(help="Per-pod RDMA resource NAME=COUNT (adds IPC_LOCK), e.g. rdma/ib=1.")
     ] = None,
     shm_size: Annotated[str, typer.Option(help="/dev/shm size of TP>1 pods.")] = "16Gi",
+    pod_monitor: Annotated[
+        bool, typer.Option("--pod-monitor", help="Also PodMonitors for the Prometheus Operator (its CRDs must exist).")
+    ] = False,
 ) -> None:
     """Write namespace, ConfigMap, per-group StatefulSet + headless Service, gateway and verify Job manifests.
 
@@ -50,6 +53,7 @@ def k8s(
         ucx_net_devices=ucx_net_devices,
         rdma_resources=tuple(rdma_resource or ()),
         shm_size=shm_size,
+        pod_monitor=pod_monitor,
         **({"pdctl_image": pdctl_image} if pdctl_image else {}),
     )
     dep = config.load(config_path, settings_path)

@@ -92,6 +92,7 @@ class K8sOptions:
     ucx_net_devices: str | None = None
     rdma_resources: tuple[str, ...] = ()  # "rdma/ib=1": requested per pod, adds IPC_LOCK
     shm_size: str = "16Gi"
+    pod_monitor: bool = False  # also podmonitor.yaml: the Prometheus Operator's PodMonitors (its CRDs must exist)
 
     @property
     def vllm_image(self) -> str:
@@ -224,6 +225,8 @@ def render(dep: Deployment, options: K8sOptions | None = None) -> Rendered:
     for w in dep.workers:
         files[f"{w.name}.yaml"] = _worker_objects(dep, w, plan.get(w.name), ns, opts)
     files[f"{_GATEWAY}.yaml"] = _gateway_objects(dep, plan.get(_GATEWAY), ns, opts)
+    if opts.pod_monitor:
+        files["podmonitor.yaml"] = _pod_monitors(dep, ns, opts)
     files["kustomization.yaml"] = [_kustomization(list(files))]
     files["verify/job.yaml"] = [_verify_job(dep, ns, opts)]
     files["verify/kustomization.yaml"] = [_kustomization(["job.yaml"])]
@@ -236,6 +239,37 @@ def _labels(dep: Deployment, **extra: str) -> dict[str, str]:
 
 def _meta(dep: Deployment, name: str, ns: str, **labels: str) -> dict[str, Any]:
     return {"name": name, "namespace": ns, "labels": _labels(dep, **labels)}
+
+
+def _pod_monitors(dep: Deployment, ns: str, opts: K8sOptions) -> list[dict[str, Any]]:
+    """The Prometheus Operator's PodMonitors: the workers' /metrics, and the gateway's (with its key from the Secret
+    unless ``gateway.metrics_public``, and only to the gateway: a key never goes to a worker). Each series gets the
+    labels ``pdctl render monitoring``'s rules select on: ``deployment``, ``role`` and ``instance`` (the pod)."""
+    pod = "__meta_kubernetes_pod_"
+    relabel = [
+        {"targetLabel": "deployment", "replacement": dep.cluster.name},
+        {"sourceLabels": [f"{pod}label_pdctl_io_role"], "targetLabel": "role"},
+        {"sourceLabels": [f"{pod}name"], "targetLabel": "instance"},
+    ]
+
+    def monitor(name: str, roles: list[str], endpoint: dict[str, Any]) -> dict[str, Any]:
+        selector = {"matchLabels": {"app.kubernetes.io/part-of": dep.cluster.name},
+                    "matchExpressions": [{"key": "pdctl.io/role", "operator": "In", "values": roles}]}  # fmt: skip
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": _meta(dep, name, ns),
+            "spec": {"selector": selector, "podMetricsEndpoints": [{**endpoint, "relabelings": relabel}]},
+        }
+
+    gateway: dict[str, Any] = {"port": "http", "path": "/metrics"}
+    if not dep.gateway.metrics_public and dep.gateway.api_key_env:
+        key = {"name": opts.secret, "key": dep.gateway.api_key_env}
+        gateway["authorization"] = {"type": "Bearer", "credentials": key}
+    return [
+        monitor("pdctl-workers", ["prefill", "decode"], {"port": "http", "path": "/metrics"}),
+        monitor("pdctl-gateway", [_GATEWAY], gateway),
+    ]
 
 
 def _kustomization(resources: list[str]) -> dict[str, Any]:

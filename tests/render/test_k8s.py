@@ -279,9 +279,8 @@ def test_kubectl_kustomize_builds_the_rendered_folder(cli: Any, tmp_path: Path) 
     but for the namespace kustomize stamps on, and the verify Job builds from its own kustomization."""
     folder = CONFIGS["2p2d"]
     out = tmp_path / "k8s"
-    result = cli(
-        "render", "k8s", "-c", str(folder / "config.toml"), "-s", str(folder / "settings.json"), "-o", str(out)
-    )
+    files = ["-c", str(folder / "config.toml"), "-s", str(folder / "settings.json")]
+    result = cli("render", "k8s", *files, "--pod-monitor", "-o", str(out))
     assert result.exit_code == 0, result.output
 
     def build(path: Path) -> list[dict[str, Any]]:
@@ -299,6 +298,15 @@ def test_kubectl_kustomize_builds_the_rendered_folder(cli: Any, tmp_path: Path) 
         assert built[k]["metadata"].get("namespace") == doc["metadata"].get("namespace"), k
     (job,) = build(out / "verify")
     assert job["kind"] == "Job" and job["metadata"]["name"] == "pdctl-verify"
+    # --pod-monitor: the Prometheus Operator's PodMonitors, labelled as `render monitoring`'s rules select, and the
+    # gateway's key (from the Secret) sent to the gateway's pods only
+    workers, gateway = (built[("PodMonitor", n)]["spec"] for n in ("pdctl-workers", "pdctl-gateway"))
+    assert workers["selector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    assert "authorization" not in workers["podMetricsEndpoints"][0]
+    assert gateway["podMetricsEndpoints"][0]["authorization"]["credentials"] == {"name": "pdctl-keys",
+                                                                                 "key": "PDCTL_API_KEY"}  # fmt: skip
+    labels = {r["targetLabel"] for r in gateway["podMetricsEndpoints"][0]["relabelings"]}
+    assert labels == {"deployment", "role", "instance"}
 
 
 def test_a_config_that_cannot_render_says_where_and_exits_2(cli: Any, recipe_files: Any, tmp_path: Path) -> None:
