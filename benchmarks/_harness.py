@@ -21,6 +21,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,9 +145,11 @@ def start_sim(name: str, role: str, log_dir: str, speed: float, extra: Sequence[
 
 
 def write_settings(
-    path: Path, prefill: str, decode: str, strategy: str, port: int, level: str = "info", workers: int = 1
-) -> Path:
-    """A gateway settings.json pointing at the simulator workers (``workers``: gateway processes)."""
+    path: Path, prefill: str, decode: str, strategy: str, port: int, level: str = "info", workers: int = 1,
+    otlp: str | None = None,
+) -> Path:  # fmt: skip
+    """A gateway settings.json pointing at the simulator workers (``workers``: gateway processes; ``otlp``: an
+    OTLP/HTTP traces endpoint, tracing on)."""
     settings = {
         "gateway": {"listen": f"127.0.0.1:{port}", "api_key_env": "PDBENCH_API_KEY", "request_timeout_s": 300,
                     "workers": workers},
@@ -155,7 +158,7 @@ def write_settings(
         # Admission off: under a deliberately saturating load it would (rightly) turn requests away, and the
         # peers have no such feature; the overhead measured is that of relaying.
         "slo": {"ttft_ms": 60000, "tpot_ms": 10000, "p90": True, "admission": False},
-        "logging": {"level": level, "log_kv_transfer": True},
+        "logging": {"level": level, "log_kv_transfer": True, **({"otlp_traces_endpoint": otlp} if otlp else {})},
     }  # fmt: skip
     path.write_text(json.dumps(settings, indent=2))
     return path
@@ -171,12 +174,15 @@ def start_pdctl_gateway(
     tree: str | None = None,
     workers: int = 1,
     python: str | None = None,
+    otlp: str | None = None,
 ) -> Proc:
     """``python -m pdctl gateway -s settings.json`` as users run it (``tree``: another checkout's pdctl;
     ``workers``: gateway processes, whose CPU :meth:`Proc.cpu_s` counts with the parent's; ``python``: another
     interpreter, with the gateway's dependencies installed, instead of this checkout's venv)."""
     port = free_port()
-    settings = write_settings(Path(log_dir) / f"{name}.settings.json", prefill, decode, strategy, port, level, workers)
+    settings = write_settings(
+        Path(log_dir) / f"{name}.settings.json", prefill, decode, strategy, port, level, workers, otlp
+    )
     argv = [python or PY, "-m", "pdctl", "gateway", "-s", str(settings)]
     env = {"PDBENCH_API_KEY": KEY}
     if tree:
@@ -495,3 +501,33 @@ def fmt(x: float | None, nd: int = 2) -> str:
     if x is None or x != x:
         return "-"
     return f"{x:.{nd}f}"
+
+
+class TraceSink:
+    """An OTLP/HTTP traces receiver that accepts and drops every export (for the tracing-on arm): 200, no parsing."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.posts = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                sink.posts += 1
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -6,7 +6,8 @@ Two groups of arms, each with its own no-proxy baseline, measured side by side i
   ``sglang-router`` in their plain (non-PD) modes.
 * PD (two legs):        ``direct-pd`` (the client itself runs leg 1 on prefill and leg 2 on decode with
   :mod:`pdctl.vllm.protocol`: the protocol's floor) | ``pdctl-pd`` | ``pdctl-pd-w2`` / ``-w4`` / ``-w8``
-  (``gateway.workers`` = 2 / 4 / 8) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio
+  (``gateway.workers`` = 2 / 4 / 8) | ``pdctl-pd-traced`` (tracing on: ``logging.otlp_traces_endpoint`` at a
+  receiver in this process that drops the spans) | ``vllm-router-pd`` (``--vllm-pd-disaggregation``; its tokio
   runtime has a worker thread per core) | ``vllm-router-pd-t1`` (the same on one worker thread,
   ``TOKIO_WORKER_THREADS=1``) |
   ``toy-proxy-pd`` (FastAPI + httpx, vLLM's toy_proxy_server shape) | ``sglang-router-pd`` (``--pd-disaggregation``;
@@ -63,6 +64,7 @@ PD = [
     "pdctl-pd-w2",
     "pdctl-pd-w4",
     "pdctl-pd-w8",
+    "pdctl-pd-traced",
     "vllm-router-pd",
     "vllm-router-pd-t1",
     "toy-proxy-pd",
@@ -83,6 +85,17 @@ BASELINE = dict.fromkeys(COLOCATED, "direct") | dict.fromkeys(PD + PROTO, "direc
 def baseline(arm: str) -> str:
     """The arm ``arm`` is compared with (``pdctl-pd-wN`` for any N: ``direct-pd``)."""
     return "direct-pd" if arm.startswith("pdctl-pd-w") else BASELINE[arm]
+
+
+_SINK: H.TraceSink | None = None
+
+
+def _trace_sink() -> str:
+    """The OTLP/HTTP endpoint of the ``pdctl-pd-traced`` arm: a receiver in this process that drops the spans."""
+    global _SINK
+    if _SINK is None:
+        _SINK = H.TraceSink()
+    return _SINK.url
 
 
 def ensure_venv(kind: str) -> Path | None:
@@ -125,10 +138,11 @@ def start_arm(arm: str, s: Setup) -> tuple[H.Proc | None, int, int | None]:
             # Both roles on the decode worker, so the gateway routes exactly where `direct` sends.
             proc = H.start_pdctl_gateway(arm, logs, d.url, d.url, "colocated", tree=tree, python=python)
         else:
-            # pdctl-pd-wN: gateway.workers = N (N gateway processes on one port)
+            # pdctl-pd-wN: gateway.workers = N (N gateway processes on one port); -traced: OTLP spans exported
             workers = int(arm.rpartition("-w")[2]) if "-w" in arm else 1
+            otlp = _trace_sink() if arm.endswith("-traced") else None
             proc = H.start_pdctl_gateway(
-                arm, logs, p.url, d.url, "pd_disagg", tree=tree, workers=workers, python=python
+                arm, logs, p.url, d.url, "pd_disagg", tree=tree, workers=workers, python=python, otlp=otlp
             )
         return proc, proc.port, None
     port = free_port()
