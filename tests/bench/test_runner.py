@@ -459,8 +459,8 @@ def test_a_decode_stall_shows_at_its_full_length_in_the_gaps_over_time() -> None
     shape = LoadShape(num_requests=4, warmup=0)
     pair = run_async(run_ab(target(stalled, label="colocated"), target(smooth, label="pd"), shape, [50.0]))
     plot = _svgs(render_html([pair.a[0], pair.b[0]]))["Gaps between tokens over time, 50 req/s"]
-    # one ~400 ms gap among ~2 ms ones: the y axis reaches it (not clipped at a percentile), and one segment
-    # of the stalled side's colour is drawn that wide
+    # one ~400 ms gap among ~2 ms ones: the y axis reaches it (not clipped at a percentile), and segments that
+    # wide are drawn in the stalled side's colour only
     assert 400.0 <= max(_y_ticks(plot)) <= 600.0
     wide = [
         colour
@@ -469,7 +469,8 @@ def test_a_decode_stall_shows_at_its_full_length_in_the_gaps_over_time() -> None
         if float(b) - float(a) > 20
     ]
     colocated = re.search(r'fill="(#[0-9a-f]{6})"/><text[^>]*>colocated<', plot)
-    assert colocated is not None and wide == [colocated.group(1)]
+    # (a loaded machine may add a second long gap on the stalled side; the smooth side draws none that wide)
+    assert colocated is not None and wide and set(wide) == {colocated.group(1)}
 
 
 def test_plots_as_files_and_the_best_swept_rate_per_side(tmp_path: Path) -> None:
