@@ -19,6 +19,7 @@ findings; :data:`RULES` lists them once, in the order they run):
 | `ports` | PD017, PD018 | ports, and ``port_findings`` for ``up`` |
 | `agents` | PD032 | vLLM's tool calling for the agent routes |
 | `routing` | PD033, PD034 | adaptive PD's thresholds; the exact prefix view |
+| `tracing` | PD037 | span options without a collector |
 | `keys_table` | | ``describe_key``: where each configuration key ends up |
 
 Besides pdctl's own rules: the model's context length (:mod:`pdctl.vllm.modelinfo`) for what vLLM refuses at
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from pdctl.check import agents, connector, engine, keys, memory, ports, routing
+from pdctl.check import agents, connector, engine, keys, memory, ports, routing, tracing
 from pdctl.check.connector import known_connectors
 from pdctl.check.findings import SETTINGS, Action, Ctx, Finding, Rule, Severity, finding_from_error
 from pdctl.check.keys_table import KeyUse, describe_key
@@ -60,6 +61,7 @@ RULES: tuple[Rule, ...] = (
     connector.connectors, connector.backend, connector.connector_exists, engine.models, keys.key_env,
     keys.shared_key, keys.keys_file, keys.tokenizers, memory.memory, engine.lengths, engine.identity,
     memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive, routing.exact_view, engine.sim,
+    tracing.without_collector,
 )  # fmt: skip
 
 

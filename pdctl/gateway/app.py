@@ -111,7 +111,7 @@ class Gateway:
         self.metrics_need_key = not g.metrics_public and g.listen_host not in ("127.0.0.1", "localhost", "::1")
         self.limiter = RateLimiter(settings.gateway.rate_limit, share=settings.process)
         self.admission = Admission(settings.slo)
-        self.tracing = Tracing(settings.logging.otlp_traces_endpoint)
+        self.tracing = Tracing(settings.logging.otlp_traces_endpoint, settings.logging.trace_content)
         if g.upstream_base_url and not upstream_key and keys.per_user:
             raise ConfigError("settings.json", "gateway.upstream_api_key_env",
                               "per-user keys (gateway.keys_file) with an upstream need the upstream's own key",
@@ -135,8 +135,8 @@ class Gateway:
         self._started = False
         prefix = None
         self.kv_events: KvEventSubscriber | None = None
-        if settings.routing.pd_mode == "adaptive":
-            if settings.routing.prefix_view == "exact":
+        if settings.routing.routes_by_request:  # adaptive PD, or per-pool policies (pdctl.gateway.policy)
+            if settings.routing.reads_kv_events:
                 relay = settings.kv_events_connect
                 events = relay or bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
                 self.kv_events = KvEventSubscriber(events, self._count_kv_event, connect=relay is not None)
@@ -311,6 +311,8 @@ class Gateway:
             ex.upstream_allowed = entry.upstream
             raw = await self._read_body(scope, receive, ex)
             body = parse_body(raw, self.settings.max_nesting)
+            if ex.trace is not None:
+                ex.trace.prompt(body)
             gone = _client_gone(ex, asyncio.current_task())
             if not watch_disconnect(send, gone):
                 watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
@@ -333,7 +335,9 @@ class Gateway:
             plan = None
             if pd and self.legs.prefix is not None:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
-                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids)
+                session = _header(scope, b"x-session-id")
+                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids,
+                                               session.decode("latin-1") if session else None)  # fmt: skip
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":

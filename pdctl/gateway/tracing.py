@@ -9,15 +9,19 @@ one is ignored, as the W3C recommendation says). What the workers receive depend
   vLLM records (``--otlp-traces-endpoint``, set by the plan) join the same trace. Without a client
   ``traceparent`` the gateway starts the trace.
 
-Spans hold names, ids, counts and statuses only: never a key, a prompt or a completion. They start and end with
-the request and with each worker call, never per streamed chunk. The OpenTelemetry SDK is imported only when an
-endpoint is set; without it the gateway logs one warning and runs without spans.
+Spans hold names, ids, counts and statuses only: never a key, and a prompt or a completion only when
+``logging.trace_content`` asks for them (:meth:`RequestTrace.prompt`, :meth:`RequestTrace.answer`; OpenTelemetry's
+GenAI attribute names). They start and end with the request and with each worker call, never per streamed
+chunk. The OpenTelemetry SDK is imported only when an endpoint is set; without it the gateway logs one warning and
+runs without spans.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,9 @@ log = logging.getLogger("pdctl.gateway")
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 _SERVICE = "pdctl-gateway"
+#: The request fields that hold what the user wrote, in each route's dialect (chat, completions, Anthropic's
+#: messages, OpenAI's responses).
+_PROMPT_FIELDS = ("system", "instructions", "messages", "prompt", "input")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +102,31 @@ class Leg:
 class RequestTrace:
     """One client request's trace context: the client's headers, passed on, or the gateway's server span."""
 
-    __slots__ = ("_passthrough", "_span", "_tracer")
+    __slots__ = ("_content", "_passthrough", "_span", "_tracer")
 
-    def __init__(self, passthrough: dict[str, str], tracer: Any = None, span: Any = None) -> None:
+    def __init__(
+        self, passthrough: dict[str, str], tracer: Any = None, span: Any = None, content: bool = False
+    ) -> None:
         self._passthrough = passthrough
         self._tracer = tracer
         self._span = span
+        self._content = content
+
+    @property
+    def wants_content(self) -> bool:
+        """Whether the server span takes the prompt and the answer (``logging.trace_content``)."""
+        return self._content and self._span is not None
+
+    def prompt(self, body: Mapping[str, Any]) -> None:
+        """The request's prompt fields as ``gen_ai.input.messages`` (JSON), when :attr:`wants_content`."""
+        if self.wants_content:
+            fields = {k: body[k] for k in _PROMPT_FIELDS if k in body}
+            self._span.set_attribute("gen_ai.input.messages", json.dumps(fields, ensure_ascii=False))
+
+    def answer(self, text: str) -> None:
+        """The answer's text as ``gen_ai.output.messages``, when :attr:`wants_content`."""
+        if self.wants_content:
+            self._span.set_attribute("gen_ai.output.messages", text)
 
     @property
     def recording(self) -> bool:
@@ -152,10 +178,12 @@ class Tracing:
     """The gateway's tracing: off (client headers passed through) or an OTLP/HTTP exporter to ``endpoint``.
 
     ``endpoint``: the collector's OTLP/HTTP traces URL (``http://collector:4318/v1/traces``); None: off.
+    ``content``: server spans also take the prompt and the answer (``logging.trace_content``).
     """
 
-    def __init__(self, endpoint: str | None) -> None:
+    def __init__(self, endpoint: str | None, content: bool = False) -> None:
         self.endpoint = endpoint
+        self.content = content
         self._provider: Any = None
         self._tracer: Any = None
         if endpoint:
@@ -216,7 +244,7 @@ class Tracing:
             kind=SpanKind.SERVER,
             attributes={"http.request.method": method, "http.route": route},
         )
-        return RequestTrace({}, self._tracer, span)
+        return RequestTrace({}, self._tracer, span, self.content)
 
     def shutdown(self) -> None:
         """Export what is left and stop the exporter (blocking: call it off the event loop)."""

@@ -319,6 +319,8 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
     traces = dep.logging.otlp_traces_endpoint
     if w.engine == "vllm" and traces:  # the simulator makes no spans
         flags += ["--otlp-traces-endpoint", traces]
+        if dep.logging.collect_detailed_traces:
+            flags += ["--collect-detailed-traces", dep.logging.collect_detailed_traces]
     flags += list(w.extra_args)
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1"}

@@ -69,7 +69,10 @@ def _set(doc: tomlkit.TOMLDocument, dotted: str, value: object) -> None:
 
 def _set_json(settings: dict[str, Any], key: str, value: object) -> None:
     section, _, leaf = key.removeprefix(SETTINGS).partition(".")
-    settings[section][leaf] = value
+    if value is None:
+        settings[section].pop(leaf, None)
+    else:
+        settings[section][leaf] = value
 
 
 def make_case(d: Path, edits: Mapping[str, object] | None = None, source: Path = RECIPE) -> Path:
@@ -221,6 +224,9 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "adaptive-colocated": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive",
                                   f"{SETTINGS}routing.strategy": "colocated"}, {"PD033"}),
     "exact-view-unused": (INIT, {f"{SETTINGS}routing.prefix_view": "exact"}, {"PD034"}),
+    "kv-aware-without-events": (INIT, {f"{SETTINGS}routing.decode_policy": "kv_aware"}, {"PD034"}),
+    "trace-content-no-collector": (INIT, {f"{SETTINGS}logging.trace_content": True,
+                                          f"{SETTINGS}logging.collect_detailed_traces": "model"}, {"PD037"}),
     "kv-events-port-clash": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive", f"{SETTINGS}routing.prefix_view": "exact",
                                     f"{SETTINGS}routing.kv_events_port": "<prefill>"}, {"PD017"}),
 }  # fmt: skip

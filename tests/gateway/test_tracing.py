@@ -92,9 +92,11 @@ def _chat(stream: bool = False) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "stream": stream}
 
 
-def _gateway(workers: MemoryWorkers, endpoint: str | None = None, **routing: Any) -> Gateway:
+def _gateway(workers: MemoryWorkers, endpoint: str | None = None, content: bool = False, **routing: Any) -> Gateway:
     settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"])
-    settings = dataclasses.replace(settings, logging=LoggingConfig(otlp_traces_endpoint=endpoint))
+    settings = dataclasses.replace(
+        settings, logging=LoggingConfig(otlp_traces_endpoint=endpoint, trace_content=content)
+    )
     if routing:
         settings = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, **routing))
     return create_app(settings, KEY, clients=workers)
@@ -334,6 +336,24 @@ def _assert_no_secrets(receiver: _Receiver) -> None:
         assert secret not in text, f"{secret!r} in an exported span"
 
 
+def test_trace_content_puts_the_prompt_in_the_server_span_and_nowhere_else(receiver: _Receiver) -> None:
+    workers = _workers()
+
+    async def test(app: Gateway) -> None:
+        await _post(app, {**_chat(), "messages": [{"role": "system", "content": "be brief"},
+                                                   {"role": "user", "content": PROMPT}]}, {"x-request-id": "c"})
+
+    run_app(_gateway(workers, receiver.url, content=True), test)
+    spans = {s["name"]: s for s in receiver.spans()}
+    server = spans["POST /v1/chat/completions"]
+    assert json.loads(server["attrs"]["gen_ai.input.messages"]) == {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    }
+    for leg in ("prefill", "decode"):
+        assert PROMPT not in repr(spans[leg]["attrs"])
+    assert KEY not in repr(receiver.requests) and "Bearer" not in repr(receiver.requests)
+
+
 def test_a_collector_that_is_down_costs_spans_not_requests() -> None:
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="opentelemetry is not installed")
     workers = _workers()
@@ -369,5 +389,25 @@ def test_the_plan_gives_vllm_workers_the_endpoint_and_sim_workers_nothing(
         if engine == "vllm":
             assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4318/v1/traces"
             assert p.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+            assert "--collect-detailed-traces" not in argv
         else:
             assert "--otlp-traces-endpoint" not in argv and not any(k.startswith("OTEL_") for k in p.env)
+
+
+def test_collect_detailed_traces_reaches_vllm_workers_with_the_endpoint_only(tmp_path: Path) -> None:
+    from pdctl.config.loader import load
+    from pdctl.runtime.plan import build_plan
+
+    src = REPO / "examples/cpu"
+    (tmp_path / "config.toml").write_text((src / "config.toml").read_text())
+    settings = json.loads((src / "settings.json").read_text())
+    settings.setdefault("logging", {})["collect_detailed_traces"] = "all"
+    (tmp_path / "settings.json").write_text(json.dumps(settings))
+    argvs = [list(p.argv) for p in build_plan(load(tmp_path / "config.toml", tmp_path / "settings.json")).processes
+             if p.engine == "vllm"]  # fmt: skip
+    assert argvs and all("--collect-detailed-traces" not in a for a in argvs)  # no endpoint: no spans to detail
+    settings["logging"]["otlp_traces_endpoint"] = "http://127.0.0.1:4318/v1/traces"
+    (tmp_path / "settings.json").write_text(json.dumps(settings))
+    argvs = [list(p.argv) for p in build_plan(load(tmp_path / "config.toml", tmp_path / "settings.json")).processes
+             if p.engine == "vllm"]  # fmt: skip
+    assert all(a[a.index("--collect-detailed-traces") + 1] == "all" for a in argvs)
