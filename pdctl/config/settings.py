@@ -281,6 +281,18 @@ class LoggingConfig:
         "spans join the trace. Unset: a client's `traceparent`/`tracestate` are passed to the workers unchanged "
         "(docs/observability.md)",
     )
+    trace_content: bool = key(
+        False, as_bool, "true or false", use="gateway", type="bool",
+        doc="with `otlp_traces_endpoint` set: the gateway's server span also holds the request's prompt "
+        "(`gen_ai.input.messages`) and the answer's text (`gen_ai.output.messages`), as OpenTelemetry's GenAI "
+        "conventions name them; off by default, since prompts and answers are user data (docs/observability.md)",
+    )
+    collect_detailed_traces: Literal["model", "worker", "all"] | None = key(
+        None, as_choice("model", "worker", "all"), "one of model, worker, all", use="gateway",
+        type="`model` \\| `worker` \\| `all`", default="none",
+        doc="with `otlp_traces_endpoint` set: vLLM workers get `--collect-detailed-traces` with this value, and "
+        "their spans add model forward/execute times (vLLM warns that it costs throughput)",
+    )
     # fmt: on
 
 
