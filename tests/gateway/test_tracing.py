@@ -340,8 +340,11 @@ def test_trace_content_puts_the_prompt_in_the_server_span_and_nowhere_else(recei
     workers = _workers()
 
     async def test(app: Gateway) -> None:
-        await _post(app, {**_chat(), "messages": [{"role": "system", "content": "be brief"},
-                                                   {"role": "user", "content": PROMPT}]}, {"x-request-id": "c"})
+        await _post(
+            app,
+            {**_chat(), "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]},
+            {"x-request-id": "c"},
+        )
 
     run_app(_gateway(workers, receiver.url, content=True), test)
     spans = {s["name"]: s for s in receiver.spans()}
@@ -352,6 +355,24 @@ def test_trace_content_puts_the_prompt_in_the_server_span_and_nowhere_else(recei
     for leg in ("prefill", "decode"):
         assert PROMPT not in repr(spans[leg]["attrs"])
     assert KEY not in repr(receiver.requests) and "Bearer" not in repr(receiver.requests)
+
+
+def test_a_sampled_out_request_exports_no_span_and_tells_the_workers_not_to_record(
+    receiver: _Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    workers = _workers()
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await _post(app, _chat(), {}))
+
+    run_app(_gateway(workers, receiver.url), test)
+    assert replies[0].status == 200
+    assert receiver.spans() == []
+    (decode_call,) = _leg_headers(workers, "decode")
+    assert int(decode_call["traceparent"][-2:], 16) & 1 == 0  # not sampled: vLLM records no span either
 
 
 def test_a_collector_that_is_down_costs_spans_not_requests() -> None:
