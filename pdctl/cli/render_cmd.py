@@ -1,21 +1,40 @@
 """``pdctl render k8s``: the two files as Kubernetes manifests (``kubectl apply -k DIR`` or ``-f -``);
+``pdctl render compose``: the same as Docker Compose files, one per host;
 ``pdctl render monitoring``: Prometheus scrape config, rules and a Grafana dashboard for the same processes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pdctl import config
+from pdctl.check import Finding
 from pdctl.cli._app import app, console, err_console, handle_errors
 from pdctl.cli.config_cmds import ConfigOpt, SettingsOpt, render_findings
 
 render_app = typer.Typer(
-    no_args_is_help=True, help="Export the deployment to other tools (Kubernetes, Prometheus, Grafana)."
+    no_args_is_help=True, help="Export the deployment to other tools (Kubernetes, Docker Compose, Prometheus, Grafana)."
 )
 app.add_typer(render_app, name="render")
+
+
+def _write_and_show(
+    findings: Sequence[Finding], can_write: bool, write: Callable[[], list[Path]], steps: Callable[[], list[str]]
+) -> None:
+    """Print the findings; exit 2 when an error left nothing to write; else write, then print the paths and the
+    commands that come next."""
+    if findings:
+        render_findings(list(findings))
+    if not can_write:
+        raise typer.Exit(2)
+    for path in write():
+        console.print(f"wrote {path}", markup=False)
+    console.print("next:")
+    for step in steps():
+        console.print(f"  {step}", markup=False)
 
 
 @render_app.command("k8s")
@@ -64,15 +83,46 @@ def k8s(
             err_console.print(f"{f.code} {f.severity}: {where}: {f.message}", markup=False)
         typer.echo(dump_yaml(rendered.manifests), nl=False)
         return
-    if rendered.findings:
-        render_findings(list(rendered.findings))
-    if not rendered.files:
-        raise typer.Exit(2)
-    for path in write(rendered, Path(out)):
-        console.print(f"wrote {path}", markup=False)
-    console.print("next:")
-    for step in next_steps(dep, rendered, out, options):
-        console.print(f"  {step}", markup=False)
+    _write_and_show(
+        rendered.findings, bool(rendered.files), lambda: write(rendered, Path(out)),
+        lambda: next_steps(dep, rendered, out, options),
+    )  # fmt: skip
+
+
+@render_app.command("compose")
+@handle_errors
+def compose(
+    config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
+    settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
+    out: Annotated[str, typer.Option("-o", "--out", help="Folder to write.")] = "compose",
+    image: Annotated[str | None, typer.Option(help="vLLM image (default: vllm/vllm-openai at pdctl's vLLM).")] = None,
+    pdctl_image: Annotated[str | None, typer.Option(help="Image with pdctl (gateway, verify, sim).")] = None,
+    env_file: Annotated[
+        str, typer.Option(help="The file you create with the keys (VAR=value lines), relative to the compose file.")
+    ] = "pdctl.env",
+    ucx_tls: Annotated[str | None, typer.Option(help="UCX_TLS of every worker, e.g. rc,cuda_copy.")] = None,
+    ucx_net_devices: Annotated[str | None, typer.Option(help="UCX_NET_DEVICES, e.g. mlx5_0:1.")] = None,
+) -> None:
+    """Write compose.yaml (one host) or compose.HOST.yaml per host: workers, gateway, and a verify service.
+
+    Host networking; the vLLM command lines and environment are `pdctl plan`'s. Keys are read from an env file
+    you create (the command is printed); none is ever written.
+    """
+    from pdctl.render.compose import ComposeOptions, next_steps, render, write
+
+    options = ComposeOptions(
+        image=image,
+        env_file=env_file,
+        ucx_tls=ucx_tls,
+        ucx_net_devices=ucx_net_devices,
+        **({"pdctl_image": pdctl_image} if pdctl_image else {}),
+    )
+    dep = config.load(config_path, settings_path)
+    rendered = render(dep, options, Path(out))
+    _write_and_show(
+        rendered.findings, bool(rendered.files), lambda: write(rendered, Path(out)),
+        lambda: next_steps(dep, rendered, out, options),
+    )  # fmt: skip
 
 
 @render_app.command("monitoring")

@@ -51,10 +51,12 @@ __all__ = [
     "cluster_settings",
     "dump_yaml",
     "findings",
+    "image_argv",
     "namespace_of",
     "next_steps",
     "render",
     "service_url",
+    "uses_gpu",
     "write",
 ]
 
@@ -168,7 +170,7 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
                     f"events under one topic, {w.name!r}, so the gateway cannot tell their caches apart and "
                     "judges them by the approximate view", 'set routing.prefix_view = "approx", or one pod per '
                     "[[decode]]/[[prefill]] entry")  # fmt: skip
-    if not _uses_gpu(dep) and opts.image is None and any(w.engine == "vllm" for w in dep.workers):
+    if not uses_gpu(dep) and opts.image is None and any(w.engine == "vllm" for w in dep.workers):
         add("K8S005", "warning", "connector.kv_buffer_device",
             f"the pods request no GPU (kv_buffer_device = {dep.connector.kv_buffer_device!r}), but the default "
             "image is vLLM's CUDA build", "pass --image with a vLLM CPU image")  # fmt: skip
@@ -183,7 +185,8 @@ def _dedupe(items: Iterable[Finding]) -> list[Finding]:
     return list(dict.fromkeys(items))
 
 
-def _uses_gpu(dep: Deployment) -> bool:
+def uses_gpu(dep: Deployment) -> bool:
+    """Whether the workers need GPUs: the KV buffer on CUDA (``kv_buffer_device`` unset or ``"cuda"``)."""
     return dep.connector.kv_buffer_device in (None, "cuda")
 
 
@@ -285,22 +288,29 @@ def _configmap(dep: Deployment, ns: str, workers: Sequence[ProcessSpec]) -> dict
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(dep, "pdctl-config", ns), "data": data}
 
 
-def _worker_argv(spec: ProcessSpec, dep: Deployment) -> list[str]:
-    """The plan's command line as the container runs it: the image's own ``vllm serve``, the pod IP bound, and KV
-    cache events (``routing.prefix_view = "exact"``) sent to the gateway's Service."""
+def image_argv(spec: ProcessSpec) -> list[str]:
+    """A worker's planned command line as an image runs it: the vLLM image's own ``vllm serve``, the pdctl image's
+    ``python`` for a simulated worker (``render k8s`` and ``render compose``)."""
     argv = list(spec.argv)
+    launch = VllmInstall("vllm", None).launch  # how `render` planned it: this interpreter's module form
+    if spec.engine == "vllm" and tuple(argv[: len(launch)]) == launch:
+        argv = ["vllm", "serve", *argv[len(launch) :]]
+    if spec.engine == "sim":
+        argv[0] = "python"  # the pdctl image's interpreter, not this machine's
+    return argv
+
+
+def _worker_argv(spec: ProcessSpec, dep: Deployment) -> list[str]:
+    """The plan's command line as the container runs it (:func:`image_argv`), the pod IP bound, and KV cache events
+    (``routing.prefix_view = "exact"``) sent to the gateway's Service."""
+    argv = image_argv(spec)
     if "--kv-events-config" in argv:
         i = argv.index("--kv-events-config") + 1
         events = json.loads(argv[i])
         events["endpoint"] = connect_endpoint(_GATEWAY, dep.routing.kv_events_port)
         argv[i] = json.dumps(events, separators=(",", ":"))
-    launch = VllmInstall("vllm", None).launch  # how `render` planned it: this interpreter's module form
-    if spec.engine == "vllm" and tuple(argv[: len(launch)]) == launch:
-        argv = ["vllm", "serve", *argv[len(launch) :]]
     i = argv.index("--host")
     argv[i + 1] = "0.0.0.0"  # pods are reached on their pod IP; the key never reaches a worker anyway
-    if spec.engine == "sim":
-        argv[0] = "python"  # the pdctl image's interpreter, not this machine's
     return argv
 
 
@@ -375,7 +385,7 @@ def _worker_objects(
         },
     }
     resources: dict[str, Any] = {}
-    if _uses_gpu(dep):
+    if uses_gpu(dep):
         resources["nvidia.com/gpu"] = str(w.tensor_parallel_size)
     for item in opts.rdma_resources:
         name, count = item.split("=")
