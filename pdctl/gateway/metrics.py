@@ -81,6 +81,10 @@ class GatewayMetrics:
         self.stream_errors = Counter(
             "pdctl_stream_errors", "Streams ended with an SSE error event after headers.", ["reason"], registry=r
         )
+        self.migrations = Counter(
+            "pdctl_migrations", "Broken streams continued elsewhere (gateway.migration_limit), by target and outcome.",
+            ["target", "outcome"], registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "pdctl_ttft_seconds", "Time to first token at the gateway.", ["path"], buckets=_LATENCY_BUCKETS,
             registry=r,

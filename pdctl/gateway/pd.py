@@ -33,14 +33,14 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdctl.gateway import codec
+from pdctl.gateway import codec, migration
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange, relay
+from pdctl.gateway.sse import Exchange, Kept, relay
 from pdctl.gateway.tracing import Leg
 from pdctl.gateway.upstream import Upstream
 from pdctl.vllm.protocol import ConnectorKind, build_decode_body, build_prefill_body, cap_output, check_kv_params
@@ -305,6 +305,7 @@ async def _leg1(
 ) -> LegResult:  # fmt: skip
     if plan is not None and ctx.prefix is not None:
         inst = ctx.prefix.pick(ctx.pool, "prefill", plan)
+        ex.decision = plan.log_fields()
     else:
         inst = ctx.pool.choose(("prefill",))
     if inst is None:
@@ -395,14 +396,22 @@ async def _decode(
     the KV this request pulls; ``plan``: the adaptive decision, whose decode is taken while it is available and
     whose prompt blocks that decode then holds."""
     inst = plan.decode if plan is not None and plan.decode is not None and plan.decode.available() else None
+    if inst is None and plan is not None and ctx.prefix is not None:  # routing.decode_policy, with the request
+        inst = ctx.prefix.pick(ctx.pool, "decode", plan)
+        ex.decision = plan.log_fields()
     inst = inst or ctx.pool.choose(roles)
     if inst is None:
         raise _no_instance(ctx, roles, what)
     ex.decode = inst.name
+    keep: Kept | None = None
+    if ex.wire == "openai" and migration.eligible(endpoint, body, ex.stream, ctx.settings.gateway.migration_limit):
+        keep = Kept(show_prompt_ids=bool(body.get("return_token_ids")))
+        body = migration.first_leg_body(body)
     payload = codec.encode(body)
     span = _leg(ex, ex.path if ex.path in _LEG_NAMES else "decode", inst, request_id)
     try:
-        await _decode_call(ctx, ex, inst, endpoint, payload, request_id, prompt_tokens, roles, what, source, plan, span)
+        await _decode_call(ctx, ex, inst, endpoint, payload, request_id, prompt_tokens, roles, what, source, plan, span,
+                           (body, keep) if keep is not None else None)  # fmt: skip
     except ApiError as err:
         if span is not None:
             span.end(err.status, err.code or err.type)
@@ -428,7 +437,10 @@ async def _decode_call(
     source: Instance | None,
     plan: Decision | None,
     span: Leg | None,
+    kept: tuple[Mapping[str, Any], Kept] | None = None,
 ) -> None:
+    """The call itself; ``kept``: a migratable stream's body and forwarded events (:mod:`pdctl.gateway.migration`),
+    continued elsewhere when it breaks after its first byte."""
     stream = ex.stream
     concurrency = sum(i.in_flight for i in ctx.pool.instances if i.role in roles)
     headers = _headers(request_id, span)
@@ -463,17 +475,26 @@ async def _decode_call(
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
             result = await relay(
-                ex, resp, stream, None if bounded is None else max(0.05, bounded - (time.monotonic() - sent))
+                ex,
+                resp,
+                stream,
+                None if bounded is None else max(0.05, bounded - (time.monotonic() - sent)),
+                kept[1] if kept is not None else None,
             )
         finally:
             resp.close()
-    if result.error is None:
+    failed = result.error is not None
+    if failed:
+        # After a first token the KV was already pulled: whatever broke is decode's.
+        _count_failure(ctx, inst, source if result.first_chunk_at is None else None)
+    if result.error is not None and kept is not None and not ex.finished:
+        result.error = await _migrate(ctx, ex, endpoint, kept, inst, result.error)
+        result.completion_tokens = ex.tokens
+    if not failed:
         ctx.pool.record_success(inst)
         if plan is not None and ctx.prefix is not None:
             ctx.prefix.record(inst, plan)
-    else:
-        # After a first token the KV was already pulled: whatever broke is decode's.
-        _count_failure(ctx, inst, source if result.first_chunk_at is None else None)
+    elif result.error is not None:
         ctx.metrics.stream_errors.labels(result.error.code or "error").inc()
     ex.tokens = result.completion_tokens
     # Only a stream's first chunk is a first token; a non-streamed body arrives when decode is done.
@@ -482,12 +503,29 @@ async def _decode_call(
         ctx.admission.observe_handoff(result.first_chunk_at - sent)
         ex.ttft_s = result.first_chunk_at - ex.started
         n = result.completion_tokens
-        if n and n > 1 and result.last_chunk_at is not None:
+        if n and n > 1 and result.last_chunk_at is not None and not failed:
             tpot = (result.last_chunk_at - result.first_chunk_at) / (n - 1)
             ctx.metrics.child(ctx.metrics.tpot, ex.path).observe(tpot)
             ctx.admission.observe_itl(tpot, max(1, concurrency + 1))
     if result.prompt_tokens is not None and ex.prompt_tokens is None:
         ex.prompt_tokens = result.prompt_tokens
+
+
+async def _migrate(
+    ctx: PdContext, ex: Exchange, endpoint: str, kept: tuple[Mapping[str, Any], Kept], inst: Instance, err: ApiError
+) -> ApiError | None:
+    """Continue a stream that broke after its first byte (:mod:`pdctl.gateway.migration`); the error, answered as
+    the stream's last event, when it could not be."""
+    body, keep = kept
+    sent = migration.read_sent(keep.events, keep.prompt_ids)
+    ex.tokens = len(sent.tokens)
+    try:
+        await migration.resume(ctx, ex, endpoint, body, sent, inst, err)
+    except ApiError as last:
+        await ex.fail(last)
+        return last
+    ex.error_code = None
+    return None
 
 
 def _count_failure(ctx: PdContext, inst: Instance, source: Instance | None) -> None:

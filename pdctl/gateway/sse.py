@@ -14,6 +14,7 @@ any :class:`Body` (a worker's :class:`pdctl.vllm.transport.Response`, or the ups
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -26,12 +27,13 @@ from pdctl.vllm.transport import TransportError
 if TYPE_CHECKING:
     from pdctl.gateway.tracing import RequestTrace
 
-__all__ = ["END_EVENTS", "Body", "Exchange", "RelayResult", "relay"]
+__all__ = ["END_EVENTS", "Body", "Exchange", "Kept", "RelayResult", "relay"]
 
 ASGISend = Any
 _TAIL = 4096
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_PROMPT_IDS = b'"prompt_token_ids":['
 #: The event that completes a stream, per wire (vllm-agent-apis.md §5).
 END_EVENTS: dict[Wire, bytes] = {
     "openai": b"[DONE]",
@@ -68,6 +70,10 @@ class Exchange:
     decision: str | None = None
     """``routing.pd_mode = "adaptive"``: the decision's access-log fields (``prefix.Decision.log_fields``)."""
     kv: dict[str, Any] = field(default_factory=dict)
+    migrations: int = 0
+    """Times the stream was continued on another worker (:mod:`pdctl.gateway.migration`)."""
+    migrated_to: str | None = None
+    """The last continuation's ``target:instance`` (target ``decode``, ``prefill`` or ``restarted``)."""
     trace: RequestTrace | None = None
     """The request's trace context (:mod:`pdctl.gateway.tracing`): the headers each worker call carries, and
     spans when tracing; None: no trace headers at all."""
@@ -102,6 +108,8 @@ class Exchange:
             parts.append(f"fallback={self.fallback_reason}")
         if self.decision:
             parts.append(self.decision)
+        if self.migrations:
+            parts.append(f"migrations={self.migrations} migrated={self.migrated_to}")
         if self.kv:
             parts.append(f"kv_engine={self.kv['engine']} kv_blocks={self.kv['blocks']} kv_remote={self.kv['remote']}")
         return " ".join(parts)
@@ -174,6 +182,33 @@ class RelayResult:
     """Pieces written on the direct path (:mod:`pdctl.gateway.direct`), not through ASGI's ``send``."""
 
 
+@dataclass(slots=True)
+class Kept:
+    """A migratable stream's forwarded events (:mod:`pdctl.gateway.migration` reads them if it breaks), and the
+    prompt's token ids, taken out of the first event that carries them unless the client asked for them."""
+
+    show_prompt_ids: bool = False
+    events: list[bytes] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
+    _looked: int = 0
+
+    def add(self, chunk: bytes) -> bytes:
+        """Keep ``chunk`` (whole events); returns what the client gets of it."""
+        if self.prompt_ids is None and self._looked < 4:  # vLLM sends them in its first event
+            self._looked += 1
+            i = chunk.find(_PROMPT_IDS)
+            j = chunk.find(b"]", i) if i >= 0 else -1
+            if j >= 0:
+                try:
+                    self.prompt_ids = json.loads(chunk[i + len(_PROMPT_IDS) - 1 : j + 1])
+                except ValueError:
+                    self.prompt_ids = None
+                if not self.show_prompt_ids:
+                    chunk = chunk[:i] + b'"prompt_token_ids":null' + chunk[j + 1 :]
+        self.events.append(chunk)
+        return chunk
+
+
 class _Stream:
     """A relayed stream's bookkeeping, piece by piece: events counted, a short tail kept (usage and the end are
     read from it at the end), a partial event held back until its blank line arrives, arrival times.
@@ -183,9 +218,9 @@ class _Stream:
     the relay task holds a piece it has not written yet (``busy``) or the client's socket cannot take one.
     """
 
-    __slots__ = ("busy", "direct", "end", "ended", "events", "first_at", "last_at", "out", "pending", "tail")
+    __slots__ = ("busy", "direct", "end", "ended", "events", "first_at", "keep", "last_at", "out", "pending", "tail")
 
-    def __init__(self, wire: Wire, out: ClientSocket | None) -> None:
+    def __init__(self, wire: Wire, out: ClientSocket | None, keep: Kept | None = None) -> None:
         self.end = None if wire == "openai" else END_EVENTS[wire]
         self.ended = False
         self.events = 0
@@ -196,6 +231,7 @@ class _Stream:
         self.out = out
         self.busy = False
         self.direct = 0
+        self.keep = keep
 
     def take(self, chunk: bytes) -> bytes:
         """Account for ``chunk``; returns the whole events ready to go out (maybe ``b""``)."""
@@ -216,6 +252,8 @@ class _Stream:
             cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
                       _end_of(chunk, b"\n\r"))  # fmt: skip
             chunk, self.pending = chunk[:cut], chunk[cut:]
+        if self.keep is not None and chunk:
+            return self.keep.add(chunk)
         return chunk
 
     def give(self, chunk: bytes) -> bool:
@@ -229,8 +267,12 @@ class _Stream:
         return True
 
 
-async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float | None = None) -> RelayResult:
-    """Forward a 200 response to the client; a failure after headers ends with one SSE error event.
+async def relay(
+    ex: Exchange, resp: Body, stream: bool, first_timeout_s: float | None = None, keep: Kept | None = None
+) -> RelayResult:
+    """Forward a 200 response to the client; a failure after headers ends with one SSE error event, or, with
+    ``keep`` (a migratable stream: the events forwarded are kept there), leaves the response open for the caller
+    to continue or end.
 
     Streams: ``first_timeout_s`` bounds the wait for the first chunk; every later wait is bounded by the
     client's read timeout (an idle timeout, as nginx's ``proxy_read_timeout``). A body that can
@@ -259,7 +301,7 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     send = ex.send
     read = resp.chunk
     forward = getattr(resp, "forward", None)
-    st = _Stream(ex.wire, client_socket(send) if forward is not None else None)
+    st = _Stream(ex.wire, client_socket(send) if forward is not None else None, keep)
     last_event = END_EVENTS[ex.wire]
     at_end = getattr(resp, "at_end", None)
     final = b""  # the stream's last events, when its whole body is in: sent with the body's end, in one write
@@ -320,6 +362,10 @@ async def relay(ex: Exchange, resp: Body, stream: bool, first_timeout_s: float |
     if out.error is not None:
         # A partial event is never forwarded: the client sees whole events, then one error event.
         ex.error_code = out.error.code
+        if keep is not None:
+            if final:
+                await send({"type": "http.response.body", "body": final, "more_body": True})
+            return out
         await ex.body(final + error_event(out.error, ex.wire))
     else:
         await ex.body(final + pending)

@@ -10,8 +10,13 @@ and ``max_num_seqs``; without chunked prefill a prompt runs whole or waits. The 
 ``Profile.step_s`` over everything in the batch, so a long prefill in a colocated worker stretches the decode
 tokens of the same step: the interference PD removes.
 
-Generated token *i* = hash(seed, sha256(KV bytes of the prompt), i): the output depends on the KV bytes the
-engine holds, computed locally or pulled from a prefill, so intact KV gives colocated output exactly.
+Generated token = hash(seed, context state[, sampling nonce, i]): the context state is the KV chain's last value
+when the prompt's KV bytes the engine holds (computed locally or pulled from a prefill) are intact, and advances
+with each generated token as the chain does (:func:`pdctl.sim.kv.context_state`); corrupted KV gives a digest of
+the bytes instead. So intact KV gives colocated output exactly, and greedy output is causal: a request re-issued
+with the tokens generated so far appended to its prompt continues token for token (what the gateway's
+mid-stream migration relies on). A seeded sampled request draws from its seed's stream by output index, as
+vLLM's per-request generator does, so a re-issued one draws afresh.
 
 Beside the scheduler, each engine has its prefix cache (:mod:`pdctl.sim.prefix_cache`) and its KV connector
 (:mod:`pdctl.sim.connector`: NIXL-like pulls and leases, or shared storage), which holds a request while its KV
@@ -255,8 +260,8 @@ class SimEngine:
     def _kv_bytes(self, req: SimRequest, start: int = 0) -> bytes:
         return kvmod.compute_kv(self.cfg.seed, self.cfg.model, req.prompt_ids, self.cfg.per_token_bytes, start)
 
-    def _set_digest(self, data: bytes) -> bytes:
-        return hashlib.sha256(data).digest()
+    def _set_digest(self, r: SimRequest, data: bytes) -> bytes:
+        return kvmod.context_state(self.cfg.seed, self.cfg.model, r.prompt_ids, self.cfg.per_token_bytes, data)
 
     def _count_sources(self, req: SimRequest, external: int = 0) -> None:
         m = self.metrics
@@ -397,11 +402,12 @@ class SimEngine:
             data = self._kv_bytes(r)
             if not r.kv_ready:
                 self._count_sources(r)
-        r.digest = self._set_digest(data)
+        r.digest = self._set_digest(r, data)
         self.connector.publish(r, data)
 
     def _token(self, r: SimRequest, i: int) -> tuple[int, int]:
-        h = hashlib.blake2b(self._seed_bytes + r.digest + r.nonce + i.to_bytes(4, "little"), digest_size=8)
+        draw = r.nonce + i.to_bytes(4, "little") if r.nonce else b""
+        h = hashlib.blake2b(self._seed_bytes + r.digest + draw, digest_size=8)
         v = int.from_bytes(h.digest(), "little")
         return self.tokenizer.word_ids[v % len(self.tokenizer.word_ids)], v
 
@@ -416,6 +422,7 @@ class SimEngine:
                 tid, other = other, tid
             r.near_ties[i] = other
         r.output_ids.append(tid)
+        r.digest = kvmod.next_state(r.digest, tid)
         r.output_scores.append(v)
         m = self.metrics
         m.c(m.generation_tokens).inc()

@@ -37,6 +37,8 @@ __all__ = [
     "SideChannelServer",
     "compat_hash",
     "compute_kv",
+    "context_state",
+    "next_state",
     "pull_kv",
     "read_shared",
     "shared_folder",
@@ -48,14 +50,42 @@ _MAX_LINE = 1 << 16
 
 def compute_kv(seed: int, model: str, token_ids: Sequence[int], per_token: int, start: int = 0) -> bytes:
     """KV bytes of ``token_ids[start:]`` (the chain still runs over the whole prefix)."""
-    h = hashlib.blake2b(f"{seed}:{model}".encode(), digest_size=32).digest()
+    h = _chain_start(seed, model)
     reps = per_token // 32 + 1
     out = bytearray()
     for i, tok in enumerate(token_ids):
-        h = hashlib.blake2b(h + tok.to_bytes(4, "little"), digest_size=32).digest()
+        h = next_state(h, tok)
         if i >= start:
             out += (h * reps)[:per_token]
     return bytes(out)
+
+
+def _chain_start(seed: int, model: str) -> bytes:
+    return hashlib.blake2b(f"{seed}:{model}".encode(), digest_size=32).digest()
+
+
+def next_state(state: bytes, tok: int) -> bytes:
+    """The KV chain one token further: what :func:`compute_kv` computes for the token after ``state``'s."""
+    return hashlib.blake2b(state + tok.to_bytes(4, "little"), digest_size=32).digest()
+
+
+def context_state(seed: int, model: str, token_ids: Sequence[int], per_token: int, data: bytes) -> bytes:
+    """What the engine's next token depends on, given the prompt's KV bytes ``data`` as it holds them.
+
+    Intact KV gives the chain's last value, the same whether a token was in the prompt or generated (each
+    generated token then advances it with :func:`next_state`), so a request re-issued with the tokens generated
+    so far appended to its prompt continues token for token, as a causal model does. Corrupted KV gives a digest
+    of the bytes held: another output."""
+    h = _chain_start(seed, model)
+    reps = per_token // 32 + 1
+    view = memoryview(data)
+    if len(data) != per_token * len(token_ids):
+        return hashlib.sha256(data).digest()
+    for i, tok in enumerate(token_ids):
+        h = next_state(h, tok)
+        if view[i * per_token : (i + 1) * per_token] != (h * reps)[:per_token]:
+            return hashlib.sha256(data).digest()
+    return h
 
 
 def compat_hash(model: str, dtype: str, kv_heads: int, head_dim: int, layers: int) -> str:

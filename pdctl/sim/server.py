@@ -467,6 +467,8 @@ class SimApp:
             reason = json.dumps(req.finish_reason) if nxt is not None and nxt.kind == "finish" else "null"
             text = json.dumps(tok.token_text(ev.token))
             ids = f',"token_ids":[{ev.token}]' if want_ids else ""
+            if want_ids and not chat and sent == 0:  # vLLM's completions send the prompt's ids in the first chunk
+                ids = f',"prompt_token_ids":{json.dumps(req.prompt_ids)}{ids}'
             if chat:
                 await chunk(head + f'"choices":[{{"index":0,"delta":{{"content":{text}}},"logprobs":null,'
                             f'"finish_reason":{reason}{ids}}}]}}')  # fmt: skip

@@ -1,0 +1,207 @@
+"""Mid-stream migration (:mod:`pdctl.gateway.migration`) on simulator workers: a decode that dies after a few
+streamed tokens (``--sim-fault crash-mid-stream``) and the stream that continues elsewhere, token for token."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdctl.gateway.migration import Sent, continuation_body, eligible, read_sent
+from pdctl.testing import SimProcess, start_sim
+from tests.fakes.gateway_harness import GatewayThread, make_settings, wait_for
+
+ARGS = ["--max-model-len", "1024", "--sim-profile", "fast"]
+CRASH = ("--sim-fault", "crash-mid-stream:5")
+PROMPT = "the gateway continues a broken stream " * 6
+MESSAGES = [{"role": "user", "content": PROMPT}]
+
+
+@pytest.fixture
+def sims() -> Iterator[list[SimProcess]]:
+    started: list[SimProcess] = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+def _sim(sims: list[SimProcess], tmp_path: Path, name: str, role: str, *extra: str) -> SimProcess:
+    s = start_sim([*ARGS, *extra], str(tmp_path), name=name, model="sim-model", role=role)
+    sims.append(s)
+    return s
+
+
+def _gateway(prefill: list[SimProcess], decode: list[SimProcess], **gateway: Any) -> GatewayThread:
+    settings = make_settings([p.url for p in prefill], [d.url for d in decode], models=())
+    settings = replace(settings, gateway=replace(settings.gateway, **gateway))
+    g = GatewayThread(settings)
+    assert wait_for(lambda: httpx.get(g.url + "/ready", timeout=5).status_code == 200, timeout=20)
+    return g
+
+
+def _stream(g: GatewayThread, endpoint: str, body: dict[str, Any]) -> tuple[httpx.Headers, list[Any]]:
+    """The stream's events (JSON objects, then ``"[DONE]"``), each whole; asserts the SSE framing."""
+    with g.client() as c, c.stream("POST", endpoint, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b"\n\n")
+    events: list[Any] = []
+    for block in raw.split(b"\n\n")[:-1]:
+        assert block.startswith(b"data: "), block
+        data = block[6:]
+        events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return r.headers, events
+
+
+def _text(events: list[Any], chat: bool) -> str:
+    out = ""
+    for ev in events:
+        if isinstance(ev, dict):
+            for ch in ev.get("choices") or ():
+                out += (ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or ""
+    return out
+
+
+def _check_one_answer(events: list[Any], chat: bool, prompt_tokens: int, tokens: int) -> None:
+    """One continuous answer: one id, one finish, one usage block counting all of it, then [DONE]."""
+    assert events[-1] == "[DONE]"
+    body = [e for e in events if isinstance(e, dict)]
+    assert not any("error" in e for e in body)
+    assert len({e["id"] for e in body}) == 1
+    assert {e["object"] for e in body} == {"chat.completion.chunk" if chat else "text_completion"}
+    assert sum(1 for e in body for ch in e["choices"] if ch.get("finish_reason")) == 1
+    (usage,) = [e["usage"] for e in body if e.get("usage")]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (prompt_tokens, tokens)
+    assert usage["total_tokens"] == prompt_tokens + tokens
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_decode_death_mid_stream_continues_on_the_other_decode(
+    sims: list[SimProcess], tmp_path: Path, chat: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = _sim(sims, tmp_path, "prefill", "kv_producer")
+    d0 = _sim(sims, tmp_path, "decode0", "kv_consumer", *CRASH)
+    d1 = _sim(sims, tmp_path, "decode1", "kv_consumer")
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": "sim-model", "max_tokens": 24, "temperature": 0,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    body.update({"messages": MESSAGES} if chat else {"prompt": PROMPT})
+    g = _gateway([p], [d0, d1])
+    try:
+        broken = None
+        with caplog.at_level(logging.INFO, logger="pdctl.gateway.access"):
+            for _ in range(2):  # the pool alternates: one of the first two streams lands on the crashing decode
+                headers, events = _stream(g, endpoint, body)
+                if headers["x-pd-decode"] == "decode-0":
+                    broken = events
+                    break
+        assert broken is not None
+        assert g.metric("pdctl_migrations_total", target="decode", outcome="ok") == 1
+        assert wait_for(lambda: any("migrations=1 migrated=decode:decode-1" in r.getMessage() for r in caplog.records))
+        _, reference = _stream(g, endpoint, body)  # decode-0 is gone: uninterrupted, on decode-1
+        prompt_tokens = next(e for e in reference if isinstance(e, dict) and e.get("usage"))["usage"]["prompt_tokens"]
+        _check_one_answer(broken, chat, prompt_tokens, 24)
+        assert _text(broken, chat) == _text(reference, chat)
+        assert not any("prompt_token_ids" in e and e["prompt_token_ids"] for e in broken if isinstance(e, dict))
+        assert g.metric("pdctl_stream_errors_total", reason="upstream_error") == 0
+    finally:
+        g.stop()
+
+
+def test_one_decode_continues_on_the_prefill_serving_it_whole(
+    sims: list[SimProcess], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = _sim(sims, tmp_path, "prefill", "kv_producer")
+    d = _sim(sims, tmp_path, "decode", "kv_consumer", *CRASH)
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    ref_p = _sim(sims, tmp_path, "ref", "kv_both")  # a fault-free worker serving the same request whole
+    with httpx.Client(base_url=ref_p.url, timeout=30) as c:
+        reference = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    g = _gateway([p], [d])
+    try:
+        with caplog.at_level(logging.INFO, logger="pdctl.gateway.access"):
+            headers, events = _stream(g, "/v1/completions", body)
+        assert headers["x-request-id"] and events[-1] == "[DONE]"
+        assert _text(events, chat=False) == reference
+        assert g.metric("pdctl_migrations_total", target="prefill", outcome="ok") == 1
+        assert wait_for(lambda: any("migrated=prefill:prefill" in r.getMessage() for r in caplog.records))
+        assert g.metric("pdctl_requests_total", path="disagg", status="200") == 1
+    finally:
+        g.stop()
+
+
+def test_migration_off_ends_the_stream_with_one_error_event(sims: list[SimProcess], tmp_path: Path) -> None:
+    p = _sim(sims, tmp_path, "prefill", "kv_producer")
+    d = _sim(sims, tmp_path, "decode", "kv_consumer", *CRASH)
+    g = _gateway([p], [d], migration_limit=0)
+    try:
+        _, events = _stream(g, "/v1/completions", {"model": "sim-model", "prompt": PROMPT, "max_tokens": 20})
+        assert events[-1] != "[DONE]" and "error" in events[-1]
+        assert sum(1 for e in events if isinstance(e, dict) and "error" in e) == 1
+        assert g.metric("pdctl_migrations_total", target="prefill", outcome="ok") == 0
+    finally:
+        g.stop()
+
+
+def test_no_target_left_ends_with_one_error_event(sims: list[SimProcess], tmp_path: Path) -> None:
+    """The only decode dies and the prefill dies too: no target, the wait is bounded, one error event."""
+    p = _sim(sims, tmp_path, "prefill", "kv_producer")
+    # A CPU-paced decode (13 ms a step): the prefill is gone well before token 20.
+    d = _sim(sims, tmp_path, "decode", "kv_consumer", "--sim-profile", "cpu-tiny", "--sim-fault", "crash-mid-stream:20")
+    g = _gateway([p], [d], request_timeout_s=3.0)
+    try:
+        body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 40, "stream": True}
+        with g.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            it = r.iter_raw()
+            next(it)
+            p.stop()
+            raw = b"".join(it)
+        assert b"[DONE]" not in raw and raw.count(b'"error"') == 1
+        assert g.metric("pdctl_migrations_total", target="-", outcome="no_target") == 1
+    finally:
+        g.stop()
+
+
+def test_eligibility() -> None:
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    assert eligible(comp, {"prompt": "x"}, True, 3)
+    assert eligible(chat, {"messages": [], "response_format": {"type": "text"}}, True, 3)
+    assert not eligible(comp, {"prompt": "x"}, False, 3)  # not streamed: retried whole before any byte
+    assert not eligible(comp, {"prompt": "x"}, True, 0)
+    assert not eligible("/v1/responses", {"input": "x"}, True, 3)
+    assert not eligible("/v1/messages", {"messages": []}, True, 3)
+    assert not eligible(chat, {"messages": [], "tools": [{"type": "function"}]}, True, 3)
+    assert not eligible(chat, {"messages": [], "logprobs": True}, True, 3)
+    assert not eligible(chat, {"messages": [], "response_format": {"type": "json_object"}}, True, 3)
+    assert not eligible(comp, {"prompt": "x", "n": 2}, True, 3)
+    assert not eligible(comp, {"prompt": ["a", "b"]}, True, 3)
+
+
+def test_sent_tokens_and_the_continuation_body() -> None:
+    kept = [
+        b'data: {"id":"chatcmpl-r","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"finish_reason":null}],"prompt_token_ids":[1,2,3]}\n\n',
+        b'data: {"id":"chatcmpl-r","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{"content":" a"},"finish_reason":null,"token_ids":[7]}]}\r\n\r\n'
+        b'data: {"id":"chatcmpl-r","object":"chat.completion.chunk","created":5,"model":"m","choices":[{"index":0,'
+        b'"delta":{"content":" b"},"finish_reason":null,"token_ids":[8,9]}]}\n\n',
+    ]
+    sent = read_sent(kept, None)
+    assert (sent.response_id, sent.created, sent.prompt_ids, sent.tokens) == ("chatcmpl-r", 5, [1, 2, 3], [7, 8, 9])
+    assert sent.complete and sent.finish_reason is None
+    body = {"model": "m", "messages": [], "max_completion_tokens": 10, "temperature": 0, "min_tokens": 4,
+            "tools": None, "chat_template_kwargs": {}}  # fmt: skip
+    cont = continuation_body(body, sent)
+    assert cont == {"model": "m", "temperature": 0, "prompt": [1, 2, 3, 7, 8, 9], "stream": True,
+                    "return_token_ids": True, "stream_options": {"include_usage": True}, "max_tokens": 7,
+                    "min_tokens": 1}  # fmt: skip
+    assert "max_tokens" not in continuation_body({"model": "m"}, sent)  # vLLM's default: the rest of the context
+    blind = read_sent([b'data: {"id":"x","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'], [1])
+    assert not blind.complete  # output without token ids: the tokens sent are unknown, no migration
+    assert Sent().prompt_ids is None
