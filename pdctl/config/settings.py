@@ -155,6 +155,11 @@ class GatewayConfig:
         30.0, as_num(0), "a number of seconds > 0", use="gateway", type="number",
         doc="*extension*: an idle keep-alive connection is closed after it",
     )
+    migration_limit: int = key(
+        3, as_int(0, 10), "an integer 0-10", use="gateway", type="integer",
+        doc="*extension*: times a stream whose worker died after its first byte is continued elsewhere with the "
+        "tokens sent so far (docs/reliability.md, \"Migration\"); 0: it ends with an error event",
+    )
     # fmt: on
 
     @property
