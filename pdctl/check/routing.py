@@ -5,8 +5,8 @@
   share rule and no request cap: always local, colocated in all but name), or with ``strategy = "colocated"``,
   where it changes nothing.
 - :func:`exact_view` PD034: ``routing.prefix_view = "exact"`` where it changes nothing (``strategy =
-  "colocated"``) or this gateway does not read it (``pd_mode = "always"``: the workers still publish, for another
-  gateway over them).
+  "colocated"``) or this gateway does not read it (``pd_mode = "always"`` and no ``kv_aware`` policy: the workers
+  still publish, for another gateway over them); an error when a ``kv_aware`` policy has no exact view to read.
 """
 
 from __future__ import annotations
@@ -50,16 +50,23 @@ def adaptive(c: Ctx) -> Iterable[Finding]:
 
 
 def exact_view(c: Ctx) -> Iterable[Finding]:
-    """PD034: the exact prefix view without adaptive PD to use it."""
+    """PD034: the exact prefix view without adaptive PD or ``kv_aware`` to use it, or ``kv_aware`` without it."""
     r = c.dep.routing
     if r.prefix_view != "exact":
+        for which in ("prefill_policy", "decode_policy"):
+            if getattr(r, which) == "kv_aware" and r.strategy == "pd_disagg":
+                yield c.at("PD034", "error", "settings", f"routing.{which}",
+                           "kv_aware reads the workers' KV cache events, but prefix_view is \"approx\": the workers "
+                           "get no --kv-events-config and the gateway would refuse to start",
+                           fixes=({f"{SETTINGS}routing.prefix_view": "exact"},
+                                  {f"{SETTINGS}routing.{which}": "cache_aware"}))  # fmt: skip
         return
     if r.strategy == "colocated":
         yield c.at("PD034", "info", "settings", "routing.prefix_view",
                    "prefix_view \"exact\" changes nothing under strategy \"colocated\": the workers get no "
                    "--kv-events-config", fixes=({f"{SETTINGS}routing.prefix_view": "approx"},))  # fmt: skip
         return
-    if r.pd_mode != "adaptive":
+    if not r.reads_kv_events:
         yield c.at("PD034", "info", "settings", "routing.prefix_view",
                    "the workers publish their KV cache events to routing.kv_events_port, but under pd_mode "
                    "\"always\" this gateway does not read them (a second, adaptive gateway over the same workers "

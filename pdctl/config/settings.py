@@ -9,7 +9,7 @@ One frozen dataclass per object, each key declared on its field with :func:`~pdc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pdctl.config.schema import (
     as_bool,
@@ -31,6 +31,9 @@ PrefixView = Literal["approx", "exact"]
 there, or the workers' own KV cache events (:mod:`pdctl.gateway.kv_view`)."""
 """``routing.pd_mode``: every request takes both legs, or the gateway decides per request from what the chosen
 decode already holds (:mod:`pdctl.gateway.prefix`)."""
+Policy = Literal["least_loaded", "power_of_two", "round_robin", "cache_aware", "kv_aware"]
+"""``routing.prefill_policy`` / ``decode_policy``: how one pool's instance is chosen (:mod:`pdctl.gateway.policy`)."""
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 Fallback = Literal["none", "decode", "upstream"]
 """``gateway.fallback``: no prefill can serve a PD request -> answer the error, let decode compute the prompt
 itself, or send it to the upstream."""
@@ -227,7 +230,54 @@ class RoutingConfig:
         5557, as_int(1, 65535), "a port number", use="gateway", type="integer",
         doc="*extension*, `prefix_view = \"exact\"`: the port the gateway binds for the workers' KV cache events",
     )
+    prefill_policy: Policy = key(
+        "least_loaded", as_choice(*POLICIES), "one of " + ", ".join(POLICIES), use="gateway",
+        type="`least_loaded` \\| `power_of_two` \\| `round_robin` \\| `cache_aware` \\| `kv_aware`",
+        doc="*extension*: how the prefill of a request is chosen (docs/gateway.md, Routing policies); `kv_aware` "
+        "needs `prefix_view = \"exact\"` (PD034)",
+    )
+    decode_policy: Policy = key(
+        "least_loaded", as_choice(*POLICIES), "one of " + ", ".join(POLICIES), use="gateway",
+        type="`least_loaded` \\| `power_of_two` \\| `round_robin` \\| `cache_aware` \\| `kv_aware`",
+        doc="*extension*: how the decode of a request is chosen, as `prefill_policy`",
+    )
+    cache_threshold: float = key(
+        0.3, as_num(0.0, 1.0), "a number in (0, 1]", use="gateway", type="number",
+        doc="*extension*, `cache_aware`: the best match must hold more than this share of the prompt, else the "
+        "instance with the smallest prefix view",
+    )
+    balance_abs_threshold: int = key(
+        64, as_int(0), "an integer >= 0", use="gateway", type="integer",
+        doc="*extension*, `cache_aware` and adaptive PD: a pool is imbalanced (the least loaded instance wins) when "
+        "its busiest and idlest instance differ by more than this many requests in flight ...",
+    )
+    balance_rel_threshold: float = key(
+        1.5, as_num(0.0), "a number > 0", use="gateway", type="number",
+        doc="*extension*, `cache_aware` and adaptive PD: ... and the busiest has more than this many times the "
+        "idlest's",
+    )
     # fmt: on
+
+    @property
+    def policies(self) -> tuple[Policy, Policy]:
+        """``(prefill_policy, decode_policy)``."""
+        return self.prefill_policy, self.decode_policy
+
+    @property
+    def routes_by_request(self) -> bool:
+        """Whether the gateway builds a per-request routing decision (:class:`pdctl.gateway.prefix.PrefixRouter`):
+        adaptive PD, or a policy other than ``least_loaded`` on the two legs."""
+        return self.strategy == "pd_disagg" and (
+            self.pd_mode == "adaptive" or any(p != "least_loaded" for p in self.policies)
+        )
+
+    @property
+    def reads_kv_events(self) -> bool:
+        """Whether the gateway reads its workers' KV cache events: the exact view with adaptive PD or ``kv_aware``."""
+        return (
+            self.prefix_view == "exact" and self.strategy == "pd_disagg"
+            and (self.pd_mode == "adaptive" or "kv_aware" in self.policies)
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,8 +135,8 @@ class Gateway:
         self._started = False
         prefix = None
         self.kv_events: KvEventSubscriber | None = None
-        if settings.routing.pd_mode == "adaptive":
-            if settings.routing.prefix_view == "exact":
+        if settings.routing.routes_by_request:  # adaptive PD, or per-pool policies (pdctl.gateway.policy)
+            if settings.routing.reads_kv_events:
                 relay = settings.kv_events_connect
                 events = relay or bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
                 self.kv_events = KvEventSubscriber(events, self._count_kv_event, connect=relay is not None)
@@ -335,7 +335,9 @@ class Gateway:
             plan = None
             if pd and self.legs.prefix is not None:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
-                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids)
+                session = _header(scope, b"x-session-id")
+                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids,
+                                               session.decode("latin-1") if session else None)  # fmt: skip
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":

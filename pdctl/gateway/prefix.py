@@ -25,16 +25,23 @@ decision also counts what the approximate view would have said (``pdctl_pd_view_
 **The decision** (:meth:`PrefixRouter.decide`), following llm-d's ``prefix-based-pd-decider`` and Dynamo's
 conditional disaggregation (``../shared/reference/routing-peers.md`` §1):
 
-1. the decode first: most cached blocks, ties to the least loaded, and the least loaded outright when the pool
-   is imbalanced (:data:`IMBALANCE_ABS` and :data:`IMBALANCE_REL`, the cache-aware routers' defaults);
+1. the decode first, by ``routing.decode_policy`` (:mod:`pdctl.gateway.policy`; its default ``least_loaded`` takes
+   the instance with most cached blocks, ties to the least loaded, and the least loaded outright when the pool is
+   imbalanced by ``routing.balance_abs_threshold`` and ``balance_rel_threshold``, the cache-aware routers' defaults);
 2. the prompt's tokens not cached there (``uncached``);
 3. local (that decode alone computes the rest, ``x-pd-path: local``) when ``uncached <=
    routing.local_max_uncached_tokens`` and ``uncached / prompt <= routing.local_max_uncached_share`` and the
    decode has fewer than ``routing.local_max_decode_requests`` requests in flight and, with streams in flight,
    the prefill would stall them at most ``routing.local_max_stall_ms`` (uncached tokens × the prefill seconds per
    token the admission predictor measured on leg 1s: the same cores compute it); otherwise P→D, with the
-   prefill chosen the same way by its own cached prefix (vLLM's prefill computes the whole prompt except its own
-   cache hits; decode pulls only the blocks it lacks).
+   prefill chosen by ``routing.prefill_policy`` (vLLM's prefill computes the whole prompt except its own cache
+   hits; decode pulls only the blocks it lacks).
+
+**Per-pool policies without adaptive PD** (``pd_mode = "always"`` with a ``prefill_policy`` or ``decode_policy``
+other than ``least_loaded``): :meth:`PrefixRouter.decide` only reads the prompt (``decision=always``); the prefill
+is picked for leg 1 and the decode for leg 2, each when its leg starts (:meth:`PrefixRouter.pick`), so the loads
+they read are current. Every pick appends its policy, rule and the candidates' scores to the decision's log fields
+(:attr:`Decision.picks`).
 """
 
 from __future__ import annotations
@@ -42,10 +49,12 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdctl.config import RoutingConfig
+from pdctl.errors import ConfigError
+from pdctl.gateway import policy
 from pdctl.gateway.kv_view import ExactIndex, KvEventSubscriber, leading, token_block_hashes
 from pdctl.gateway.routing import Instance, Pool, Role
 
@@ -53,14 +62,13 @@ __all__ = ["BLOCK_CHARS", "Decision", "PrefixIndex", "PrefixRouter", "block_hash
 
 #: Characters per block: about 64 tokens of English (llm-d clamps its approximate blocks to at least 64 tokens).
 BLOCK_CHARS = 256
-#: The pool is imbalanced when the busiest and the idlest instance differ by more than this many requests ...
-IMBALANCE_ABS = 64
-#: ... and the busiest has more than this many times the idlest's (SGLang / vllm-router ``cache_aware``).
-IMBALANCE_REL = 1.5
+#: ``kv_aware``'s block size for an instance with no events yet (vLLM's default ``--block-size``).
+DEFAULT_BLOCK_TOKENS = 16
 #: The body's fields that make up the prompt, in the order a chat template renders them.
 _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "prompt")
 
-Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy", "decode_stall"]
+Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy", "decode_stall", "always"]
+"""Why a request goes local (``cached``) or over both legs; ``always``: ``pd_mode = "always"``, no decision."""
 View = Literal["approx", "exact"]
 
 
@@ -150,27 +158,43 @@ class Decision:
     """The length of the prompt's text (:func:`prompt_text`), to turn approximate blocks into tokens."""
     approx_local: bool | None = None
     """Under the exact view, whether the approximate view would have gone local (the views' drift)."""
+    session: str | None = None
+    """The request's session hint (:func:`pdctl.gateway.policy.session_hint`), for tie-breaks."""
+    picks: list[str] = field(default_factory=list, compare=False, hash=False)
+    """Each pick's access-log fields so far (:meth:`pdctl.gateway.policy.Pick.log_fields`), in order."""
 
     def log_fields(self) -> str:
-        """The decision as access-log fields."""
-        fields = f"decision={self.reason} cached_tokens={self.cached_tokens} uncached_tokens={self.uncached_tokens}"
+        """The decision as access-log fields, with every pick made so far and its candidates' scores."""
+        if self.reason == "always":
+            fields = "decision=always"
+        else:
+            fields = f"decision={self.reason} cached_tokens={self.cached_tokens} uncached_tokens={self.uncached_tokens}"
         if self.view == "exact":
             fields += f" view=exact approx_cached_tokens={self.approx_cached_tokens}"
-        return fields
+        return " ".join([fields, *self.picks])
 
 
 class PrefixRouter:
-    """The per-instance views and the decision, for one gateway process; ``events``: the workers' KV cache events
-    (``prefix_view = "exact"``, :mod:`pdctl.gateway.kv_view`), None for the approximate view alone."""
+    """The per-instance views, the per-pool policies and the decision, for one gateway process; ``events``: the
+    workers' KV cache events (``prefix_view = "exact"``, :mod:`pdctl.gateway.kv_view`), None for the approximate
+    view alone. A ``kv_aware`` policy without events is a :class:`~pdctl.errors.ConfigError`."""
 
     def __init__(
         self, routing: RoutingConfig, events: KvEventSubscriber | None = None,
         sec_per_token: Callable[[], float | None] = lambda: None,
     ) -> None:  # fmt: skip
+        if events is None and "kv_aware" in routing.policies:
+            which = "prefill_policy" if routing.prefill_policy == "kv_aware" else "decode_policy"
+            raise ConfigError("settings.json", f"routing.{which}",
+                              "kv_aware reads the workers' KV cache events, which this gateway does not receive",
+                              hint='set "prefix_view": "exact" in routing (the plan then starts the workers with '
+                              '--kv-events-config), or choose cache_aware')  # fmt: skip
         self.routing = routing
         self.events = events
         self.sec_per_token = sec_per_token
         """The prefill seconds per prompt token measured so far (None: not yet), for ``local_max_stall_ms``."""
+        self.sessions = policy.Sessions()
+        self._indexed = routing.pd_mode == "adaptive" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
         self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
         self._exact_epoch: weakref.WeakKeyDictionary[Instance, int] = weakref.WeakKeyDictionary()
 
@@ -213,36 +237,74 @@ class PrefixRouter:
         return min(prompt_tokens, prompt_tokens * blocks * BLOCK_CHARS // max(1, text_chars)), "approx"
 
     def pick(self, pool: Pool, role: Role, plan: Decision) -> Instance | None:
-        """The instance of ``role`` holding most of ``plan``'s prompt (ties and an imbalanced pool: least loaded)."""
-        return self._pick(pool, role, lambda i: self.cached(i, plan))[0]
+        """The instance of ``role`` for ``plan``'s request, by the role's policy; the pick's fields join
+        ``plan.picks``."""
+        pick = self._choose(pool, role, plan.hashes, plan.token_ids, plan.cached_tokens + plan.uncached_tokens,
+                            plan.chars, plan.session)  # fmt: skip
+        plan.picks.append(pick.log_fields(role))
+        return pick.instance
 
-    def _pick(self, pool: Pool, role: Role, score: Callable[[Instance], int]) -> tuple[Instance | None, int]:
-        candidates = [i for i in pool.instances if i.role == role and i.available()]
-        if not candidates:
-            return None, 0
-        matched = {i: score(i) for i in candidates}
-        loads = [i.in_flight for i in candidates]
-        lo, hi = min(loads), max(loads)
-        if hi - lo > IMBALANCE_ABS and hi > lo * IMBALANCE_REL:
-            best = [i for i in candidates if i.in_flight == lo]
+    def _choose(
+        self, pool: Pool, role: Role, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int,
+        chars: int, session: str | None,
+    ) -> policy.Pick:  # fmt: skip
+        r = self.routing
+        name = r.prefill_policy if role == "prefill" else r.decode_policy
+        cands = [i for i in pool.instances if i.role == role and i.available()]
+        if not cands:
+            return policy.Pick(None, name, "none")
+        sticky = self.sessions.last(role, session)
+        turn = pool.turn((role,))
+
+        def cached(i: Instance) -> float:
+            return self._cached(i, hashes, ids, prompt_tokens, chars)[0]
+
+        if name == "least_loaded" and r.pd_mode == "adaptive":
+            pick = policy.prefix_first(cands, cached, r, turn, sticky)
+        elif name in policy.LOAD_POLICIES:
+            pick = policy.by_load(name, cands, turn, pool.rng, sticky)
+        elif name == "cache_aware":
+            pick = policy.cache_aware(cands, lambda i: cached(i) / max(1, prompt_tokens),
+                                      lambda i: len(self.view(i)), r, turn, sticky)  # fmt: skip
+            if pick.instance is not None:  # the tree learns the request when it is routed, as the peers' do
+                self.view(pick.instance).insert(hashes)
         else:
-            top = max(matched.values())
-            best = [i for i in candidates if matched[i] == top]
-        inst = pool.choose((role,), among=best)
-        return inst, matched[inst] if inst is not None else 0
+            pick = policy.kv_aware(cands, lambda i: self._cost(i, role, prompt_tokens, cached(i)), pool.rng, sticky)
+        if pick.instance is not None:
+            self.sessions.remember(role, session, pick.instance.name)
+        return pick
+
+    def _cost(self, inst: Instance, role: Role, prompt_tokens: int, cached: float) -> float:
+        """``kv_aware``'s Dynamo cost in blocks: a prefill's ``max(in-flight + new - overlap, 0)``; a decode's
+        ``max(new - overlap, 0) + in-flight`` (its in-flight prompts hold its KV; it prefills only what it lacks)."""
+        ev = self.exact_view(inst)
+        bs = ev.block_size if ev is not None and ev.block_size else DEFAULT_BLOCK_TOKENS
+        new = prompt_tokens - cached
+        if role == "prefill":
+            return -(-max(inst.in_flight_tokens + new, 0) // bs)
+        return -(-max(new, 0) // bs) + -(-inst.in_flight_tokens // bs)
 
     def decide(
-        self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int, token_ids: Sequence[int] | None = None
-    ) -> Decision:
+        self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int, token_ids: Sequence[int] | None = None,
+        session: str | None = None,
+    ) -> Decision:  # fmt: skip
         """Choose the decode, count the prompt's uncached tokens on it, and decide local or P→D. ``token_ids``: the
-        prompt's exact ids (the exact view is used where the decode has published events)."""
-        text = prompt_text(body)
+        prompt's exact ids (the exact view is used where the decode has published events); ``session``: the
+        ``x-session-id`` header (else the body's session, :func:`~pdctl.gateway.policy.session_hint`). Under
+        ``pd_mode = "always"`` nothing is chosen yet (``decision=always``; :meth:`pick` chooses per leg)."""
+        text = prompt_text(body) if self._indexed else ""
         hashes = tuple(block_hashes(text))
         ids = tuple(token_ids) if token_ids is not None and self.events is not None else None
         if ids is not None:
             prompt_tokens = len(ids)
         chars = len(text)
-        decode, cached = self._pick(pool, "decode", lambda i: self._cached(i, hashes, ids, prompt_tokens, chars)[0])
+        session = policy.session_hint(body, session)
+        if self.routing.pd_mode != "adaptive":
+            return Decision(False, "always", None, 0, prompt_tokens, hashes, token_ids=ids, chars=chars,
+                            session=session)  # fmt: skip
+        pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session)
+        decode = pick.instance
+        cached = self._cached(decode, hashes, ids, prompt_tokens, chars)[0] if decode is not None else 0
         view: View = "approx"
         approx: int | None = None
         if decode is not None and ids is not None:
@@ -255,7 +317,8 @@ class PrefixRouter:
             approx_local = self._reason(decode, prompt_tokens - approx, prompt_tokens) == "cached"
         exact_ids = ids if view == "exact" else None
         return Decision(reason == "cached" and decode is not None, reason, decode, cached, prompt_tokens - cached,
-                        hashes, view, exact_ids, approx, chars, approx_local)  # fmt: skip
+                        hashes, view, exact_ids, approx, chars, approx_local, session,
+                        [pick.log_fields("decode")])  # fmt: skip
 
     def _reason(self, decode: Instance | None, uncached: int, prompt_tokens: int) -> Reason:
         r = self.routing

@@ -123,7 +123,7 @@ def events_relay(settings: GatewaySettings) -> EventsRelay | None:
     """The parent's relay of the workers' KV cache events (``routing.prefix_view = "exact"``), started; None when
     the view is not used. Each child gets its address in :data:`KV_EVENTS_RELAY_ENV`."""
     r = settings.routing
-    if not (r.pd_mode == "adaptive" and r.prefix_view == "exact" and r.strategy == "pd_disagg"):
+    if not r.reads_kv_events:
         return None
     folder = Path(tempfile.mkdtemp(prefix="pdctl-kv-events-"))
     relay = EventsRelay(bind_endpoint(settings.gateway.listen_host, r.kv_events_port), folder / "relay.ipc")
