@@ -301,7 +301,9 @@ def _gateway_rows(
     prompt, tokens = a.get("prompt_tokens", "-"), a.get("tokens", "-")
     rows = [TraceRow("arrival", "arrival", g, f"model={a.get('model', '-')}", 0.0, True)]
     decision = f"x-pd-path: {path}"
-    if "decision" in a:
+    if a.get("decision") == "always":
+        decision += "; decision=always (pd_mode always: both legs)"
+    elif "decision" in a:
         decision += f"; decision={a['decision']} cached_tokens={a.get('cached_tokens', '-')} " + (
             f"uncached_tokens={a.get('uncached_tokens', '-')}"
         )
@@ -309,6 +311,9 @@ def _gateway_rows(
             decision += f" view={a['view']}"
     else:
         decision += "; decision reason not recorded (routing.pd_mode is not adaptive)"
+    for role in ("decode", "prefill"):  # routing policies (pdctl.gateway.policy): policy:rule, then name:score
+        if f"{role}_pick" in a:
+            decision += f"; {role} by {a[f'{role}_pick']} scores {a.get(f'{role}_scores', '-')}"
     if "fallback" in a:
         decision += f"; fallback={a['fallback']}"
     rows.append(TraceRow("decision", "decision", g, decision, 0.0, True))

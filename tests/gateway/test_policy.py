@@ -23,7 +23,8 @@ from pdctl.gateway.policy import Sessions, session_hint
 from pdctl.gateway.prefix import PrefixRouter
 from pdctl.gateway.routing import Instance, Pool
 from pdctl.gateway.settings import InstanceSpec, LocalModel
-from pdctl.runtime.trace import parse_access
+from pdctl.runtime.logs import LogLine
+from pdctl.runtime.trace import build_trace, parse_access
 from tests.fakes.gateway_harness import KEY, asgi_request, make_settings, run_app
 from tests.gateway.test_adaptive import _decoded, _prefill
 from tests.gateway.test_kv_view import BS, _frames, _stored
@@ -244,3 +245,18 @@ def test_adaptive_pd_keeps_its_prefix_pick_under_least_loaded() -> None:
     assert plan.decode is first.decode and plan.local
     assert plan.picks[0].startswith("decode_pick=least_loaded:cached ")
     assert f"{d[0].name}:" in plan.log_fields() and plan.log_fields().startswith("decision=cached ")
+
+
+def test_pdctl_trace_shows_the_picks_and_their_scores() -> None:
+    line = (
+        "2026-12-04 19:00:00,000 INFO pdctl.gateway.access request_id=r1 model=tiny path=disagg prefill=prefill-1 "
+        "decode=decode-0 status=200 ttft_ms=5.0 prefill_ms=2.0 prompt_tokens=320 tokens=4 duration_ms=9.0 "
+        "decision=always prefill_pick=cache_aware:match prefill_scores=prefill-0:0,prefill-1:0.85 "
+        "decode_pick=kv_aware:cost decode_scores=decode-0:3,decode-1:23"
+    )
+    trace = build_trace("r1", [LogLine("gateway", line, 1.0)])
+    row = next(r for r in trace.rows if r.stage == "decision")
+    assert row.detail == (
+        "x-pd-path: disagg; decision=always (pd_mode always: both legs); decode by kv_aware:cost scores "
+        "decode-0:3,decode-1:23; prefill by cache_aware:match scores prefill-0:0,prefill-1:0.85"
+    )
