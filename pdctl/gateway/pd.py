@@ -6,9 +6,11 @@ KV blocks until decode reads them, so when the client left during leg 1 the gate
 sends a *release leg* (the decode body with ``max_tokens = 1``, not streamed) so decode pulls and frees the
 blocks at once instead of after ``kv_lease_duration``. No task of its own for leg 1: each task hand-over costs a
 turn of the event loop, and under load a turn is what delays a first token. A failed or timed-out leg 1 is
-retried with a fresh request id, at most ``gateway.max_retries`` times (capped at :data:`MAX_PD_RETRIES`) and
-never after a byte reached the client; decode's ``kv_transfer_params`` are never replayed (they are
-single-use): a retry is a whole new pipeline.
+retried with a fresh request id, on another prefill while one is available, at most ``gateway.max_retries``
+times (capped at :data:`MAX_PD_RETRIES`) and never after a byte reached the client; decode's
+``kv_transfer_params`` are never replayed (they are single-use): a retry is a whole new pipeline. A stream that
+breaks after its first byte is continued elsewhere instead (:mod:`pdctl.gateway.migration`,
+``gateway.migration_limit``).
 
 With ``routing.pd_mode = "adaptive"`` a :class:`pdctl.gateway.prefix.PrefixRouter` decides first, per request,
 whether the chosen decode serves it alone (``x-pd-path: local``, counted in ``pdctl_pd_decisions_total``); a
@@ -220,13 +222,14 @@ async def serve_pd(
         else:
             ctx.metrics.child(ctx.metrics.pd_decisions, "disagg", plan.reason).inc()
     attempts = 1 + min(ctx.settings.gateway.max_retries, MAX_PD_RETRIES)
+    failed: list[Instance] = []  # prefills whose leg 1 failed: a retry goes elsewhere while another is available
     for attempt in range(attempts):
         rid = ex.request_id if attempt + tried == 0 else f"{ex.request_id}-retry{attempt + tried}"
         last = attempt == attempts - 1
         if ctx.pool.least_loaded(("prefill",)) is None:
             await _fallback(ctx, ex, endpoint, body, prompt_tokens, _no_instance(ctx, ("prefill",), "prefill"))
             return
-        leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid, plan)
+        leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid, plan, failed)
         if leg.error is not None:
             if not leg.retryable:
                 raise leg.error
@@ -301,9 +304,12 @@ async def _fallback(
 
 async def _leg1(
     ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str,
-    plan: Decision | None = None,
+    plan: Decision | None = None, failed: list[Instance] | None = None,
 ) -> LegResult:  # fmt: skip
-    if plan is not None and ctx.prefix is not None:
+    others = [i for i in ctx.pool.by_role("prefill") if i.available() and i not in failed] if failed else []
+    if others:  # a retry after a failed leg 1, whose prefill may have just died: another prefill
+        inst: Instance | None = ctx.pool.choose(("prefill",), among=others)
+    elif plan is not None and ctx.prefix is not None:
         inst = ctx.prefix.pick(ctx.pool, "prefill", plan)
         ex.decision = plan.log_fields()
     else:
@@ -324,6 +330,8 @@ async def _leg1(
         if leg.reply is not None:
             ctx.spawn(_release(ctx, leg, endpoint, body, ex))
         raise asyncio.CancelledError
+    if leg.error is not None and failed is not None:
+        failed.append(inst)
     if leg.reply is not None:
         if plan is not None and ctx.prefix is not None:
             ctx.prefix.record(inst, plan)

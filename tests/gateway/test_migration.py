@@ -205,3 +205,80 @@ def test_sent_tokens_and_the_continuation_body() -> None:
     blind = read_sent([b'data: {"id":"x","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'], [1])
     assert not blind.complete  # output without token ids: the tokens sent are unknown, no migration
     assert Sent().prompt_ids is None
+
+
+# Prefill death during leg 1 (issue 36 item 2): retried on another prefill, served by decode (gateway.fallback),
+# or a clear 503; never a hang, never an empty 200. The prefill's engine stalls (``--sim-fault stall``) so leg 1 is
+# in flight when its process gets SIGKILL.
+
+
+def _kill_during_leg1(g: GatewayThread, victim: SimProcess, n: int = 1) -> list[httpx.Response]:
+    import threading
+    import time
+
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    out: list[httpx.Response] = []
+
+    def one() -> None:
+        with g.client() as c:
+            out.append(c.post("/v1/completions", json=body, timeout=30))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    victim.proc.kill()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - started < 15, "a request hung"
+    assert len(out) == n
+    return out
+
+
+def _complete(r: httpx.Response) -> None:
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"]
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_prefill_killed_during_leg1_is_retried_on_the_other_prefill(sims: list[SimProcess], tmp_path: Path) -> None:
+    stalled = _sim(sims, tmp_path, "prefill0", "kv_producer", "--sim-fault", "stall")
+    ok = _sim(sims, tmp_path, "prefill1", "kv_producer")
+    d = _sim(sims, tmp_path, "decode", "kv_consumer")
+    g = _gateway([stalled, ok], [d])
+    try:
+        for r in _kill_during_leg1(g, stalled, n=2):  # one on each prefill
+            _complete(r)
+            assert r.headers["x-pd-prefill"] == "prefill-1"
+        assert g.metric("pdctl_retries_total", leg="prefill") == 1
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize("fallback", ["none", "decode"])
+def test_only_prefill_killed_during_leg1_is_a_503_or_served_by_decode(
+    sims: list[SimProcess], tmp_path: Path, fallback: str
+) -> None:
+    p = _sim(sims, tmp_path, "prefill", "kv_producer", "--sim-fault", "stall")
+    d = _sim(sims, tmp_path, "decode", "kv_consumer")
+    g = _gateway([p], [d], fallback=fallback)
+    try:
+        (r,) = _kill_during_leg1(g, p)
+        if fallback == "decode":
+            _complete(r)
+            assert r.headers["x-pd-path"] == "fallback"
+            assert (
+                g.metric("pdctl_prefill_fallback_total", to="decode", reason="prefill_failed")
+                + g.metric("pdctl_prefill_fallback_total", to="decode", reason="no_prefill")
+                == 1
+            )
+        else:
+            assert r.status_code in (502, 503), r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "prefill" in err["message"]
+            if r.status_code == 503:
+                assert int(r.headers["retry-after"]) >= 1
+    finally:
+        g.stop()
