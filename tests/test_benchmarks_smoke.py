@@ -131,3 +131,26 @@ def test_gateway_overhead_adds_mean_ttft_where_percentiles_jump_a_step() -> None
     assert row["added_ttft_p50_ms"] == 160.0  # the median of the baseline sits between its two modes
     assert math.isclose(row["added_ttft_mean_ms"], 3.2)
     assert "| added mean ms |" in markdown(summarize(report)) and "| 3.20 |" in markdown(summarize(report))
+
+
+def test_chaos_counts_what_clients_see_when_a_decode_is_killed(tmp_path: Path) -> None:
+    """One SIGKILL of the only decode with two greedy streams in flight, on simulator workers: every stream is
+    counted as served (then token-identical to the fault-free answer: the simulator is deterministic) or as a
+    client-visible failure, and the supervisor's restart brings both legs back."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.chaos", "--cases", "kill-decode", "--decodes", "1", "--repeats", "1",
+         "--streams", "2", "--max-tokens", "32", "--settle-s", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["references"] == 2
+    (run,) = data["runs"]
+    assert run["case"] == "kill-decode" and run["target"].startswith("decode")
+    assert run["recovery_s"] is not None
+    for s in run["streams"]:
+        assert (s["status"], s["verdict"]) in (("ok", "identical"),) or s["status"] != "ok", s
+    (row,) = data["summary"]
+    assert row["client_failures"] == sum(s["status"] != "ok" for s in run["streams"])
+    assert row["diverged"] == 0 and row["wrong_length"] == 0
