@@ -16,7 +16,8 @@ whole (``migrated=prefill`` in the access log); else the failed decode once a ``
 within ``gateway.request_timeout_s``.
 
 What is not migrated (the stream ends with one error event, as without migration): the agent routes
-(``/v1/messages``, ``/v1/responses``: vLLM returns no token ids there), ``n > 1``, ``echo``, logprobs, tools,
+(``/v1/messages``, ``/v1/responses``: vLLM returns no token ids there), ``n > 1``, ``echo``, chat's logprobs
+(completions' pass through, their ``text_offset`` shifted to the whole answer), tools,
 structured output (the grammar would restart from the answer's start), and a stream whose events stopped
 carrying token ids (a reasoning parser hides them). docs/reliability.md ("Migration") lists what holds.
 """
@@ -54,13 +55,15 @@ _KEEP = (
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias", "bad_words", "allowed_token_ids",
-    "cache_salt", "priority", "user", "length_penalty",
+    "cache_salt", "priority", "user", "length_penalty", "return_tokens_as_token_ids", "logprob_token_ids",
 )  # fmt: skip
 #: Keys that make a request's stream unfit to continue (module docstring).
 _NOT_MIGRATED = (
     "tools", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "logprobs", "top_logprobs", "echo", "suffix", "best_of", "prompt_embeds",
+    "guided_grammar", "echo", "suffix", "best_of", "prompt_embeds",
 )  # fmt: skip
+#: Chat's logprobs have their own shape, which a completions continuation does not give.
+_NOT_MIGRATED_CHAT = ("logprobs", "top_logprobs")
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 #: How often the wait for a restarted decode probes it.
 _PROBE_EVERY_S = 0.5
@@ -72,7 +75,7 @@ def eligible(endpoint: str, body: Mapping[str, Any], stream: bool, limit: int) -
         return False
     if body.get("n") not in (None, 1):
         return False
-    for k in _NOT_MIGRATED:
+    for k in _NOT_MIGRATED + (_NOT_MIGRATED_CHAT if endpoint == CHAT else ()):
         v = body.get(k)
         if v not in (None, False, [], {}) and not (k == "response_format" and v == {"type": "text"}):
             return False
@@ -96,6 +99,8 @@ class Sent:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage_sent: bool = False
+    text_end: int = 0
+    """Completions with logprobs: the text offset after the last token sent (a continuation's offsets start there)."""
     done: bool = False
     complete: bool = True
     """False when an event with output carried no token ids: the tokens sent are not known."""
@@ -146,12 +151,20 @@ def _note(sent: Sent, ev: Any) -> None:
         if sent.prompt_ids is None and isinstance(choice.get("prompt_token_ids"), list):
             sent.prompt_ids = choice["prompt_token_ids"]
         ids = choice.get("token_ids")
+        _note_offset(sent, choice.get("logprobs"))
         if isinstance(ids, list):
             sent.tokens.extend(ids)
         elif choice.get("text") or (choice.get("delta") or {}).get("content"):
             sent.complete = False
         if choice.get("finish_reason"):
             sent.finish_reason = choice["finish_reason"]
+
+
+def _note_offset(sent: Sent, logprobs: Any) -> None:
+    if isinstance(logprobs, dict):
+        offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+        if isinstance(offsets, list) and isinstance(tokens, list) and offsets and tokens:
+            sent.text_end = int(offsets[-1]) + len(str(tokens[-1]))
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -171,6 +184,9 @@ def continuation_body(body: Mapping[str, Any], sent: Sent) -> dict[str, Any]:
     limit = _max_tokens(body)
     if limit is not None:  # no limit given: vLLM's default (the rest of max_model_len) is the same either way
         out["max_tokens"] = limit - len(sent.tokens)
+    logprobs = body.get("logprobs")
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        out["logprobs"] = logprobs
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 0:
         out["min_tokens"] = max(0, min_tokens - len(sent.tokens))
@@ -188,19 +204,26 @@ class _Rewriter:
         self.sent = sent
         self.chat = chat
         self.with_ids = with_ids
+        self.base = 0
+        """Where this continuation's text offsets start in the whole answer (completions logprobs)."""
 
     def head(self) -> dict[str, Any]:
         s = self.sent
         return {"id": s.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": s.created, "model": s.model}  # fmt: skip
 
-    def choice(self, text: str, ids: list[int], finish: str | None, stop_reason: Any) -> dict[str, Any]:
+    def choice(
+        self, text: str, ids: list[int], finish: str | None, stop_reason: Any, logprobs: Any = None
+    ) -> dict[str, Any]:
         if self.chat:
             c: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
             if finish is not None:
                 c["stop_reason"] = stop_reason
         else:
-            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+            if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+                logprobs = {**logprobs, "text_offset": [int(o) + self.base for o in logprobs["text_offset"]]}
+                _note_offset(self.sent, logprobs)
+            c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
         if self.with_ids:
             c["token_ids"] = ids
         return c
@@ -221,7 +244,8 @@ class _Rewriter:
             if finish:
                 self.sent.finish_reason = finish
             text = choice.get("text") or ""
-            out += _frame({**self.head(), "choices": [self.choice(text, ids, finish, choice.get("stop_reason"))]})
+            c = self.choice(text, ids, finish, choice.get("stop_reason"), choice.get("logprobs"))
+            out += _frame({**self.head(), "choices": [c]})
         return out
 
 
@@ -264,6 +288,7 @@ async def resume(
         ex.migrated_to = f"{kind}:{target.name}"
         log.warning("request %s: %s; continuing on %s %s after %d tokens (migration %d of %d)", ex.request_id,
                     err.message, kind, target.name, len(sent.tokens), ex.migrations, limit)  # fmt: skip
+        rw.base = sent.text_end
         try:
             await _continue(ctx, ex, target, continuation_body(body, sent), rw)
         except ApiError as again:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.gateway.migration import Sent, continuation_body, eligible, read_sent
+from pdctl.gateway.migration import Sent, _Rewriter, continuation_body, eligible, read_sent
 from pdctl.testing import SimProcess, start_sim
 from tests.fakes.gateway_harness import GatewayThread, make_settings, wait_for
 
@@ -181,6 +181,7 @@ def test_eligibility() -> None:
     assert not eligible(chat, {"messages": [], "response_format": {"type": "json_object"}}, True, 3)
     assert not eligible(comp, {"prompt": "x", "n": 2}, True, 3)
     assert not eligible(comp, {"prompt": ["a", "b"]}, True, 3)
+    assert eligible(comp, {"prompt": "x", "logprobs": 5, "return_tokens_as_token_ids": True}, True, 3)
 
 
 def test_sent_tokens_and_the_continuation_body() -> None:
@@ -282,3 +283,28 @@ def test_only_prefill_killed_during_leg1_is_a_503_or_served_by_decode(
                 assert int(r.headers["retry-after"]) >= 1
     finally:
         g.stop()
+
+
+def test_completions_logprobs_continue_at_the_whole_answers_text_offset() -> None:
+    lp = {"text_offset": [0, 3], "token_logprobs": [-0.1, -0.2], "tokens": [" ab", " c"], "top_logprobs": None}
+    first = {
+        "id": "cmpl-r",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": " ab c", "logprobs": lp, "finish_reason": None, "token_ids": [4, 5]}],
+    }
+    sent = read_sent([b"data: " + json.dumps(first).encode() + b"\n\n"], [1, 2])
+    assert (sent.tokens, sent.text_end) == ([4, 5], 5)
+    assert continuation_body({"model": "m", "prompt": "x", "logprobs": 2}, sent)["logprobs"] == 2
+    rw = _Rewriter(sent, chat=False, with_ids=False)
+    rw.base = sent.text_end
+    more = {"text_offset": [0], "token_logprobs": [-0.3], "tokens": [" d"], "top_logprobs": None}
+    out = rw.event(
+        {
+            "id": "cmpl-other",
+            "choices": [{"index": 0, "text": " d", "logprobs": more, "finish_reason": "length", "token_ids": [6]}],
+        }
+    )
+    ev = json.loads(out[len(b"data: ") :])
+    assert ev["id"] == "cmpl-r" and ev["choices"][0]["logprobs"]["text_offset"] == [5]
+    assert "token_ids" not in ev["choices"][0] and sent.tokens == [4, 5, 6] and sent.text_end == 7
