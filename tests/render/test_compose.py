@@ -5,6 +5,7 @@ every rendered file. Running them (image built, simulated workers) is tests/cont
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -233,3 +234,45 @@ def test_docker_compose_config_accepts_every_rendered_file(name: str, tmp_path: 
         for w in (w for w in dep.workers if w.name in got and w.engine == "vllm"):
             sources = {v.split(":")[0] for v in got[w.name]["volumes"]}  # docker-compose 1.x: short syntax
             assert str(out / "vllm-logging.json") in sources
+
+
+def test_shared_storage_is_mounted_on_one_host_and_refused_across_hosts(recipe_files: Any, tmp_path: Path) -> None:
+    c, s = recipe_files(
+        config_edits={
+            'kv_connector = "NixlConnector"': 'kv_connector = "ExampleConnector"',
+            'backend = "nixl"': 'backend = "shared_storage"\nshared_storage_path = "/tmp/pd-kv"',
+        }
+    )
+    dep = config.load(c, s)
+    svcs = services(render(dep, folder=tmp_path))
+    assert (
+        "/tmp/pd-kv:/tmp/pd-kv" in svcs["prefill"]["volumes"] and "/tmp/pd-kv:/tmp/pd-kv" in svcs["decode"]["volumes"]
+    )
+    two = tmp_path / "two"
+    two.mkdir()
+    write_two_hosts(two, connector="")
+    cfg = two / "config.toml"
+    cfg.write_text(cfg.read_text(encoding="utf-8").replace('"NixlConnector"', '"ExampleConnector"'), encoding="utf-8")
+    rendered = render(config.load(cfg, two / "settings.json"), folder=two)
+    assert not rendered.files
+    assert [(f.code, f.severity, f.key) for f in rendered.findings] == [("DC002", "error", "connector.kv_connector")]
+
+
+def test_a_cpu_deployment_with_the_default_image_warns(tmp_path: Path) -> None:
+    for f in ("config.toml", "settings.json"):
+        shutil.copy(REPO / "examples" / "cpu" / f, tmp_path / f)
+    dep = config.load(tmp_path / "config.toml", tmp_path / "settings.json")
+    assert [f.code for f in render(dep, folder=tmp_path).findings] == ["DC003"]
+    rendered = render(dep, ComposeOptions(image="registry.example/vllm-cpu:0.32.0"), tmp_path)
+    assert not rendered.findings
+    svcs = services(rendered)
+    assert svcs["prefill"]["image"] == "registry.example/vllm-cpu:0.32.0" and svcs["prefill"]["cpuset"] == "0"
+    assert svcs["prefill"]["environment"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # the host's cores, as under up
+    model = dep.resolve_path(dep.prefill[0].model)
+    assert f"{model}:{model}:ro" in svcs["prefill"]["volumes"]
+
+
+def test_every_compose_rule_is_documented() -> None:
+    src = (REPO / "pdctl" / "render" / "compose.py").read_text(encoding="utf-8")
+    doc = (REPO / "docs" / "multi-node.md").read_text(encoding="utf-8")
+    assert set(re.findall(r'"(DC\d{3})"', src)) == set(re.findall(r"^\| (DC\d{3}) \|", doc, flags=re.M))
