@@ -1,6 +1,6 @@
 """`pdctl render compose`: services that run `pdctl plan`'s command lines on the host's network, GPU reservations,
 healthchecks from the supervisor's timeouts, keys only from the user's env file; `docker-compose config` accepts
-every rendered file. Running them (image built, simulated workers) is tests/container/test_image.py."""
+every rendered file. Running them (image built, simulated workers) is tests/test_container.py."""
 
 from __future__ import annotations
 
