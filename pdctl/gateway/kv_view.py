@@ -1,5 +1,5 @@
-"""Adaptive PD's exact view (``routing.prefix_view = "exact"``): what each worker's prefix cache holds, from the
-worker's own vLLM KV cache events.
+"""The exact view (``routing.prefix_view = "exact"``, read by adaptive PD and the ``kv_aware`` and ``cache_aware``
+routing policies): what each worker's prefix cache holds, from the worker's own vLLM KV cache events.
 
 The plan starts every worker with ``--kv-events-config`` whose ``endpoint`` is ``tcp://<gateway host>:<
 routing.kv_events_port>`` and whose ``topic`` is the worker's name (:func:`pdctl.vllm.args.kv_events_config`).
@@ -23,7 +23,8 @@ Map:
   restarted engine starts at 0) empties that worker's view before the message is applied, so the view never
   claims a block the engine may have dropped. ``AllBlocksCleared`` empties it too.
 
-The prefix router (:mod:`pdctl.gateway.prefix`) reads the views; a worker with no events yet, or a request whose
+The prefix router (:mod:`pdctl.gateway.prefix`) reads the views, for the decision and for the policies' scores
+(:mod:`pdctl.gateway.policy`); a worker with no events yet, or a request whose
 exact token ids are unknown (:meth:`pdctl.gateway.tokens.TokenCounter.prompt_ids`), is judged by the approximate
 view instead.
 """
