@@ -56,7 +56,8 @@ def _docker_problem() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_docker_problem() is not None, reason=str(_docker_problem()))
+_PROBLEM = _docker_problem()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
 
 
 @pytest.fixture(scope="module")
