@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.chaos                                   # simulator workers, 1P2D, every case
     .venv/bin/python -m benchmarks.chaos --engine vllm --decodes 2 --repeats 3 --streams 4 --out chaos.json
-    .venv/bin/python -m benchmarks.chaos --set gateway.migration_limit=2   # any settings.json key, as JSON
+    .venv/bin/python -m benchmarks.chaos --set gateway.request_timeout_s=30   # any settings.json key, as JSON
+    .venv/bin/python -m benchmarks.chaos --arm migration: --arm off:gateway.migration_limit=0   # side by side
 
 ``pdctl up`` starts one prefill, ``--decodes`` decodes and the gateway on free ports (``--engine vllm``: the tiny
 random Qwen3 of ``pdctl model tiny`` on vLLM CPU, made under ``models/`` when missing; ``sim``: the simulator).
@@ -25,6 +26,10 @@ each fault: the time until a fresh request is served on both legs again, and the
 everything is idle again (KV that a dead attempt left held). Requests of one case run while nothing else does;
 the deployment stays up across cases (the supervisor restarts what died). The report is JSON (``--out``) and a
 table on stdout. Not a test: the numbers are rates over repeats, docs/reliability.md records them.
+
+``--arm NAME:KEY=JSON;KEY=JSON`` (repeatable) runs the whole sequence once per arm, one after the other in the same
+run, each arm on its own fresh deployment with those settings on top of ``--set``'s; each arm's answers are
+compared with its own fault-free run.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class ChaosConfig:
     """``[sim] speed``: below 1 the simulator is slower than its GPU profile, so streams last seconds."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Dotted settings.json keys set on top of the defaults (``gateway.migration_limit``: 2)."""
+    arms: tuple[tuple[str, dict[str, Any]], ...] = (("default", {}),)
+    """Named sets of settings, each run on its own deployment, on top of :attr:`settings`."""
 
 
 @dataclass
@@ -97,6 +104,7 @@ class StreamOutcome:
 class FaultRun:
     """One fault: the streams' outcomes, the recovery time and the KV the prefill still held after."""
 
+    arm: str
     case: str
     repeat: int
     target: str
@@ -126,7 +134,7 @@ def _worker(engine: str, model: str, side: int, cpu: int | None) -> str:
     return "\n".join(lines)
 
 
-def write_deployment(d: Path, cfg: ChaosConfig) -> dict[str, Any]:
+def write_deployment(d: Path, cfg: ChaosConfig, arm: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.toml + settings.json for one prefill, ``cfg.decodes`` decodes and the gateway, all on free ports."""
     model = str(_model_dir()) if cfg.engine == "vllm" else "sim-model"
     cores = os.cpu_count() or 1
@@ -152,7 +160,7 @@ def write_deployment(d: Path, cfg: ChaosConfig) -> dict[str, Any]:
         "slo": {"admission": False},
         "logging": {"level": "debug"},
     }  # fmt: skip
-    for dotted, value in cfg.settings.items():
+    for dotted, value in {**cfg.settings, **(arm or {})}.items():
         section, _, leaf = dotted.partition(".")
         settings.setdefault(section, {})[leaf] = value
     (d / "settings.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
@@ -293,8 +301,8 @@ def _idle_kv(prefill_url: str, settle_s: float) -> float | None:
     return _scrape(prefill_url, "vllm:kv_cache_usage_perc")
 
 
-async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, case: str, repeat: int, prompts: list[str],
-                     refs: list[Sample | None]) -> FaultRun:  # fmt: skip
+async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, arm: str, case: str, repeat: int,
+                     prompts: list[str], refs: list[Sample | None]) -> FaultRun:  # fmt: skip
     url, model = dep["gateway"], dep["model"]
     streams = [_Stream(i) for i in range(len(prompts))]
     migrations_before = _scrape(url, "pdctl_migrations_total")
@@ -344,21 +352,22 @@ async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, case: str, 
             verdict = "identical" if got is not None and div is None else (div.verdict if div else "diverged")
             verdict = "diverged" if verdict == "corruption" else verdict
         outcomes.append(StreamOutcome(st.status, st.tokens, verdict, st.decode, st.error))
-    return FaultRun(case, repeat, target, outcomes, recovery, kv_after, moved)
+    return FaultRun(arm, case, repeat, target, outcomes, recovery, kv_after, moved)
 
 
 # ------------------------------------------------------------------------------------------------- report
 
 
 def summarize(runs: list[FaultRun], max_tokens: int) -> list[dict[str, Any]]:
-    """Per case: streams, client-visible failures, duplicated/missing tokens, clear divergences, recovery, KV."""
+    """Per arm and case: streams, client-visible failures, duplicated/missing tokens, clear divergences, recovery,
+    KV left held, migrations."""
     rows = []
-    for case in dict.fromkeys(r.case for r in runs):
-        mine = [r for r in runs if r.case == case]
+    for arm, case in dict.fromkeys((r.arm, r.case) for r in runs):
+        mine = [r for r in runs if r.case == case and r.arm == arm]
         outs = [o for r in mine for o in r.streams]
         recov = [r.recovery_s for r in mine if r.recovery_s is not None]
         rows.append({
-            "case": case, "faults": len(mine), "streams": len(outs),
+            "arm": arm, "case": case, "faults": len(mine), "streams": len(outs),
             "client_failures": sum(o.status != "ok" for o in outs),
             "wrong_length": sum(o.status == "ok" and o.tokens != max_tokens for o in outs),
             "diverged": sum(o.verdict == "diverged" for o in outs),
@@ -371,32 +380,43 @@ def summarize(runs: list[FaultRun], max_tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_chaos(cfg: ChaosConfig, workdir: Path) -> dict[str, Any]:
-    """Start the deployment, take the fault-free answers, run every case ``repeats`` times, stop it."""
-    if "block-nixl" in cfg.cases and (os.geteuid() != 0 or shutil.which("iptables") is None):
-        raise SystemExit("block-nixl needs root and iptables; leave it out with --cases")
-    dep = write_deployment(workdir, cfg)
+def _run_arm(cfg: ChaosConfig, workdir: Path, arm: str, settings: dict[str, Any]) -> tuple[int, list[FaultRun]]:
+    """One arm: its deployment up, the fault-free answers, every case ``repeats`` times, the deployment down."""
+    workdir.mkdir(parents=True)
+    dep = write_deployment(workdir, cfg, settings)
     up = pdctl(workdir, "up", "-d")
     if up.returncode != 0:
-        raise SystemExit(f"pdctl up failed:\n{up.stdout}\n{up.stderr}")
+        raise SystemExit(f"pdctl up failed ({arm}):\n{up.stdout}\n{up.stderr}")
+    runs = []
     try:
         nonce = uuid.uuid4().hex[:8]
         prompts = [_prompt(nonce, i, cfg.prompt_words) for i in range(cfg.streams)]
         refs = asyncio.run(_reference(dep["gateway"], dep["model"], prompts, cfg.max_tokens))
-        runs = []
         for case in cfg.cases:
             for repeat in range(cfg.repeats):
-                run = asyncio.run(_fault_run(workdir, dep, cfg, case, repeat, prompts, refs))
+                run = asyncio.run(_fault_run(workdir, dep, cfg, arm, case, repeat, prompts, refs))
                 errors = Counter((o.error or "")[:80] for o in run.streams if o.error)
-                print(f"{case} #{repeat}: target {run.target}, streams "
+                print(f"{arm} {case} #{repeat}: target {run.target}, streams "
                       f"{dict(Counter(o.status for o in run.streams))}, verdicts "
                       f"{dict(Counter(o.verdict for o in run.streams))}, recovery "
                       f"{run.recovery_s and round(run.recovery_s, 1)} s, errors {dict(errors)}", flush=True)  # fmt: skip
                 runs.append(run)
     finally:
         pdctl(workdir, "down", timeout_s=300)
-    return {"config": asdict(cfg), "references": sum(r is not None for r in refs),
-            "summary": summarize(runs, cfg.max_tokens), "runs": [asdict(r) for r in runs]}  # fmt: skip
+    return sum(r is not None for r in refs), runs
+
+
+def run_chaos(cfg: ChaosConfig, workdir: Path) -> dict[str, Any]:
+    """Every arm in turn (:func:`_run_arm`), on deployments under ``workdir``."""
+    if "block-nixl" in cfg.cases and (os.geteuid() != 0 or shutil.which("iptables") is None):
+        raise SystemExit("block-nixl needs root and iptables; leave it out with --cases")
+    references: dict[str, int] = {}
+    runs: list[FaultRun] = []
+    for arm, settings in cfg.arms:
+        references[arm], mine = _run_arm(cfg, workdir / arm, arm, settings)
+        runs += mine
+    return {"config": asdict(cfg), "references": references, "summary": summarize(runs, cfg.max_tokens),
+            "runs": [asdict(r) for r in runs]}  # fmt: skip
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -418,24 +438,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-speed", type=float, default=0.2, help="[sim] speed (--engine sim)")
     ap.add_argument("--settle-s", type=float, default=12.0, help="idle seconds before reading prefill's KV usage")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a settings.json key (dotted)")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=JSON;...",
+                    help="an arm: its name and its settings keys (none: NAME:)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the deployment's folder (logs) after the run")
     a = ap.parse_args(argv)
     unknown = [c for c in a.cases.split(",") if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    overrides = {}
-    for item in a.set:
-        k, sep, v = item.partition("=")
-        if not sep or "." not in k:
-            ap.error(f"--set {item!r}: expected section.key=JSON, for example gateway.migration_limit=2")
-        try:
-            overrides[k] = json.loads(v)
-        except json.JSONDecodeError:
-            overrides[k] = v
+
+    def keys(items: list[str], flag: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for item in items:
+            k, sep, v = item.partition("=")
+            if not sep or "." not in k:
+                ap.error(f"{flag} {item!r}: expected section.key=JSON, for example gateway.migration_limit=0")
+            try:
+                out[k] = json.loads(v)
+            except json.JSONDecodeError:
+                out[k] = v
+        return out
+
+    overrides = keys(a.set, "--set")
+    arms = []
+    for spec in a.arm:
+        name, sep, rest = spec.partition(":")
+        if not sep or not name:
+            ap.error(f"--arm {spec!r}: expected NAME:KEY=JSON;KEY=JSON (or NAME: for the defaults)")
+        arms.append((name, keys([x for x in rest.split(";") if x], "--arm")))
     cfg = ChaosConfig(a.engine, a.decodes, tuple(a.cases.split(",")), a.repeats, a.streams, a.max_tokens,
                       a.fault_after, sim_speed=a.sim_speed, settle_s=a.settle_s,
-                      settings=overrides)  # fmt: skip
+                      settings=overrides, arms=tuple(arms) or (("default", {}),))  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="pdctl-chaos-"))
     started = time.time()
     report = run_chaos(cfg, workdir)

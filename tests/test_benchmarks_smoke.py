@@ -145,7 +145,7 @@ def test_chaos_counts_what_clients_see_when_a_decode_is_killed(tmp_path: Path) -
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["references"] == 2
+    assert data["references"] == {"default": 2}
     (run,) = data["runs"]
     assert run["case"] == "kill-decode" and run["target"].startswith("decode")
     assert run["recovery_s"] is not None
