@@ -70,11 +70,13 @@ def start_sim(
     env: Mapping[str, str] | None = None,
     wait_ready: bool = True,
     ready_timeout_s: float = 30.0,
+    port: int | None = None,
 ) -> SimProcess:
-    """Start a simulator worker on free ports and (by default) wait until ``/health`` answers 200."""
+    """Start a simulator worker on free ports and (by default) wait until ``/health`` answers 200; ``port``: the
+    HTTP port instead of a free one (a worker restarted where it was)."""
     import json
 
-    port, side = free_port(), free_port()
+    port, side = port or free_port(), free_port()
     argv = [sys.executable, "-m", "pdctl.sim", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
     if connector is not None:
         kv: dict[str, object] = {"kv_connector": connector, "kv_role": role}
