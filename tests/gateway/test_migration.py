@@ -215,7 +215,7 @@ def test_sent_tokens_and_the_continuation_body() -> None:
 # in flight when its process gets SIGKILL.
 
 
-def _kill_during_leg1(g: GatewayThread, victim: SimProcess, n: int = 1) -> list[httpx.Response]:
+def _kill_mid_request(g: GatewayThread, victim: SimProcess, n: int = 1) -> list[httpx.Response]:
     import threading
     import time
 
@@ -252,7 +252,7 @@ def test_prefill_killed_during_leg1_is_retried_on_the_other_prefill(sims: list[S
     d = _sim(sims, tmp_path, "decode", "kv_consumer")
     g = _gateway([stalled, ok], [d])
     try:
-        for r in _kill_during_leg1(g, stalled, n=2):  # one on each prefill
+        for r in _kill_mid_request(g, stalled, n=2):  # one on each prefill
             _complete(r)
             assert r.headers["x-pd-prefill"] == "prefill-1"
         assert g.metric("pdctl_retries_total", leg="prefill") >= 1  # 2 when the second came after the kill
@@ -268,7 +268,7 @@ def test_only_prefill_killed_during_leg1_is_a_503_or_served_by_decode(
     d = _sim(sims, tmp_path, "decode", "kv_consumer")
     g = _gateway([p], [d], fallback=fallback)
     try:
-        (r,) = _kill_during_leg1(g, p)
+        (r,) = _kill_mid_request(g, p)
         if fallback == "decode":
             _complete(r)
             assert r.headers["x-pd-path"] == "fallback"
@@ -344,5 +344,22 @@ def test_no_other_worker_waits_for_the_restarted_decode(sims: list[SimProcess], 
         assert raw.endswith(b"data: [DONE]\n\n") and not any("error" in e for e in events)
         assert _text(events, chat=False) == reference
         assert g.metric("pdctl_migrations_total", target="restarted", outcome="ok") == 1
+    finally:
+        g.stop()
+
+
+def test_decode_killed_during_a_non_streamed_request_is_retried_on_the_other_decode(
+    sims: list[SimProcess], tmp_path: Path
+) -> None:
+    """Nothing reached the client of a non-streamed request: no migration, the whole pipeline is retried."""
+    p = _sim(sims, tmp_path, "prefill", "kv_producer")
+    stalled = _sim(sims, tmp_path, "decode0", "kv_consumer", "--sim-fault", "stall")
+    ok = _sim(sims, tmp_path, "decode1", "kv_consumer")
+    g = _gateway([p], [stalled, ok])
+    try:
+        for r in _kill_mid_request(g, stalled, n=2):  # one on each decode
+            _complete(r)
+            assert r.headers["x-pd-decode"] == "decode-1"
+        assert g.metric("pdctl_retries_total", leg="decode") >= 1
     finally:
         g.stop()
