@@ -46,6 +46,7 @@ they read are current. Every pick appends its policy, rule and the candidates' s
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,6 +65,9 @@ __all__ = ["BLOCK_CHARS", "Decision", "PrefixIndex", "PrefixRouter", "block_hash
 BLOCK_CHARS = 256
 #: ``kv_aware``'s block size for an instance with no events yet (vLLM's default ``--block-size``).
 DEFAULT_BLOCK_TOKENS = 16
+#: ``kv_aware`` counts a prompt as held where it was routed this recently, before that engine's events can say so
+#: (llm-d's ``speculativeIndexing`` TTL; Dynamo's ``--router-predicted-ttl-secs``).
+ROUTED_TTL_S = 2.0
 #: The body's fields that make up the prompt, in the order a chat template renders them.
 _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "prompt")
 
@@ -135,9 +139,9 @@ class PrefixIndex:
         self._blocks.clear()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Decision:
-    """Where one request goes under ``pd_mode = "adaptive"``, and why."""
+    """Where one request goes, and why (one object per request: compared and hashed by identity)."""
 
     local: bool
     reason: Reason
@@ -196,6 +200,13 @@ class PrefixRouter:
         self.sessions = policy.Sessions()
         self._indexed = routing.pd_mode == "adaptive" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
         self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
+        self._routed: weakref.WeakKeyDictionary[Instance, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
+        """Per instance, the approximate blocks of the prompts routed there in the last :data:`ROUTED_TTL_S`."""
+        self._prefilling: weakref.WeakKeyDictionary[Instance, weakref.WeakKeyDictionary[Decision, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Per prefill, the uncached tokens of each request picked for it whose leg 1 has not succeeded yet (a
+        request that ends otherwise drops out with its decision)."""
         self._exact_epoch: weakref.WeakKeyDictionary[Instance, int] = weakref.WeakKeyDictionary()
 
     def view(self, inst: Instance) -> PrefixIndex:
@@ -220,6 +231,14 @@ class PrefixRouter:
     def record(self, inst: Instance, plan: Decision) -> None:
         """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now."""
         self.view(inst).insert(plan.hashes)
+        pending = self._prefilling.get(inst)
+        if pending is not None:
+            pending.pop(plan, None)
+
+    def prefilling_tokens(self, inst: Instance) -> int:
+        """Prompt tokens ``inst`` still has to compute for the requests picked for it (their leg 1 not done)."""
+        pending = self._prefilling.get(inst)
+        return sum(pending.values()) if pending is not None else 0
 
     def cached(self, inst: Instance, plan: Decision) -> int:
         """Prompt tokens of ``plan`` cached on ``inst``, by the plan's view."""
@@ -239,9 +258,12 @@ class PrefixRouter:
     def pick(self, pool: Pool, role: Role, plan: Decision) -> Instance | None:
         """The instance of ``role`` for ``plan``'s request, by the role's policy; the pick's fields join
         ``plan.picks``."""
-        pick = self._choose(pool, role, plan.hashes, plan.token_ids, plan.cached_tokens + plan.uncached_tokens,
-                            plan.chars, plan.session)  # fmt: skip
+        prompt_tokens = plan.cached_tokens + plan.uncached_tokens
+        pick = self._choose(pool, role, plan.hashes, plan.token_ids, prompt_tokens, plan.chars, plan.session)
         plan.picks.append(pick.log_fields(role))
+        if role == "prefill" and pick.instance is not None:
+            new = prompt_tokens - self._cached(pick.instance, plan.hashes, plan.token_ids, prompt_tokens, plan.chars)[0]
+            self._prefilling.setdefault(pick.instance, weakref.WeakKeyDictionary())[plan] = new
         return pick.instance
 
     def _choose(
@@ -269,20 +291,50 @@ class PrefixRouter:
             if pick.instance is not None:  # the tree learns the request when it is routed, as the peers' do
                 self.view(pick.instance).insert(hashes)
         else:
-            pick = policy.kv_aware(cands, lambda i: self._cost(i, role, prompt_tokens, cached(i)), pool.rng, sticky)
+
+            def held(i: Instance) -> float:  # what the events say, or what was routed there a moment ago
+                routed = prompt_tokens * self._routed_blocks(i, hashes) * BLOCK_CHARS // max(1, chars)
+                return max(cached(i), min(prompt_tokens, routed))
+
+            pick = policy.kv_aware(cands, lambda i: self._cost(i, role, prompt_tokens, held(i)), pool.rng, sticky)
+            if pick.instance is not None:
+                self._route(pick.instance, hashes)
         if pick.instance is not None:
             self.sessions.remember(role, session, pick.instance.name)
         return pick
 
     def _cost(self, inst: Instance, role: Role, prompt_tokens: int, cached: float) -> float:
-        """``kv_aware``'s Dynamo cost in blocks: a prefill's ``max(in-flight + new - overlap, 0)``; a decode's
-        ``max(new - overlap, 0) + in-flight`` (its in-flight prompts hold its KV; it prefills only what it lacks)."""
+        """``kv_aware``'s Dynamo cost in blocks: a prefill's ``max(prefilling + new - overlap, 0)`` (prefilling: the
+        uncached tokens of its requests not yet through leg 1); a decode's ``max(new - overlap, 0) + in-flight``
+        (its in-flight prompts hold its KV; it computes only what it lacks)."""
         ev = self.exact_view(inst)
         bs = ev.block_size if ev is not None and ev.block_size else DEFAULT_BLOCK_TOKENS
         new = prompt_tokens - cached
         if role == "prefill":
-            return -(-max(inst.in_flight_tokens + new, 0) // bs)
+            return -(-max(self.prefilling_tokens(inst) + new, 0) // bs)
         return -(-max(new, 0) // bs) + -(-inst.in_flight_tokens // bs)
+
+    def _route(self, inst: Instance, hashes: Sequence[int]) -> None:
+        routed = self._routed.setdefault(inst, OrderedDict())
+        until = time.monotonic() + ROUTED_TTL_S
+        for h in hashes:
+            routed[h] = until
+            routed.move_to_end(h)
+        now = time.monotonic()
+        while routed and next(iter(routed.values())) < now:
+            routed.popitem(last=False)
+
+    def _routed_blocks(self, inst: Instance, hashes: Sequence[int]) -> int:
+        routed = self._routed.get(inst)
+        if not routed:
+            return 0
+        now = time.monotonic()
+        n = 0
+        for h in hashes:
+            if routed.get(h, 0.0) < now:
+                break
+            n += 1
+        return n
 
     def decide(
         self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int, token_ids: Sequence[int] | None = None,

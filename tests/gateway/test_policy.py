@@ -139,30 +139,43 @@ def _exact(gw: Gateway) -> KvEventSubscriber:
 def test_kv_aware_prices_overlap_against_load_with_dynamos_cost() -> None:
     gw = _gateway(decode_policy="kv_aware", prefix_view="exact", kv_events_port=1)
     router, d = _router(gw), _role(gw.pool, "decode")
-    ids = list(range(1000, 1000 + 8 * BS))  # 8 full blocks
-    _exact(gw).feed(_frames(d[1].name, 0, _stored(ids[: 6 * BS], range(1, 7))))  # decode-1 holds 6 of them
+    prompts = [list(range(1000 * k, 1000 * k + 8 * BS)) for k in range(1, 5)]  # 8 full blocks each, never routed
+    for k, ids in enumerate(prompts):  # decode-1 holds 6 blocks of each
+        _exact(gw).feed(_frames(d[1].name, k, _stored(ids[: 6 * BS], range(10 * k + 1, 10 * k + 7))))
     _exact(gw).feed(_frames(d[0].name, 0, _stored([7] * BS, [99])))  # decode-0 has published: block size known
-    plan = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
-    assert router.pick(gw.pool, "decode", plan) is d[1]
-    assert plan.picks[-1] == f"decode_pick=kv_aware:cost decode_scores={d[0].name}:8,{d[1].name}:2"
+
+    def pick(ids: list[int]) -> tuple[Instance | None, str]:
+        plan = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
+        return router.pick(gw.pool, "decode", plan), plan.picks[-1]
+
+    assert pick(prompts[0]) == (d[1], f"decode_pick=kv_aware:cost decode_scores={d[0].name}:8,{d[1].name}:2")
     with _busy(d[1], 1, tokens=5 * BS):  # 2 new + 5 in flight = 7 < 8: still the overlap
-        assert router.pick(gw.pool, "decode", plan) is d[1]
+        assert pick(prompts[1])[0] is d[1]
     with _busy(d[1], 1, tokens=7 * BS):  # 2 + 7 = 9 > 8: the load wins
-        assert router.pick(gw.pool, "decode", plan) is d[0]
+        assert pick(prompts[2])[0] is d[0]
     with _busy(d[1], 1, tokens=6 * BS):  # 8 = 8: a tie, broken at random
-        seen = {router.pick(gw.pool, "decode", plan) for _ in range(40)}
-    assert seen == set(d) and plan.picks[-1].startswith("decode_pick=kv_aware:random")
+        chosen, fields = pick(prompts[3])
+    assert fields.startswith("decode_pick=kv_aware:random ") and chosen in d
 
 
-def test_kv_aware_on_prefill_counts_in_flight_prefill_tokens() -> None:
+def test_kv_aware_counts_what_it_routed_a_moment_ago_and_what_prefills_still_compute() -> None:
+    """A prefill's load is the uncached tokens of the requests it has not finished; the prompt it was sent a moment
+    ago counts as held there before its events arrive (the routed index)."""
     gw = _gateway(prefill_policy="kv_aware", prefix_view="exact", kv_events_port=1)
     router, p = _router(gw), _role(gw.pool, "prefill")
-    ids = list(range(50, 50 + 4 * BS))
-    _exact(gw).feed(_frames(p[0].name, 0, _stored(ids, range(1, 5))))
-    plan = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
-    assert router.pick(gw.pool, "prefill", plan) is p[0]  # cost 0 vs 4
-    with _busy(p[0], 1, tokens=5 * BS):  # max(5 + 4 - 4, 0) = 5 > 4
-        assert router.pick(gw.pool, "prefill", plan) is p[1]
+    ids = list(range(50, 50 + 16 * BS))
+    first = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
+    a = router.pick(gw.pool, "prefill", first)
+    assert a is not None and router.prefilling_tokens(a) == len(ids)
+    other = p[1] if a is p[0] else p[0]
+    again = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
+    assert router.pick(gw.pool, "prefill", again) is other  # `a` is still computing the whole prompt: busier
+    router.record(a, first)  # leg 1 done; no event from `a` yet
+    assert router.prefilling_tokens(a) == 0
+    follow = router.decide(gw.pool, {"prompt": [*ids, 1, 2, 3]}, len(ids) + 3, [*ids, 1, 2, 3])
+    assert router.pick(gw.pool, "prefill", follow) is a  # held by the routed index; `other` still computes
+    del again, follow
+    assert router.prefilling_tokens(other) == 0  # requests that ended otherwise drop out with their decisions
 
 
 def test_kv_aware_without_the_exact_view_is_refused() -> None:
