@@ -1,0 +1,211 @@
+"""Which threads of a running deployment's workers use CPU, and what the busiest ones run (docs/cpu.md, "Idle
+engines").
+
+1. Per-thread CPU of each worker's process tree over ``--seconds`` (``/proc/PID/task/TID/stat``, utime + stime),
+   the busiest threads listed with their process, name and last CPU.
+2. With ``--native``: ``perf record -g -t TID`` on each thread above ``--busy-pct``, and its hottest call chains
+   (``perf report --no-children``), which name the native loop (NIXL's UCX progress thread, OpenMP, ...).
+3. With ``--probe-core N``: what a bystander on core N gets beside the deployment: a pure-Python loop's speed
+   and a 1 ms sleep's wake-up lateness (p50/p99/max), the same as with the deployment stopped.
+4. With ``--ab ROUNDS``: the busy threads' scheduling policy A/B, interleaved: ``pdctl bench -w doc -n 8
+   --concurrency 2`` through the gateway with them at SCHED_OTHER (as started), then at SCHED_IDLE (they run
+   only when their core has nothing else to run), ROUNDS times; each arm's TTFT/TPOT medians. They are put back
+   to SCHED_OTHER at the end. Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu).
+
+    .venv/bin/python -m benchmarks.idle_threads -c examples/cpu/config.toml -s examples/cpu/settings.json \\
+        [--seconds 15] [--native] [--probe-core 0] [--ab 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from pdctl.config import load
+from pdctl.runtime.rundir import read_state
+
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadCpu:
+    """One thread's share of a core over the window."""
+
+    worker: str
+    pid: int
+    process: str
+    tid: int
+    name: str
+    last_cpu: int
+    pct: float
+
+
+def _ticks(pid: int, tid: int) -> tuple[str, int, int] | None:
+    try:
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except OSError:
+        return None
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return name, int(fields[11]) + int(fields[12]), int(fields[36])
+
+
+def _sample(workers: dict[str, int]) -> dict[tuple[str, int, str, int], tuple[str, int, int]]:
+    out = {}
+    for worker, root in workers.items():
+        try:
+            procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                pname, tids = p.name(), [t.id for t in p.threads()]
+            except psutil.Error:
+                continue
+            for tid in tids:
+                got = _ticks(p.pid, tid)
+                if got:
+                    out[(worker, p.pid, pname, tid)] = got
+    return out
+
+
+def thread_cpu(workers: dict[str, int], seconds: float) -> list[ThreadCpu]:
+    """Every thread of the workers' trees, busiest first."""
+    before = _sample(workers)
+    time.sleep(seconds)
+    after = _sample(workers)
+    rows = [
+        ThreadCpu(k[0], k[1], k[2], k[3], name, cpu, round((ticks - before[k][1]) / _HZ / seconds * 100, 1))
+        for k, (name, ticks, cpu) in after.items()
+        if k in before
+    ]
+    return sorted(rows, key=lambda r: -r.pct)
+
+
+def native_chains(tid: int, seconds: float = 4.0, lines: int = 18) -> str:
+    """The hottest call chains of one thread, from perf."""
+    with tempfile.TemporaryDirectory() as d:
+        data = os.path.join(d, "perf.data")
+        rec = subprocess.run(["perf", "record", "-q", "-g", "-t", str(tid), "-o", data, "--", "sleep", str(seconds)],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        if rec.returncode != 0:
+            return f"perf record failed: {rec.stderr.strip()[-300:]}"
+        rep = subprocess.run(["perf", "report", "-q", "--stdio", "--no-children", "-i", data],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        return "\n".join([ln for ln in rep.stdout.splitlines() if ln.strip()][:lines])
+
+
+_LOOP = """
+import time
+end = time.perf_counter() + {s}
+n = 0
+while time.perf_counter() < end:
+    for _ in range(10000):
+        n += 1
+print(n / {s})
+"""
+_WAKE = """
+import json, time
+late = []
+for _ in range({n}):
+    t = time.perf_counter()
+    time.sleep(0.001)
+    late.append((time.perf_counter() - t - 0.001) * 1000)
+late.sort()
+print(json.dumps([late[len(late) // 2], late[int(len(late) * 0.99)], late[-1]]))
+"""
+
+
+def probe(core: int, seconds: float = 5.0, wakes: int = 2000) -> dict[str, float]:
+    """A bystander pinned to ``core``: Python loop iterations/s, and a 1 ms sleep's lateness (ms)."""
+    pin = ["taskset", "-c", str(core), sys.executable, "-c"]
+    loop = subprocess.run([*pin, _LOOP.format(s=seconds)], capture_output=True, text=True, check=True)
+    wake = subprocess.run([*pin, _WAKE.format(n=wakes)], capture_output=True, text=True, check=True)
+    p50, p99, worst = json.loads(wake.stdout)
+    return {"loop_mit_s": float(loop.stdout) / 1e6, "wake_p50_ms": p50, "wake_p99_ms": p99, "wake_max_ms": worst}
+
+
+def set_policy(tids: list[int], policy: int) -> None:
+    """SCHED_OTHER or SCHED_IDLE for each thread (one gone meanwhile is skipped)."""
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:
+            pass
+
+
+def bench(config: str, settings: str, out: Path) -> dict[str, float]:
+    """One short ``pdctl bench`` run through the gateway: completed, failed, TTFT and TPOT medians (ms)."""
+    pdctl = [sys.executable, "-m", "pdctl", "bench", "-c", config, "-s", settings, "-w", "doc", "-n", "8",
+             "--concurrency", "2", "--warmup", "1", "--timeout", "300", "-o", str(out)]  # fmt: skip
+    subprocess.run(pdctl, capture_output=True, text=True, check=True)
+    run = json.loads(out.read_text(encoding="utf-8"))
+    return {k: float(run[k]) for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")}
+
+
+def ab(config: str, settings: str, tids: list[int], rounds: int) -> dict[str, list[dict[str, float]]]:
+    """Benchmarks with ``tids`` at SCHED_OTHER and at SCHED_IDLE, interleaved; SCHED_OTHER again at the end."""
+    arms: dict[str, list[dict[str, float]]] = {"SCHED_OTHER": [], "SCHED_IDLE": []}
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            for i in range(rounds):
+                for name, policy in (("SCHED_OTHER", os.SCHED_OTHER), ("SCHED_IDLE", os.SCHED_IDLE)):
+                    set_policy(tids, policy)
+                    arms[name].append(bench(config, settings, Path(d) / f"{name}-{i}.json"))
+                    print(f"  {name} round {i + 1}: {arms[name][-1]}")
+    finally:
+        set_policy(tids, os.SCHED_OTHER)
+    return arms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-c", "--config", default="config.toml")
+    ap.add_argument("-s", "--settings", default="settings.json")
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--busy-pct", type=float, default=20.0, help="a thread above it is 'busy' (--native)")
+    ap.add_argument("--native", action="store_true", help="perf call chains of the busy threads")
+    ap.add_argument("--probe-core", type=int, default=None, help="measure a bystander on this core")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="SCHED_OTHER vs SCHED_IDLE of the busy threads")
+    ap.add_argument("--json", default=None, help="write the measurements here")
+    a = ap.parse_args()
+    dep = load(Path(a.config), Path(a.settings))
+    state = read_state(dep.run_dir)
+    workers = {p["name"]: p["pid"] for p in state.processes if p.get("role") in ("prefill", "decode") and p.get("pid")}
+    if not workers:
+        sys.exit(f"no running worker in {dep.run_dir}/state.json")
+    rows = thread_cpu(workers, a.seconds)
+    result: dict[str, object] = {"seconds": a.seconds, "threads": [asdict(r) for r in rows[: a.top]]}
+    for w in workers:
+        print(f"{w}: {sum(r.pct for r in rows if r.worker == w):.1f} % of a core ({a.seconds:g} s, idle)")
+    for r in rows[: a.top]:
+        print(f"  {r.pct:5.1f} %  {r.worker} pid {r.pid} ({r.process}) tid {r.tid} {r.name!r} on CPU {r.last_cpu}")
+    if a.native:
+        if shutil.which("perf") is None:
+            print("perf is not installed: no native stacks (apt-get install linux-perf)")
+        for r in (r for r in rows if r.pct >= a.busy_pct):
+            print(f"== tid {r.tid} ({r.worker}, {r.pct} %)\n{native_chains(r.tid)}")
+    if a.probe_core is not None:
+        result["probe"] = probe(a.probe_core)
+        print(f"bystander on core {a.probe_core}: {result['probe']}")
+    if a.ab:
+        busy = [r.tid for r in rows if r.pct >= a.busy_pct]
+        print(f"A/B of {len(busy)} busy thread(s) {busy}: SCHED_OTHER vs SCHED_IDLE, {a.ab} round(s)")
+        result["ab"] = ab(a.config, a.settings, busy, a.ab)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
