@@ -98,6 +98,8 @@ class StreamOutcome:
     """``identical``, ``tie``, ``diverged``, or ``-`` when the stream failed."""
     decode: str | None = None
     error: str | None = None
+    max_gap_s: float = 0.0
+    """The longest wait between two events the client received (a migration's stall shows here)."""
 
 
 @dataclass
@@ -215,6 +217,8 @@ class _Stream:
     status: str = "running"
     decode: str | None = None
     error: str | None = None
+    last_at: float | None = None
+    max_gap_s: float = 0.0
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], st: _Stream) -> None:
@@ -233,6 +237,10 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], st:
                 if data == "[DONE]":
                     done = True
                     continue
+                now = time.monotonic()
+                if st.last_at is not None:
+                    st.max_gap_s = max(st.max_gap_s, now - st.last_at)
+                st.last_at = now
                 ev = json.loads(data)
                 if "error" in ev:
                     st.status, st.error = "error_event", json.dumps(ev["error"])[:300]
@@ -351,7 +359,7 @@ async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, arm: str, c
             div = first_divergence(ref, got) if got is not None else None
             verdict = "identical" if got is not None and div is None else (div.verdict if div else "diverged")
             verdict = "diverged" if verdict == "corruption" else verdict
-        outcomes.append(StreamOutcome(st.status, st.tokens, verdict, st.decode, st.error))
+        outcomes.append(StreamOutcome(st.status, st.tokens, verdict, st.decode, st.error, round(st.max_gap_s, 3)))
     return FaultRun(arm, case, repeat, target, outcomes, recovery, kv_after, moved)
 
 
@@ -372,6 +380,7 @@ def summarize(runs: list[FaultRun], max_tokens: int) -> list[dict[str, Any]]:
             "wrong_length": sum(o.status == "ok" and o.tokens != max_tokens for o in outs),
             "diverged": sum(o.verdict == "diverged" for o in outs),
             "ties": sum(o.verdict == "tie" for o in outs),
+            "longest_gap_s": round(max((o.max_gap_s for o in outs), default=0.0), 1),
             "recovery_s_max": round(max(recov), 1) if recov else None,
             "unrecovered": sum(r.recovery_s is None for r in mine),
             "prefill_kv_after_max": max((r.prefill_kv_usage_after or 0.0) for r in mine),
