@@ -52,6 +52,7 @@ __all__ = [
     "RenderedCompose",
     "findings",
     "host_of",
+    "hosts",
     "next_steps",
     "render",
     "write",
