@@ -22,8 +22,9 @@ Counted for each stream against the same prompt's answer from a fault-free run b
 client-visible failure (an HTTP error, an error event, or a stream that ended short), duplicated or missing tokens
 (more or fewer token ids than ``max_tokens`` in a stream that ended well), and the answer judged by verify's rule
 (:func:`pdctl.verify.proof.first_divergence`: identical, a near-tie flip, or diverged with a clear margin). For
-each fault: the time until a fresh request is served on both legs again, and the prefill's KV cache usage once
-everything is idle again (KV that a dead attempt left held). Requests of one case run while nothing else does;
+each fault: the time until a fresh request is served on both legs again, the time until every worker answers
+``/health`` again (the next fault waits for it), and the prefill's KV cache usage once everything is idle again
+(KV that a dead attempt left held). Requests of one case run while nothing else does;
 the deployment stays up across cases (the supervisor restarts what died). The report is JSON (``--out``) and a
 table on stdout. Not a test: the numbers are rates over repeats, docs/reliability.md records them.
 
@@ -112,6 +113,9 @@ class FaultRun:
     target: str
     streams: list[StreamOutcome]
     recovery_s: float | None
+    """Seconds from the fault until a fresh request was served on both legs (another decode may serve at once)."""
+    restored_s: float | None
+    """Seconds from the fault until every worker answered ``/health`` again (the supervisor's restart)."""
     prefill_kv_usage_after: float | None
     migrations: float | None
 
@@ -166,8 +170,9 @@ def write_deployment(d: Path, cfg: ChaosConfig, arm: dict[str, Any] | None = Non
         section, _, leaf = dotted.partition(".")
         settings.setdefault(section, {})[leaf] = value
     (d / "settings.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
+    workers = [f"http://127.0.0.1:{p}" for p in (prefill_port, *decode_ports)]
     return {"gateway": f"http://127.0.0.1:{gateway_port}", "prefill": f"http://127.0.0.1:{prefill_port}",
-            "model": "tiny" if cfg.engine == "vllm" else model, "sides": sides}  # fmt: skip
+            "workers": workers, "model": "tiny" if cfg.engine == "vllm" else model, "sides": sides}  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -289,6 +294,19 @@ def _ready_on_both_legs(url: str, model: str, deadline_s: float) -> float | None
     return None
 
 
+def _all_healthy(urls: list[str], started: float, deadline_s: float) -> float | None:
+    """Seconds since ``started`` when every worker answered ``/health`` with 200; None by the deadline."""
+    while time.monotonic() - started < deadline_s:
+        ok = 0
+        for u in urls:
+            with contextlib.suppress(httpx.HTTPError):
+                ok += httpx.get(f"{u}/health", timeout=5).status_code == 200
+        if ok == len(urls):
+            return time.monotonic() - started
+        time.sleep(0.5)
+    return None
+
+
 def _scrape(url: str, name: str) -> float | None:
     with contextlib.suppress(httpx.HTTPError):
         text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
@@ -336,6 +354,7 @@ async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, arm: str, c
         elif case == "block-nixl":
             _iptables("-I", side)
         # From the fault on: with another decode serving, the deployment may never stop serving fresh requests.
+        struck = time.monotonic()
         recovering = asyncio.create_task(asyncio.to_thread(_ready_on_both_legs, url, model, 900))
         try:
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=400)
@@ -348,6 +367,8 @@ async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, arm: str, c
             elif case == "block-nixl":
                 _iptables("-D", side)
     recovery = await recovering
+    # The next fault strikes a whole deployment again: wait for the restarted (or resumed) worker.
+    restored = await asyncio.to_thread(_all_healthy, dep["workers"], struck, 900)
     kv_after = await asyncio.to_thread(_idle_kv, dep["prefill"], cfg.settle_s)
     after = _scrape(url, "pdctl_migrations_total")
     moved = None if after is None else after - (migrations_before or 0.0)
@@ -360,7 +381,7 @@ async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, arm: str, c
             verdict = "identical" if got is not None and div is None else (div.verdict if div else "diverged")
             verdict = "diverged" if verdict == "corruption" else verdict
         outcomes.append(StreamOutcome(st.status, st.tokens, verdict, st.decode, st.error, round(st.max_gap_s, 3)))
-    return FaultRun(arm, case, repeat, target, outcomes, recovery, kv_after, moved)
+    return FaultRun(arm, case, repeat, target, outcomes, recovery, restored, kv_after, moved)
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -382,6 +403,7 @@ def summarize(runs: list[FaultRun], max_tokens: int) -> list[dict[str, Any]]:
             "ties": sum(o.verdict == "tie" for o in outs),
             "longest_gap_s": round(max((o.max_gap_s for o in outs), default=0.0), 1),
             "recovery_s_max": round(max(recov), 1) if recov else None,
+            "restored_s_max": round(max((r.restored_s or 0.0) for r in mine), 1),
             "unrecovered": sum(r.recovery_s is None for r in mine),
             "prefill_kv_after_max": max((r.prefill_kv_usage_after or 0.0) for r in mine),
             "migrations": sum(r.migrations or 0.0 for r in mine),
