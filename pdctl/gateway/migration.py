@@ -12,8 +12,8 @@ tokens, which ``continue_final_message`` (re-tokenising the answer's text) does 
 event is rewritten into the client's stream: the first leg's response id, ``created`` and model, chat's
 ``chat.completion.chunk`` shape for a chat request, and one final usage block counting the prompt and the
 whole answer. The target, in order: another available decode; else an available prefill, serving the rest
-whole (``migrated=prefill`` in the access log); else the failed decode once a ``/health`` probe passes again,
-within ``gateway.request_timeout_s``.
+whole (``migrated=prefill`` in the access log); else a decode (the dead one, restarted) once a ``/health``
+probe passes, within ``gateway.request_timeout_s``.
 
 What is not migrated (the stream ends with one error event, as without migration): the agent routes
 (``/v1/messages``, ``/v1/responses``: vLLM returns no token ids there), ``n > 1``, ``echo``, chat's logprobs
@@ -31,18 +31,17 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, translate_worker_error
-from pdctl.gateway.routing import Instance
+from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.routing import Instance, Pool
+from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.vllm.transport import TransportError
 
-if TYPE_CHECKING:
-    from pdctl.gateway.pd import PdContext
-
-__all__ = ["MIGRATABLE", "Sent", "eligible", "first_leg_body", "read_sent", "resume"]
+__all__ = ["MIGRATABLE", "Context", "Sent", "eligible", "first_leg_body", "read_sent", "resume"]
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -64,6 +63,21 @@ _NOT_MIGRATED = (
 )  # fmt: skip
 #: Chat's logprobs have their own shape, which a completions continuation does not give.
 _NOT_MIGRATED_CHAT = ("logprobs", "top_logprobs")
+
+
+class Context(Protocol):
+    """What a migration uses of the gateway (:class:`pdctl.gateway.pd.PdContext` has it)."""
+
+    @property
+    def settings(self) -> GatewaySettings: ...
+    @property
+    def pool(self) -> Pool: ...
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+    @property
+    def secrets(self) -> tuple[str, ...]: ...
+
+
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 #: How often the wait for a restarted decode probes it.
 _PROBE_EVERY_S = 0.5
@@ -257,7 +271,7 @@ def _client_wants(body: Mapping[str, Any], what: str) -> bool:
 
 
 async def resume(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
+    ctx: Context, ex: Exchange, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
     err: ApiError,
 ) -> None:  # fmt: skip
     """Continue a broken stream (module docstring); raises the last error when it cannot."""
@@ -265,6 +279,7 @@ async def resume(
     rw = _Rewriter(sent, endpoint == CHAT, _client_wants(body, "ids"))
     limit = ctx.settings.gateway.migration_limit
     deadline = time.monotonic() + ctx.settings.gateway.request_timeout_s
+    broken = [failed]
     while True:
         if sent.finish_reason is not None:  # the answer was complete: only its end was lost
             await _end(ex, rw, wants_usage and not sent.usage_sent)
@@ -280,7 +295,7 @@ async def resume(
             await ex.body(_frame({**rw.head(), "choices": [rw.choice("", [], "length", None)]}), more=True)
             sent.finish_reason = "length"
             continue
-        target, kind = await _target(ctx, failed, deadline)
+        target, kind = await _target(ctx, broken, deadline)
         if target is None:
             _count(ctx, "-", "no_target")
             raise err
@@ -293,14 +308,15 @@ async def resume(
             await _continue(ctx, ex, target, continuation_body(body, sent), rw)
         except ApiError as again:
             _count(ctx, kind, "failed")
-            err, failed = again, target
+            err = again
+            broken.append(target)
             continue
         _count(ctx, kind, "ok")
         await _end(ex, rw, wants_usage)
         return
 
 
-def _count(ctx: PdContext, target: str, outcome: str) -> None:
+def _count(ctx: Context, target: str, outcome: str) -> None:
     ctx.metrics.child(ctx.metrics.migrations, target, outcome).inc()
 
 
@@ -309,24 +325,27 @@ async def _end(ex: Exchange, rw: _Rewriter, usage: bool) -> None:
     ex.tokens = len(rw.sent.tokens)
 
 
-async def _target(ctx: PdContext, failed: Instance, deadline: float) -> tuple[Instance | None, str]:
-    """Another decode; else a prefill serving the rest whole; else ``failed`` once it answers ``/health``."""
+async def _target(ctx: Context, failed: list[Instance], deadline: float) -> tuple[Instance | None, str]:
+    """Another decode; else a prefill serving the rest whole; else a decode (the dead one, restarted) once it
+    answers ``/health``. ``failed``: the workers this stream already broke on."""
     pool = ctx.pool
-    others = [i for i in pool.instances if i.role == "decode" and i is not failed and i.available()]
+    others = [i for i in pool.by_role("decode") if i not in failed and i.available()]
     if others:
         return pool.choose(("decode",), among=others), "decode"
-    prefills = [i for i in pool.instances if i.role == "prefill" and i.available()]
+    prefills = [i for i in pool.by_role("prefill") if i not in failed and i.available()]
     if prefills:
         return pool.choose(("prefill",), among=prefills), "prefill"
     while time.monotonic() < deadline:
-        await pool.probe(failed)
-        if failed.healthy and failed.available():
-            return failed, "restarted"
+        decodes = pool.by_role("decode")
+        await asyncio.gather(*(pool.probe(i) for i in decodes))
+        back = [i for i in decodes if i.healthy and i.available()]
+        if back:
+            return pool.choose(("decode",), among=back), "restarted"
         await asyncio.sleep(_PROBE_EVERY_S)
     return None, "-"
 
 
-async def _continue(ctx: PdContext, ex: Exchange, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:
+async def _continue(ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:
     """One continuation call, its events rewritten into the client's stream; ApiError when it breaks."""
     rid = f"{ex.request_id}-migrated{ex.migrations}"
     headers = {"content-type": "application/json", "x-request-id": rid}
@@ -347,7 +366,7 @@ async def _continue(ctx: PdContext, ex: Exchange, inst: Instance, body: dict[str
 
 
 async def _call(
-    ctx: PdContext, ex: Exchange, inst: Instance, body: dict[str, Any], headers: dict[str, str], rw: _Rewriter
+    ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], headers: dict[str, str], rw: _Rewriter
 ) -> int:
     try:
         resp = await inst.client.request("POST", COMPLETIONS, body=codec.encode(body), headers=headers)
@@ -370,7 +389,7 @@ async def _call(
     return resp.status
 
 
-async def _relay_continuation(ctx: PdContext, ex: Exchange, inst: Instance, resp: Any, rw: _Rewriter) -> None:
+async def _relay_continuation(ctx: Context, ex: Exchange, inst: Instance, resp: Any, rw: _Rewriter) -> None:
     pending = b""
     while True:
         try:

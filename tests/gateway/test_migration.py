@@ -103,9 +103,12 @@ def test_decode_death_mid_stream_continues_on_the_other_decode(
                 if headers["x-pd-decode"] == "decode-0":
                     broken = events
                     break
+            # (the access line is written after the response's end: wait for it while capturing)
+            assert wait_for(
+                lambda: any("migrations=1 migrated=decode:decode-1" in r.getMessage() for r in caplog.records)
+            )
         assert broken is not None
         assert g.metric("pdctl_migrations_total", target="decode", outcome="ok") == 1
-        assert wait_for(lambda: any("migrations=1 migrated=decode:decode-1" in r.getMessage() for r in caplog.records))
         _, reference = _stream(g, endpoint, body)  # decode-0 is gone: uninterrupted, on decode-1
         prompt_tokens = next(e for e in reference if isinstance(e, dict) and e.get("usage"))["usage"]["prompt_tokens"]
         _check_one_answer(broken, chat, prompt_tokens, 24)
@@ -129,10 +132,10 @@ def test_one_decode_continues_on_the_prefill_serving_it_whole(
     try:
         with caplog.at_level(logging.INFO, logger="pdctl.gateway.access"):
             headers, events = _stream(g, "/v1/completions", body)
+            assert wait_for(lambda: any("migrated=prefill:prefill" in r.getMessage() for r in caplog.records))
         assert headers["x-request-id"] and events[-1] == "[DONE]"
         assert _text(events, chat=False) == reference
         assert g.metric("pdctl_migrations_total", target="prefill", outcome="ok") == 1
-        assert wait_for(lambda: any("migrated=prefill:prefill" in r.getMessage() for r in caplog.records))
         assert g.metric("pdctl_requests_total", path="disagg", status="200") == 1
     finally:
         g.stop()
