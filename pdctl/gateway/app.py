@@ -58,7 +58,7 @@ from pdctl.gateway.routing import Pool
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
-from pdctl.gateway.tracing import Tracing
+from pdctl.gateway.tracing import Tracing, answer_text
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
 from pdctl.vllm.kv_events import bind_endpoint
@@ -311,8 +311,9 @@ class Gateway:
             ex.upstream_allowed = entry.upstream
             raw = await self._read_body(scope, receive, ex)
             body = parse_body(raw, self.settings.max_nesting)
-            if ex.trace is not None:
+            if ex.trace is not None and ex.trace.wants_content:
                 ex.trace.prompt(body)
+                ex.transcript = []
             gone = _client_gone(ex, asyncio.current_task())
             if not watch_disconnect(send, gone):
                 watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
@@ -396,6 +397,8 @@ class Gateway:
         if ex.ttft_s is not None:
             m.child(m.ttft, ex.path).observe(ex.ttft_s)
         if ex.trace is not None and ex.trace.recording:
+            if ex.transcript:
+                ex.trace.answer(answer_text(b"".join(ex.transcript), ex.stream))
             ex.trace.end(_span_attributes(ex, status_label), status_label == "stream_error" or ex.status >= 500)
         access.info(ex.access_line(status_label, duration))
 

@@ -406,6 +406,8 @@ async def _relay_continuation(ctx: Context, ex: Exchange, inst: Instance, resp: 
         for ev in _events(data):
             if ev == "[DONE]":
                 if out:
+                    if ex.transcript is not None:
+                        ex.transcript.append(out)
                     await ex.body(out, more=True)
                 return
             if isinstance(ev, dict) and "error" in ev and "choices" not in ev:
@@ -413,4 +415,6 @@ async def _relay_continuation(ctx: Context, ex: Exchange, inst: Instance, resp: 
             if isinstance(ev, dict):
                 out += rw.event(ev)
         if out:
+            if ex.transcript is not None:
+                ex.transcript.append(out)
             await ex.body(out, more=True)

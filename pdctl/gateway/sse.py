@@ -78,6 +78,9 @@ class Exchange:
     """The request's trace context (:mod:`pdctl.gateway.tracing`): the headers each worker call carries, and
     spans when tracing; None: no trace headers at all."""
     wire: Wire = "openai"
+    transcript: list[bytes] | None = None
+    """The response body's bytes as the client got them, kept only for ``logging.trace_content``
+    (:meth:`pdctl.gateway.tracing.RequestTrace.answer`)."""
     upstream_allowed: bool = True
     """Whether the client's key may use the upstream channel (``gateway.fallback = "upstream"`` asks it too)."""
     """The route's dialect: error bodies, mid-stream error events and the end of a stream follow it."""
@@ -218,9 +221,12 @@ class _Stream:
     the relay task holds a piece it has not written yet (``busy``) or the client's socket cannot take one.
     """
 
-    __slots__ = ("busy", "direct", "end", "ended", "events", "first_at", "keep", "last_at", "out", "pending", "tail")
+    __slots__ = ("busy", "copy", "direct", "end", "ended", "events", "first_at", "keep", "last_at", "out", "pending",
+                 "tail")  # fmt: skip
 
-    def __init__(self, wire: Wire, out: ClientSocket | None, keep: Kept | None = None) -> None:
+    def __init__(
+        self, wire: Wire, out: ClientSocket | None, keep: Kept | None = None, copy: list[bytes] | None = None
+    ) -> None:
         self.end = None if wire == "openai" else END_EVENTS[wire]
         self.ended = False
         self.events = 0
@@ -232,6 +238,7 @@ class _Stream:
         self.busy = False
         self.direct = 0
         self.keep = keep
+        self.copy = copy
 
     def take(self, chunk: bytes) -> bytes:
         """Account for ``chunk``; returns the whole events ready to go out (maybe ``b""``)."""
@@ -253,7 +260,9 @@ class _Stream:
                       _end_of(chunk, b"\n\r"))  # fmt: skip
             chunk, self.pending = chunk[:cut], chunk[cut:]
         if self.keep is not None and chunk:
-            return self.keep.add(chunk)
+            chunk = self.keep.add(chunk)
+        if self.copy is not None and chunk:
+            self.copy.append(chunk)
         return chunk
 
     def give(self, chunk: bytes) -> bool:
@@ -295,13 +304,15 @@ async def relay(
         m = _PROMPT_TOKENS.search(data)
         out.prompt_tokens = int(m.group(1)) if m else None
         out.done = True
+        if ex.transcript is not None:
+            ex.transcript.append(data)
         await ex.respond(200, data)
         return out
     await ex.start(200, b"text/event-stream; charset=utf-8")
     send = ex.send
     read = resp.chunk
     forward = getattr(resp, "forward", None)
-    st = _Stream(ex.wire, client_socket(send) if forward is not None else None, keep)
+    st = _Stream(ex.wire, client_socket(send) if forward is not None else None, keep, ex.transcript)
     last_event = END_EVENTS[ex.wire]
     at_end = getattr(resp, "at_end", None)
     final = b""  # the stream's last events, when its whole body is in: sent with the body's end, in one write

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Leg", "RequestTrace", "TraceParent", "Tracing", "parse_traceparent"]
+__all__ = ["Leg", "RequestTrace", "TraceParent", "Tracing", "answer_text", "parse_traceparent"]
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -157,6 +157,48 @@ class RequestTrace:
         if failed:
             span.set_status(_error_status())
         span.end()
+
+
+def _text_of(obj: Any) -> str:
+    """The text one response object or stream event adds, in any route's dialect."""
+    if not isinstance(obj, dict):
+        return ""
+    out = []
+    for c in obj.get("choices") or ():  # chat (message or delta), completions (text)
+        if isinstance(c, dict):
+            part = c.get("text") or (c.get("delta") or c.get("message") or {}).get("content")
+            out.append(part if isinstance(part, str) else "")
+    kind = obj.get("type")
+    if kind == "content_block_delta":  # Anthropic messages, streamed
+        out.append(str((obj.get("delta") or {}).get("text") or ""))
+    elif kind == "response.output_text.delta":  # OpenAI Responses, streamed
+        out.append(str(obj.get("delta") or ""))
+    elif kind == "message" and not obj.get("choices"):  # Anthropic messages, whole
+        out += [str(b.get("text") or "") for b in obj.get("content") or () if isinstance(b, dict)]
+    elif obj.get("object") == "response":  # OpenAI Responses, whole
+        for item in obj.get("output") or ():
+            for b in (item.get("content") or ()) if isinstance(item, dict) else ():
+                if isinstance(b, dict) and b.get("type") == "output_text":
+                    out.append(str(b.get("text") or ""))
+    return "".join(out)
+
+
+def answer_text(data: bytes, stream: bool) -> str:
+    """The answer's text in a response body (``stream``: an SSE body's events joined), for ``trace_content``."""
+    if not stream:
+        try:
+            return _text_of(json.loads(data))
+        except ValueError:
+            return ""
+    from pdctl.vllm.sse import sse_events
+
+    out = []
+    for payload in sse_events(data):
+        try:
+            out.append(_text_of(json.loads(payload)))
+        except ValueError:
+            continue  # [DONE]
+    return "".join(out)
 
 
 def _context_headers(span: Any) -> dict[str, str]:

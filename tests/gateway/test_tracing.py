@@ -21,7 +21,7 @@ import pytest
 from pdctl.config import LoggingConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
-from pdctl.gateway.tracing import parse_traceparent
+from pdctl.gateway.tracing import answer_text, parse_traceparent
 from pdctl.testing import free_port
 from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 from tests.conftest import REPO
@@ -336,25 +336,56 @@ def _assert_no_secrets(receiver: _Receiver) -> None:
         assert secret not in text, f"{secret!r} in an exported span"
 
 
-def test_trace_content_puts_the_prompt_in_the_server_span_and_nowhere_else(receiver: _Receiver) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_trace_content_puts_the_prompt_and_the_answer_in_the_server_span_only(
+    receiver: _Receiver, stream: bool
+) -> None:
     workers = _workers()
+    if stream:
+        workers["decode"].default = _streamed()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
 
     async def test(app: Gateway) -> None:
-        await _post(
-            app,
-            {**_chat(), "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]},
-            {"x-request-id": "c"},
-        )
+        await _post(app, {**_chat(stream), "messages": messages}, {"x-request-id": "c"})
 
     run_app(_gateway(workers, receiver.url, content=True), test)
     spans = {s["name"]: s for s in receiver.spans()}
     server = spans["POST /v1/chat/completions"]
-    assert json.loads(server["attrs"]["gen_ai.input.messages"]) == {
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
-    }
+    assert json.loads(server["attrs"]["gen_ai.input.messages"]) == {"messages": messages}
+    assert server["attrs"]["gen_ai.output.messages"] == ANSWER
     for leg in ("prefill", "decode"):
-        assert PROMPT not in repr(spans[leg]["attrs"])
+        assert PROMPT not in repr(spans[leg]["attrs"]) and ANSWER not in repr(spans[leg]["attrs"])
     assert KEY not in repr(receiver.requests) and "Bearer" not in repr(receiver.requests)
+
+
+@pytest.mark.parametrize(
+    ("body", "stream", "text"),
+    [
+        (b'{"choices": [{"index": 0, "text": "ab"}]}', False, "ab"),
+        (
+            b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\ndata: {"choices": [{"delta": {"content": "a"}}]}'
+            b'\n\ndata: {"choices": [{"delta": {"content": "b"}}]}\n\ndata: [DONE]\n\n',
+            True,
+            "ab",
+        ),
+        (
+            b'event: content_block_delta\ndata: {"type": "content_block_delta", "delta": {"type": "text_delta", '
+            b'"text": "ab"}}\n\n',
+            True,
+            "ab",
+        ),
+        (b'{"type": "message", "content": [{"type": "text", "text": "ab"}]}', False, "ab"),
+        (b'data: {"type": "response.output_text.delta", "delta": "ab"}\n\n', True, "ab"),
+        (
+            b'{"object": "response", "output": [{"type": "message", "content": [{"type": "output_text", "text": "ab"}]}]}',
+            False,
+            "ab",
+        ),
+    ],
+    ids=["completions", "chat-stream", "messages-stream", "messages", "responses-stream", "responses"],
+)
+def test_answer_text_reads_every_routes_dialect(body: bytes, stream: bool, text: str) -> None:
+    assert answer_text(body, stream) == text
 
 
 def test_a_sampled_out_request_exports_no_span_and_tells_the_workers_not_to_record(
