@@ -78,14 +78,16 @@ def _chat(dep: Deployment, messages: list[dict[str, Any]]) -> httpx.Response:
     return r
 
 
-def _access(dep: Deployment) -> dict[str, dict[str, str]]:
-    out: dict[str, dict[str, str]] = {}
-    for log in (dep.run_dir / "logs").glob("gateway*.log"):
-        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-            fields = parse_access(line)
-            if fields is not None:
-                out[fields["request_id"]] = fields
-    return out
+def _access(dep: Deployment, request_id: str) -> dict[str, str]:
+    """The request's access-log fields, once the line reached the gateway's log file."""
+    for _ in range(300):
+        for log in (dep.run_dir / "logs").glob("gateway*.log"):
+            for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+                fields = parse_access(line)
+                if fields is not None and fields["request_id"] == request_id:
+                    return fields
+        time.sleep(0.1)
+    pytest.fail(f"no access line for {request_id} in {dep.run_dir / 'logs'}")
 
 
 def _events_from(dep: Deployment, instance: str, at_least: float, timeout_s: float = 30.0) -> float:
@@ -127,7 +129,7 @@ def test_later_turns_go_to_the_decode_holding_the_history(xpyd: tuple[Deployment
                 held[c] = decode
             else:
                 assert decode == held[c], (c, turn, r.headers)
-                fields = _access(dep)[r.headers["x-request-id"]]
+                fields = _access(dep, r.headers["x-request-id"])
                 assert fields["decode_pick"] == "kv_aware:cost", fields
                 costs = {k: int(v) for k, v in (s.split(":") for s in fields["decode_scores"].split(","))}
                 assert costs[decode] < min(v for k, v in costs.items() if k != decode), fields
