@@ -263,20 +263,19 @@ class _Rewriter:
         return out
 
 
-def _client_wants(body: Mapping[str, Any], what: str) -> bool:
-    if what == "usage":
-        opts = body.get("stream_options")
-        return isinstance(opts, Mapping) and bool(opts.get("include_usage"))
-    return bool(body.get("return_token_ids"))
+def _wants_usage(body: Mapping[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, Mapping) and bool(opts.get("include_usage"))
 
 
 async def resume(
     ctx: Context, ex: Exchange, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
-    err: ApiError,
+    err: ApiError, with_ids: bool,
 ) -> None:  # fmt: skip
-    """Continue a broken stream (module docstring); raises the last error when it cannot."""
-    wants_usage = _client_wants(body, "usage")
-    rw = _Rewriter(sent, endpoint == CHAT, _client_wants(body, "ids"))
+    """Continue a broken stream (module docstring); raises the last error when it cannot. ``body``: the first
+    leg's (:func:`first_leg_body`); ``with_ids``: whether the client itself asked for ``return_token_ids``."""
+    wants_usage = _wants_usage(body)
+    rw = _Rewriter(sent, endpoint == CHAT, with_ids)
     limit = ctx.settings.gateway.migration_limit
     deadline = time.monotonic() + ctx.settings.gateway.request_timeout_s
     broken = [failed]

@@ -528,7 +528,7 @@ async def _migrate(
     sent = migration.read_sent(keep.events, keep.prompt_ids)
     ex.tokens = len(sent.tokens)
     try:
-        await migration.resume(ctx, ex, endpoint, body, sent, inst, err)
+        await migration.resume(ctx, ex, endpoint, body, sent, inst, err, keep.show_prompt_ids)
     except ApiError as last:
         await ex.fail(last)
         return last

@@ -34,6 +34,8 @@ _TAIL = 4096
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _PROMPT_IDS = b'"prompt_token_ids":['
+#: A choice's ``token_ids``, as vLLM's ``return_token_ids`` writes it (after ``finish_reason``, so after a comma).
+_TOKEN_IDS = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
 #: The event that completes a stream, per wire (vllm-agent-apis.md §5).
 END_EVENTS: dict[Wire, bytes] = {
     "openai": b"[DONE]",
@@ -187,8 +189,10 @@ class RelayResult:
 
 @dataclass(slots=True)
 class Kept:
-    """A migratable stream's forwarded events (:mod:`pdctl.gateway.migration` reads them if it breaks), and the
-    prompt's token ids, taken out of the first event that carries them unless the client asked for them."""
+    """A migratable stream's events (:mod:`pdctl.gateway.migration` reads them if it breaks), and the prompt's
+    token ids. The ids are there because the gateway asked vLLM for ``return_token_ids``: unless the client asked
+    for them too, the client's copy of each event goes without them (the prompt's in the first event, each
+    choice's ``token_ids``), as vLLM would have sent it."""
 
     show_prompt_ids: bool = False
     events: list[bytes] = field(default_factory=list)
@@ -209,7 +213,7 @@ class Kept:
                 if not self.show_prompt_ids:
                     chunk = chunk[:i] + b'"prompt_token_ids":null' + chunk[j + 1 :]
         self.events.append(chunk)
-        return chunk
+        return chunk if self.show_prompt_ids else _TOKEN_IDS.sub(b"", chunk)
 
 
 class _Stream:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pdctl.gateway.migration import Sent, _Rewriter, continuation_body, eligible, read_sent
+from pdctl.gateway.sse import Kept
 from pdctl.testing import SimProcess, start_sim
 from tests.fakes.gateway_harness import GatewayThread, make_settings, wait_for
 
@@ -114,6 +115,9 @@ def test_decode_death_mid_stream_continues_on_the_other_decode(
         _check_one_answer(broken, chat, prompt_tokens, 24)
         assert _text(broken, chat) == _text(reference, chat)
         assert not any("prompt_token_ids" in e and e["prompt_token_ids"] for e in broken if isinstance(e, dict))
+        # The gateway asked for the ids, the client did not: its events carry none, as vLLM's would.
+        for events in (broken, reference):
+            assert not any("token_ids" in c for e in events if isinstance(e, dict) for c in e.get("choices") or ())
         assert g.metric("pdctl_stream_errors_total", reason="upstream_error") == 0
     finally:
         g.stop()
@@ -211,6 +215,23 @@ def test_sent_tokens_and_the_continuation_body() -> None:
     blind = read_sent([b'data: {"id":"x","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'], [1])
     assert not blind.complete  # output without token ids: the tokens sent are unknown, no migration
     assert Sent().prompt_ids is None
+
+
+@pytest.mark.parametrize("client_asked", [False, True])
+def test_the_clients_copy_has_token_ids_only_when_it_asked_and_the_kept_events_always(client_asked: bool) -> None:
+    first = (b'data: {"id":"c","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,'
+             b'"stop_reason":null,"prompt_token_ids":[1,2],"token_ids":[7]}]}\n\n')  # fmt: skip
+    later = (
+        b'data: {"id":"c","choices":[{"index":0,"text":"b","logprobs":null,"finish_reason":null,"token_ids":[8]}]}\n\n'
+    )
+    keep = Kept(show_prompt_ids=client_asked)
+    out = [json.loads(keep.add(c)[6:]) for c in (first, later)]
+    choices = [o["choices"][0] for o in out]
+    assert [c.get("token_ids") for c in choices] == ([[7], [8]] if client_asked else [None, None])
+    assert choices[0]["prompt_token_ids"] == ([1, 2] if client_asked else None)
+    assert [c["text"] for c in choices] == ["a", "b"]
+    sent = read_sent(keep.events, keep.prompt_ids)
+    assert sent.tokens == [7, 8] and sent.prompt_ids == [1, 2]
 
 
 # Prefill death during leg 1 (issue 36 item 2): retried on another prefill, served by decode (gateway.fallback),
