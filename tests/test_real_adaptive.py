@@ -25,10 +25,9 @@ from pdctl.config import load
 from pdctl.gateway.settings import from_deployment
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.testing.ports import free_port
-from pdctl.vllm.promtext import metric_value, samples
 from tests.gateway.test_tracing import _Receiver
 from tests.real_engine import kv_counters, kv_moved
-from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
+from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root, scrape
 
 __all__ = ["_require_engine", "root"]  # the fixtures this module borrows
 
@@ -65,19 +64,6 @@ def adaptive(root: Path, collector: _Receiver | None) -> Iterator[Deployment]:
         dep.teardown()
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False).text
-    return metric_value(samples(text, [name]), name, **labels) or 0.0
-
-
-def _chat(dep: Deployment, messages: list[dict[str, Any]]) -> httpx.Response:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
-    r = httpx.post(f"{dep.gateway}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False,
-                   headers={"Authorization": f"Bearer {dep.api_key}"})  # fmt: skip
-    assert r.status_code == 200, r.text
-    return r
-
-
 def test_a_later_turn_is_served_by_the_decode_holding_its_history(
     adaptive: Deployment, collector: _Receiver | None
 ) -> None:
@@ -102,7 +88,7 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(
         "model": "tiny", "messages": probe, "max_tokens": 1, "return_token_ids": True}).json()  # fmt: skip
     assert ours == theirs["prompt_token_ids"]
     before = kv_counters(dep.decode)
-    first = _chat(dep, turn1)
+    first = dep.chat(turn1)
     assert first.headers["x-pd-path"] == "disagg"
     assert first.json()["usage"]["prompt_tokens"] > LOCAL_MAX  # past the threshold: both legs
     rise = kv_moved(dep.decode, before)
@@ -110,7 +96,7 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(
 
     stored = 0.0
     for _ in range(100):  # the events travel on their own socket: wait for decode's
-        stored = _metric(dep.gateway, "pdctl_kv_events_total", instance="decode", event="BlockStored")
+        stored = scrape(dep.gateway, "pdctl_kv_events_total", instance="decode", event="BlockStored")
         if stored:
             break
         time.sleep(0.1)
@@ -144,25 +130,25 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(
 
     answer = first.json()["choices"][0]["message"]["content"] or "ok"
     turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Fix the first one."}]
-    prefill_requests = _metric(prefill_url, "vllm:request_success_total")
-    hits = _metric(dep.decode, "vllm:prefix_cache_hits_total")
+    prefill_requests = scrape(prefill_url, "vllm:request_success_total")
+    hits = scrape(dep.decode, "vllm:prefix_cache_hits_total")
     before = kv_counters(dep.decode)
-    second = _chat(dep, turn2)
+    second = dep.chat(turn2)
     assert second.headers["x-pd-path"] == "local" and "x-pd-prefill" not in second.headers
     assert second.json()["usage"]["completion_tokens"] >= 1
-    assert _metric(prefill_url, "vllm:request_success_total") == prefill_requests  # no prefill leg
+    assert scrape(prefill_url, "vllm:request_success_total") == prefill_requests  # no prefill leg
     assert kv_counters(dep.decode).since(before).external == 0  # nothing pulled
-    assert _metric(dep.decode, "vllm:prefix_cache_hits_total") > hits  # turn 1's KV, cached on decode, reused
-    assert _metric(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 1
-    assert _metric(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") > 128  # judged by the events
+    assert scrape(dep.decode, "vllm:prefix_cache_hits_total") > hits  # turn 1's KV, cached on decode, reused
+    assert scrape(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 1
+    assert scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") > 128  # judged by the events
 
     # Content in two parts: vLLM joins them, the exact view declines, the approximate view judges (local again).
-    exact_before = _metric(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact")
+    exact_before = scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact")
     parts = [{"type": "text", "text": "Then run"}, {"type": "text", "text": "the suite."}]
-    third = _chat(dep, [*turn2, {"role": "assistant", "content": "ok"}, {"role": "user", "content": parts}])
+    third = dep.chat([*turn2, {"role": "assistant", "content": "ok"}, {"role": "user", "content": parts}])
     assert third.headers["x-pd-path"] == "local"
-    assert _metric(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") == exact_before
-    assert _metric(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 2
+    assert scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") == exact_before
+    assert scrape(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 2
 
     verify = dep.pdctl("verify", "--json")
     report = json.loads(verify.stdout)

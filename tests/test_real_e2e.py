@@ -36,6 +36,7 @@ from pdctl.config import load
 from pdctl.config.recipe import CHAT, STREAM
 from pdctl.testing import port_free
 from pdctl.vllm.kvlog import request_matches
+from pdctl.vllm.promtext import metric_value, samples
 from pdctl.vllm.sse import sse_events
 from tests.conftest import REPO, listened_ports, move_to_free_ports
 from tests.real_engine import kv_counters, kv_moved, require_engine
@@ -110,6 +111,12 @@ def _recorded(run_dir: Path) -> dict[str, Any]:
     return state
 
 
+def scrape(url: str, name: str, **labels: str) -> float:
+    """One metric's value (summed over the samples with ``labels``) at ``url``'s ``/metrics``; 0 when absent."""
+    text = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False).text
+    return metric_value(samples(text, [name]), name, **labels) or 0.0
+
+
 class Deployment:
     """One example copied into the temp root on free ports, brought up with `pdctl up -d`, always taken down."""
 
@@ -151,6 +158,14 @@ class Deployment:
             lines = log.read_text(encoding="utf-8", errors="replace").splitlines()[-n:]
             out.append(f"--- {log.name}\n" + "\n".join(lines))
         return "\n".join(out)
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 8) -> httpx.Response:
+        """A greedy chat completion through the gateway (asserts a 200)."""
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        r = httpx.post(f"{self.gateway}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False,
+                       headers={"Authorization": f"Bearer {self.api_key}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r
 
     def teardown(self) -> None:
         """A fixture's end: `pdctl down` if it is still up, then the sweep."""

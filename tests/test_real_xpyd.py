@@ -22,8 +22,7 @@ import pytest
 
 from pdctl.runtime.trace import parse_access
 from pdctl.testing.ports import free_port
-from pdctl.vllm.promtext import metric_value, samples
-from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root
+from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root, scrape
 
 __all__ = ["_require_engine", "root"]  # the fixtures this module borrows
 
@@ -65,19 +64,6 @@ def xpyd(root: Path) -> Iterator[tuple[Deployment, list[str]]]:
         dep.teardown()
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False).text
-    return metric_value(samples(text, [name]), name, **labels) or 0.0
-
-
-def _chat(dep: Deployment, messages: list[dict[str, Any]]) -> httpx.Response:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
-    r = httpx.post(f"{dep.gateway}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False,
-                   headers={"Authorization": f"Bearer {dep.api_key}"})  # fmt: skip
-    assert r.status_code == 200, r.text
-    return r
-
-
 def _access(dep: Deployment, request_id: str) -> dict[str, str]:
     """The request's access-log fields, once the line reached the gateway's log file."""
     for _ in range(300):
@@ -93,7 +79,7 @@ def _access(dep: Deployment, request_id: str) -> dict[str, str]:
 def _events_from(dep: Deployment, instance: str, at_least: float, timeout_s: float = 30.0) -> float:
     stored = 0.0
     for _ in range(int(timeout_s * 10)):  # the events travel on their own socket
-        stored = _metric(dep.gateway, "pdctl_kv_events_total", instance=instance, event="BlockStored")
+        stored = scrape(dep.gateway, "pdctl_kv_events_total", instance=instance, event="BlockStored")
         if stored >= at_least:
             break
         time.sleep(0.1)
@@ -121,8 +107,8 @@ def test_later_turns_go_to_the_decode_holding_the_history(xpyd: tuple[Deployment
         messages: list[dict[str, Any]] = [{"role": "system", "content": system},
                                           {"role": "user", "content": "Start with the first file."}]  # fmt: skip
         for turn in range(1, 4):
-            seen = {n: _metric(dep.gateway, "pdctl_kv_events_total", instance=n, event="BlockStored") for n in url_of}
-            r = _chat(dep, messages)
+            seen = {n: scrape(dep.gateway, "pdctl_kv_events_total", instance=n, event="BlockStored") for n in url_of}
+            r = dep.chat(messages)
             assert r.headers["x-pd-path"] == "disagg"  # pd_mode "always": both legs, decode pulls what it lacks
             decode = r.headers["x-pd-decode"]
             if turn == 1:
@@ -140,5 +126,5 @@ def test_later_turns_go_to_the_decode_holding_the_history(xpyd: tuple[Deployment
             answer = r.json()["choices"][0]["message"]["content"]
             messages += [{"role": "assistant", "content": answer},
                          {"role": "user", "content": f"Now the next file, number {turn + 1}."}]  # fmt: skip
-    hits = {name: _metric(url, "vllm:prefix_cache_hits_total") for name, url in url_of.items() if url in decode_urls}
+    hits = {name: scrape(url, "vllm:prefix_cache_hits_total") for name, url in url_of.items() if url in decode_urls}
     assert all(hits[name] > 0 for name in set(held.values())), hits  # each history was found where it was sent
