@@ -163,6 +163,12 @@ class GatewayConfig:
         doc="*extension*: times a stream whose worker died after its first byte is continued elsewhere with the "
         "tokens sent so far (docs/reliability.md, \"Migration\"); 0: it ends with an error event",
     )
+    stall_timeout_s: float = key(
+        30.0, as_num(0), "a number of seconds > 0", use="gateway", type="number",
+        doc="*extension*: a streaming worker that sends nothing for this long after its first byte is taken for "
+        "hung (a token deadline): the stream migrates, or ends with an error event; before the first byte, and "
+        "above it, `request_timeout_s` bounds each wait",
+    )
     # fmt: on
 
     @property

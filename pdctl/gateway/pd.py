@@ -482,6 +482,10 @@ async def _decode_call(
                     _count_failure(ctx, inst, source)
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
+            if stream:
+                stall = getattr(resp, "stall_timeout", None)
+                if stall is not None:
+                    stall(ctx.settings.gateway.stall_timeout_s)
             result = await relay(
                 ex,
                 resp,

@@ -114,7 +114,7 @@ class Response:
 
     __slots__ = (
         "_buf", "_complete", "_conn", "_due", "_error", "_got_bytes", "_headed", "_high", "_keep", "_loop", "_paused",
-        "_raw", "_read_s", "_sink", "_size", "_timer", "_total_due", "_waiter", "status",
+        "_raw", "_read_s", "_sink", "_size", "_stall_s", "_timer", "_total_due", "_waiter", "status",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, loop: asyncio.AbstractEventLoop, read_s: float | None, total_due: float | None):
@@ -136,6 +136,7 @@ class Response:
         self._got_bytes = False
         self._error: TransportError | None = None
         self._sink: Sink | None = None
+        self._stall_s: float | None = None
         self.status = 0
 
     @property
@@ -190,6 +191,27 @@ class Response:
         ``sink`` counts as data for the read timeout.
         """
         self._sink = sink
+
+    def stall_timeout(self, read_s: float) -> None:
+        """From the body's first piece on, bound each wait for the next piece by ``read_s`` (a stream's token
+        deadline) instead of the client's read timeout, when it is shorter."""
+        if self._read_s is None or read_s < self._read_s:
+            self._stall_s = read_s
+
+    def _tighten(self) -> None:
+        read_s = self._stall_s
+        assert read_s is not None
+        self._stall_s = None
+        self._read_s = read_s
+        due = self._loop.time() + read_s
+        if self._total_due is not None and self._total_due < due:
+            due = self._total_due
+        self._due = due
+        # The armed timer is for the longer timeout: one at the new, earlier due replaces it (the chain re-arms
+        # itself from there as later pieces move the due on).
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._loop.call_at(due, self._on_timer)
 
     def at_end(self) -> bool:
         """Whether the whole body has arrived and been read: the next :meth:`chunk` returns ``b""`` at once."""
@@ -311,6 +333,8 @@ class Response:
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._stall_s is not None:
+            self._tighten()
         self._buf.append(body)
         self._size += len(body)
         if self._size > self._high and not self._paused:

@@ -187,6 +187,7 @@ def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
         "max_connections": 10,
         "keepalive_timeout_s": 7.5,
         "migration_limit": 0,
+        "stall_timeout_s": 12.5,
     }
     set_keys = {f"{k}.{sub}" for k, v in gateway.items() if isinstance(v, dict) for sub in v}
     set_keys |= {k for k, v in gateway.items() if not isinstance(v, dict)}
@@ -199,7 +200,7 @@ def test_every_declared_gateway_key_is_read(tmp_path: Path) -> None:
     assert (g.max_body_bytes, g.drain_timeout_s, g.metrics_public, g.fallback) == (2048, 0, True, "decode")
     assert g.workers == 3
     assert (g.max_header_bytes, g.max_headers, g.header_timeout_s, g.body_timeout_s) == (4096, 20, 3, 4)
-    assert (g.max_connections, g.keepalive_timeout_s, g.migration_limit) == (10, 7.5, 0)
+    assert (g.max_connections, g.keepalive_timeout_s, g.migration_limit, g.stall_timeout_s) == (10, 7.5, 0, 12.5)
     assert g.rate_limit == config.RateLimitConfig(60, 1000, 4)
     # Relative paths are relative to settings.json's folder, wherever pdctl runs from.
     assert (g.keys_file, g.tls_certfile, g.tls_keyfile) == (

@@ -217,6 +217,57 @@ def test_sent_tokens_and_the_continuation_body() -> None:
     assert Sent().prompt_ids is None
 
 
+@pytest.mark.parametrize("limit", [3, 0], ids=["migrates", "migration-off"])
+def test_a_hung_decode_is_found_by_the_stall_timeout_not_the_request_timeout(
+    sims: list[SimProcess], tmp_path: Path, limit: int
+) -> None:
+    """SIGSTOP of the decode serving a stream (a hang: /health no longer answers, the socket stays open): the
+    stream continues elsewhere, or ends with an error event, once gateway.stall_timeout_s passes without a byte,
+    well before request_timeout_s."""
+    import os
+    import signal
+    import time
+
+    slow = ("--sim-speed", "0.05")
+    p = _sim(sims, tmp_path, "prefill", "kv_producer", *slow)
+    decodes = [_sim(sims, tmp_path, f"decode{i}", "kv_consumer", *slow) for i in range(2)]
+    g = _gateway([p], decodes, stall_timeout_s=1.0, request_timeout_s=120.0, migration_limit=limit)
+    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+    stopped: SimProcess | None = None
+    try:
+        _, reference = _stream(g, "/v1/completions", body)
+        text, error, waited, struck = "", None, 0.0, 0.0
+        with g.client() as c, c.stream("POST", "/v1/completions", json=body, timeout=120) as r:
+            victim = decodes[int(r.headers["x-pd-decode"].rsplit("-", 1)[1])]
+            events = 0
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    error = ev["error"]
+                    waited = time.monotonic() - struck
+                    break
+                text += "".join(ch.get("text") or "" for ch in ev.get("choices") or ())
+                events += 1
+                if events == 3:
+                    os.kill(victim.proc.pid, signal.SIGSTOP)
+                    stopped, struck = victim, time.monotonic()
+            else:
+                waited = time.monotonic() - struck
+        assert stopped is not None
+        assert waited < 20  # found by the 1 s stall timeout; the read timeout (request_timeout_s) is 120 s
+        if limit:
+            assert error is None and text == _text(reference, chat=False)
+            assert g.metric("pdctl_migrations_total", target="decode", outcome="ok") == 1
+        else:
+            assert error is not None and error["code"] == "upstream_timeout"
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        g.stop()
+
+
 @pytest.mark.parametrize("client_asked", [False, True])
 def test_the_clients_copy_has_token_ids_only_when_it_asked_and_the_kept_events_always(client_asked: bool) -> None:
     first = (b'data: {"id":"c","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,'
