@@ -98,4 +98,3 @@ def test_sim_handshake_failure_absorbed_by_one_retry(sims: list[SimProcess], tmp
         assert r.status_code == 200, r.text
         assert r.headers["x-pd-path"] == "disagg"
         assert g.metric("pdctl_retries_total", leg="decode") == 1
-
