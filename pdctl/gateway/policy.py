@@ -35,12 +35,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from pdctl.config import RoutingConfig
-
-if TYPE_CHECKING:
-    from pdctl.gateway.routing import Instance
 
 __all__ = [
     "LOAD_POLICIES",
@@ -58,14 +55,28 @@ __all__ = [
 #: The policies that read only the load (:meth:`pdctl.gateway.routing.Pool.choose` applies them with no request).
 LOAD_POLICIES = ("least_loaded", "power_of_two", "round_robin")
 
-Score = Callable[["Instance"], float]
+
+class Candidate(Protocol):
+    """What a policy reads of an instance (:class:`pdctl.gateway.routing.Instance` has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def in_flight_tokens(self) -> int: ...
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 @dataclass(frozen=True, slots=True)
-class Pick:
+class Pick(Generic[C]):
     """One pool's choice for one request: the instance (None: none available), how, and every score seen."""
 
-    instance: Instance | None
+    instance: C | None
     policy: str
     rule: str
     """``load``, ``session`` (a tie the session hint broke), ``random``, ``turn``, ``imbalanced``, ``match``,
@@ -84,20 +95,20 @@ def _show(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
 
 
-def _load(i: Instance) -> tuple[int, int]:
+def _load(i: C) -> tuple[int, int]:
     return i.in_flight, i.in_flight_tokens
 
 
-def _sticky(tied: Sequence[Instance], sticky: str | None) -> Instance | None:
+def _sticky(tied: Sequence[C], sticky: str | None) -> C | None:
     if sticky is None or len(tied) < 2:
         return None
     return next((i for i in tied if i.name == sticky), None)
 
 
 def least_loaded(
-    cands: Sequence[Instance], turn: int, sticky: str | None = None, policy: str = "least_loaded", rule: str = "load",
+    cands: Sequence[C], turn: int, sticky: str | None = None, policy: str = "least_loaded", rule: str = "load",
     scores: Sequence[tuple[str, float]] | None = None,
-) -> Pick:  # fmt: skip
+) -> Pick[C]:  # fmt: skip
     """Fewest in-flight requests, then tokens; a tie goes to ``sticky`` (the session's last instance) when tied,
     else rotates with ``turn``. ``scores``: what to log (default: in-flight requests)."""
     shown = tuple(scores) if scores is not None else tuple((i.name, float(i.in_flight)) for i in cands)
@@ -110,7 +121,7 @@ def least_loaded(
     return Pick(inst, policy, rule, shown)
 
 
-def by_load(policy: str, cands: Sequence[Instance], turn: int, rng: random.Random, sticky: str | None = None) -> Pick:
+def by_load(policy: str, cands: Sequence[C], turn: int, rng: random.Random, sticky: str | None = None) -> Pick[C]:
     """A load-only policy (:data:`LOAD_POLICIES`)."""
     if policy == "round_robin":
         return Pick(cands[turn % len(cands)], policy, "turn", tuple((i.name, float(i.in_flight)) for i in cands))
@@ -126,7 +137,7 @@ def by_load(policy: str, cands: Sequence[Instance], turn: int, rng: random.Rando
     return least_loaded(cands, turn, sticky)
 
 
-def imbalanced(cands: Sequence[Instance], r: RoutingConfig) -> bool:
+def imbalanced(cands: Sequence[C], r: RoutingConfig) -> bool:
     """The cache-aware routers' escape: the busiest and idlest instance differ by more than
     ``balance_abs_threshold`` requests in flight and by more than ``balance_rel_threshold`` times."""
     loads = [i.in_flight for i in cands]
@@ -135,8 +146,8 @@ def imbalanced(cands: Sequence[Instance], r: RoutingConfig) -> bool:
 
 
 def prefix_first(
-    cands: Sequence[Instance], cached: Score, r: RoutingConfig, turn: int, sticky: str | None = None
-) -> Pick:
+    cands: Sequence[C], cached: Callable[[C], float], r: RoutingConfig, turn: int, sticky: str | None = None
+) -> Pick[C]:
     """Adaptive PD's ``least_loaded``: the least loaded among the instances holding the most cached tokens of the
     prompt (an imbalanced pool: among all)."""
     scores = {i: cached(i) for i in cands}
@@ -149,8 +160,13 @@ def prefix_first(
 
 
 def cache_aware(
-    cands: Sequence[Instance], share: Score, view_size: Score, r: RoutingConfig, turn: int, sticky: str | None = None
-) -> Pick:
+    cands: Sequence[C],
+    share: Callable[[C], float],
+    view_size: Callable[[C], float],
+    r: RoutingConfig,
+    turn: int,
+    sticky: str | None = None,
+) -> Pick[C]:
     """SGLang's and vllm-router's ``cache_aware``: an imbalanced pool -> the least loaded; else the best match if
     it holds more than ``cache_threshold`` of the prompt; else the instance with the smallest view (the most room).
     Ties among the best: the least loaded, then the session, then in turn."""
@@ -167,7 +183,7 @@ def cache_aware(
     return least_loaded([i for i in cands if sizes[i] == small], turn, sticky, "cache_aware", "smallest_view", shown)
 
 
-def kv_aware(cands: Sequence[Instance], cost: Score, rng: random.Random, sticky: str | None = None) -> Pick:
+def kv_aware(cands: Sequence[C], cost: Callable[[C], float], rng: random.Random, sticky: str | None = None) -> Pick[C]:
     """Dynamo's KV router: the least cost (``cost``, in blocks); ties to the session's instance, else at random."""
     costs = {i: cost(i) for i in cands}
     shown = tuple((i.name, costs[i]) for i in cands)

@@ -269,7 +269,7 @@ class PrefixRouter:
     def _choose(
         self, pool: Pool, role: Role, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int,
         chars: int, session: str | None,
-    ) -> policy.Pick:  # fmt: skip
+    ) -> policy.Pick[Instance]:  # fmt: skip
         r = self.routing
         name = r.prefill_policy if role == "prefill" else r.decode_policy
         cands = [i for i in pool.instances if i.role == role and i.available()]
