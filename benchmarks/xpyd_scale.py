@@ -7,12 +7,17 @@ simulated workers.
 Per arm and rate: NP prefill and ND decode simulators started afresh (``python -m pdctl.sim``, NixlConnector, a GPU
 timing profile, ``--sim-speed`` below 1 so the 2-core machine paces them, the prefix cache capped by
 ``--num-gpu-blocks-override``, KV cache events published to one port), one router in front of them, then
-``pdctl bench -w shared-prefix`` (SGLang's generated shared prefix: groups of prompts behind one system prompt,
-shuffled). The groups' system prompts together hold more blocks than the pool's prefix caches, so eviction matters
-and routing decides the hit rate. Arms:
+``pdctl bench`` with one workload (``--workload``): ``shared-prefix`` (SGLang's generated shared prefix: groups of
+prompts behind one system prompt, shuffled; the groups' system prompts together hold more blocks than the pool's
+prefix caches, so eviction matters and routing decides the hit rate), ``agent`` (multi-turn conversations, each turn
+re-sending its history, over chat) or ``mixed`` (the recipe's mix: 128-token chats and 10 % 4,096-token prompts).
+Arms:
 
-- ``pdctl:<prefill policy>/<decode policy>``: ``pdctl gateway`` with ``routing.prefill_policy`` and
-  ``decode_policy`` (``kv_aware`` with ``prefix_view = "exact"``, the workers' events);
+- ``pdctl:<prefill policy>/<decode policy>[+adaptive][+exact][+workers=N]``: ``pdctl gateway`` with
+  ``routing.prefill_policy`` and ``decode_policy`` (``kv_aware`` with ``prefix_view = "exact"``, the workers'
+  events); ``+adaptive``: ``routing.pd_mode = "adaptive"`` (a request whose prompt the chosen decode mostly holds is
+  served there alone); ``+exact``: ``prefix_view = "exact"`` for the other policies too; ``+workers=N``:
+  ``gateway.workers = N`` processes, each with its own prefix view and load counts;
 - ``vllm-router:<prefill policy>/<decode policy>``: vllm-router (PyPI) ``--vllm-pd-disaggregation`` with
   ``--prefill-policy`` and ``--decode-policy``.
 
@@ -75,12 +80,20 @@ def start_workers(
     return pools
 
 
+def parse_arm(arm: str) -> tuple[str, str, str, dict[str, str]]:
+    """``kind:prefill/decode+opt+key=value`` -> (kind, prefill policy, decode policy, options)."""
+    kind, _, rest = arm.partition(":")
+    policies, *opts = rest.split("+")
+    p_policy, _, d_policy = policies.partition("/")
+    options = {o.partition("=")[0]: o.partition("=")[2] for o in opts}
+    return kind, p_policy, d_policy, options
+
+
 def start_router(arm: str, log_dir: str, prefill: Sequence[Proc], decode: Sequence[Proc], events_port: int) -> Proc:
     """``arm``'s router in front of the pool."""
-    kind, _, policies = arm.partition(":")
-    p_policy, _, d_policy = policies.partition("/")
+    kind, p_policy, d_policy, options = parse_arm(arm)
     port = free_port()
-    name = arm.replace(":", "-").replace("/", "-")
+    name = arm.replace(":", "-").replace("/", "-").replace("+", "-").replace("=", "")
     if kind == "vllm-router":
         exe = Path(PY).with_name("vllm-router")
         if not exe.exists():
@@ -101,10 +114,14 @@ def start_router(arm: str, log_dir: str, prefill: Sequence[Proc], decode: Sequen
         "strategy": "pd_disagg", "kv_connector": "NixlConnector", "prefill_policy": p_policy,
         "decode_policy": d_policy,
     }  # fmt: skip
-    if "kv_aware" in (p_policy, d_policy):
+    if "kv_aware" in (p_policy, d_policy) or "exact" in options:
         routing.update(prefix_view="exact", kv_events_port=events_port)
+    if "adaptive" in options:
+        routing.update(pd_mode="adaptive")
+    gateway = {"listen": f"127.0.0.1:{port}", "api_key_env": "PDCTL_API_KEY", "request_timeout_s": 600,
+               "workers": int(options.get("workers") or 1)}  # fmt: skip
     settings = {
-        "gateway": {"listen": f"127.0.0.1:{port}", "api_key_env": "PDCTL_API_KEY", "request_timeout_s": 600},
+        "gateway": gateway,
         "routing": routing,
         "slo": {"ttft_ms": 60000, "tpot_ms": 10000, "p90": True, "admission": False},
         "logging": {"level": "warning", "log_kv_transfer": False},
@@ -115,13 +132,24 @@ def start_router(arm: str, log_dir: str, prefill: Sequence[Proc], decode: Sequen
     return start(name, argv, port, log_dir, env={"PDCTL_API_KEY": KEY}, ready_path="/ready", cwd=str(ROOT))
 
 
+def workload(args: argparse.Namespace) -> list[str]:
+    """``pdctl bench``'s workload flags for ``--workload``."""
+    if args.workload == "agent":
+        return ["--endpoint", "chat", "-w", "agent", "--conversations", str(args.conversations), "--turns",
+                args.turns, "--system-len", str(args.agent_system_len), "--context-len", str(args.context_len),
+                "--answer-len", args.answer_len]  # fmt: skip
+    if args.workload == "mixed":
+        return ["--endpoint", "completions", "-w", "mixed"]
+    return ["--endpoint", "completions", "-w", "shared-prefix", "--groups", str(args.groups),
+            "--prompts-per-group", str(args.prompts_per_group), "--system-len", str(args.system_len),
+            "--question-len", str(args.question_len), "--output-len", str(args.output_len)]  # fmt: skip
+
+
 def bench(url: str, workers: Sequence[Proc], rate: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """One ``pdctl bench`` run of the shared-prefix workload against ``url``."""
-    argv = [PY, "-m", "pdctl", "bench", "--gateway", url, "--model", MODEL, "--endpoint", "completions",
-            "-w", "shared-prefix", "--groups", str(args.groups), "--prompts-per-group", str(args.prompts_per_group),
-            "--system-len", str(args.system_len), "--question-len", str(args.question_len),
-            "--output-len", str(args.output_len), "--rate", rate, "-n", str(args.requests), "--warmup", "8",
-            "--seed", str(args.seed), "--timeout", "600", "--no-progress", "--no-slo", "-o", str(out)]  # fmt: skip
+    """One ``pdctl bench`` run of ``--workload`` against ``url``."""
+    argv = [PY, "-m", "pdctl", "bench", "--gateway", url, "--model", MODEL, *workload(args), "--rate", rate,
+            "-n", str(args.requests), "--warmup", "8", "--seed", str(args.seed), "--timeout", "600", "--no-progress",
+            "--no-slo", "-o", str(out)]  # fmt: skip
     for w in workers:
         argv += ["--metrics-url", f"{w.url}/metrics"]
     env = dict(os.environ, PDCTL_API_KEY=KEY)
@@ -190,17 +218,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--sim-kv-scale: the bytes really moved per KV handoff (timing stays the profile's)")  # fmt: skip
     p.add_argument("--cache-blocks", type=int, default=512, help="each worker's prefix cache, in 16-token blocks")
     p.add_argument("--max-num-seqs", type=int, default=64, help="each worker's --max-num-seqs")
+    p.add_argument("--workload", default="shared-prefix", choices=("shared-prefix", "agent", "mixed"))
     p.add_argument("--groups", type=int, default=24, help="shared-prefix groups (system prompts)")
     p.add_argument("--prompts-per-group", type=int, default=16)
     p.add_argument("--system-len", type=int, default=2048, help="tokens per system prompt")
     p.add_argument("--question-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=48, help="agent: conversations")
+    p.add_argument("--turns", default="6:9", help="agent: requests per conversation, N or MIN:MAX")
+    p.add_argument("--agent-system-len", type=int, default=500, help="agent: the shared system prompt's tokens")
+    p.add_argument("--context-len", type=int, default=3000, help="agent: mean context tokens per conversation")
+    p.add_argument("--answer-len", default="16:32", help="agent: answer tokens, N or MIN:MAX")
     p.add_argument("--requests", type=int, default=192, help="requests per run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "xpyd_scale.json"))
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a.partition(":")[0] not in ("pdctl", "vllm-router") or "/" not in a]
+    unknown = [a for a in arms if parse_arm(a)[0] not in ("pdctl", "vllm-router") or "/" not in a]
     if unknown:
         p.error(f"unknown arms {unknown}: use pdctl:PREFILL/DECODE or vllm-router:PREFILL/DECODE")
     rows: list[dict[str, Any]] = []

@@ -268,8 +268,10 @@ class PrefixRouter:
 
     def _choose(
         self, pool: Pool, role: Role, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int,
-        chars: int, session: str | None,
+        chars: int, session: str | None, learn: bool = True,
     ) -> policy.Pick[Instance]:  # fmt: skip
+        """``role``'s pick by its policy. ``learn``: ``cache_aware``'s tree learns the request at once, as the
+        peers' do (False: the caller reads what the instance holds first, and inserts)."""
         r = self.routing
         name = r.prefill_policy if role == "prefill" else r.decode_policy
         cands = [i for i in pool.instances if i.role == role and i.available()]
@@ -288,7 +290,7 @@ class PrefixRouter:
         elif name == "cache_aware":
             pick = policy.cache_aware(cands, lambda i: cached(i) / max(1, prompt_tokens),
                                       lambda i: len(self.view(i)), r, turn, sticky)  # fmt: skip
-            if pick.instance is not None:  # the tree learns the request when it is routed, as the peers' do
+            if learn and pick.instance is not None:  # the tree learns the request when it is routed
                 self.view(pick.instance).insert(hashes)
         else:
 
@@ -354,9 +356,11 @@ class PrefixRouter:
         if self.routing.pd_mode != "adaptive":
             return Decision(False, "always", None, 0, prompt_tokens, hashes, token_ids=ids, chars=chars,
                             session=session)  # fmt: skip
-        pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session)
+        pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session, learn=False)
         decode = pick.instance
         cached = self._cached(decode, hashes, ids, prompt_tokens, chars)[0] if decode is not None else 0
+        if decode is not None and self.routing.decode_policy == "cache_aware":
+            self.view(decode).insert(hashes)  # after the count: the request itself is not yet cached there
         view: View = "approx"
         approx: int | None = None
         if decode is not None and ids is not None:

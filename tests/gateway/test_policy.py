@@ -273,3 +273,16 @@ def test_pdctl_trace_shows_the_picks_and_their_scores() -> None:
         "x-pd-path: disagg; decision=always (pd_mode always: both legs); decode by kv_aware:cost scores "
         "decode-0:3,decode-1:23; prefill by cache_aware:match scores prefill-0:0,prefill-1:0.85"
     )
+
+
+def test_adaptive_pd_with_cache_aware_decode_counts_what_the_decode_held_before_this_request() -> None:
+    """The decode's tree learns the request when it is routed, but the decision reads the decode before that: a
+    long fresh prompt takes both legs, and only its later turns go local."""
+    gw = _gateway(pd_mode="adaptive", decode_policy="cache_aware")
+    router = _router(gw)
+    first = router.decide(gw.pool, _body("Q1"), 600)
+    assert first.decode is not None and not first.local and first.reason == "uncached_tokens"
+    assert first.cached_tokens == 0 and first.picks[0].startswith("decode_pick=cache_aware:smallest_view ")
+    again = router.decide(gw.pool, _body("Q2"), 600)  # the tree learned the first: this one follows it, local
+    assert again.decode is first.decode and again.local and again.reason == "cached"
+    assert again.picks[0].startswith("decode_pick=cache_aware:match ")
