@@ -13,11 +13,12 @@ prefix caches, so eviction matters and routing decides the hit rate), ``agent`` 
 re-sending its history, over chat) or ``mixed`` (the recipe's mix: 128-token chats and 10 % 4,096-token prompts).
 Arms:
 
-- ``pdctl:<prefill policy>/<decode policy>[+adaptive][+exact][+workers=N]``: ``pdctl gateway`` with
-  ``routing.prefill_policy`` and ``decode_policy`` (``kv_aware`` with ``prefix_view = "exact"``, the workers'
-  events); ``+adaptive``: ``routing.pd_mode = "adaptive"`` (a request whose prompt the chosen decode mostly holds is
-  served there alone); ``+exact``: ``prefix_view = "exact"`` for the other policies too; ``+workers=N``:
-  ``gateway.workers = N`` processes, each with its own prefix view and load counts;
+- ``pdctl:<prefill policy>/<decode policy>[+adaptive][+exact][+workers=N][+<routing key>=<JSON>]``:
+  ``pdctl gateway`` with ``routing.prefill_policy`` and ``decode_policy`` (``kv_aware`` with
+  ``prefix_view = "exact"``, the workers' events); ``+adaptive``: ``routing.pd_mode = "adaptive"`` (a request whose
+  prompt the chosen decode mostly holds is served there alone); ``+exact``: ``prefix_view = "exact"`` for the other
+  policies too; ``+workers=N``: ``gateway.workers = N`` processes, each with its own prefix view and load counts;
+  any other ``+key=value``: that ``routing`` key (``+balance_abs_threshold=4``);
 - ``vllm-router:<prefill policy>/<decode policy>``: vllm-router (PyPI) ``--vllm-pd-disaggregation`` with
   ``--prefill-policy`` and ``--decode-policy``.
 
@@ -118,6 +119,7 @@ def start_router(arm: str, log_dir: str, prefill: Sequence[Proc], decode: Sequen
         routing.update(prefix_view="exact", kv_events_port=events_port)
     if "adaptive" in options:
         routing.update(pd_mode="adaptive")
+    routing.update({k: json.loads(v) for k, v in options.items() if k not in ("adaptive", "exact", "workers")})
     gateway = {"listen": f"127.0.0.1:{port}", "api_key_env": "PDCTL_API_KEY", "request_timeout_s": 600,
                "workers": int(options.get("workers") or 1)}  # fmt: skip
     settings = {

@@ -18,7 +18,7 @@ findings; :data:`RULES` lists them once, in the order they run):
 | `memory` | PD009-PD016 | memory, GPUs, cores, the installed vLLM |
 | `ports` | PD017, PD018 | ports, and ``port_findings`` for ``up`` |
 | `agents` | PD032 | vLLM's tool calling for the agent routes |
-| `routing` | PD033, PD034 | adaptive PD's thresholds; the exact prefix view |
+| `routing` | PD033, PD034, PD038 | adaptive PD's thresholds; the exact prefix view; learning policies per process |
 | `tracing` | PD037 | span options without a collector |
 | `keys_table` | | ``describe_key``: where each configuration key ends up |
 
@@ -60,8 +60,8 @@ __all__ = [
 RULES: tuple[Rule, ...] = (
     connector.connectors, connector.backend, connector.connector_exists, engine.models, keys.key_env,
     keys.shared_key, keys.keys_file, keys.tokenizers, memory.memory, engine.lengths, engine.identity,
-    memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive, routing.exact_view, engine.sim,
-    tracing.without_collector,
+    memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive, routing.exact_view,
+    routing.several_processes, engine.sim, tracing.without_collector,
 )  # fmt: skip
 
 

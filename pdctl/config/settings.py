@@ -262,6 +262,12 @@ class RoutingConfig:
         doc="*extension*, `cache_aware` and adaptive PD: ... and the busiest has more than this many times the "
         "idlest's",
     )
+    kv_overlap_credit: float = key(
+        1.0, as_num(0.0), "a number > 0", use="gateway", type="number",
+        doc="*extension*, `kv_aware`: each cached block of the prompt takes this many blocks off an instance's cost "
+        "(Dynamo's `--router-kv-overlap-score-credit`, default 1); above 1 a prefix stays with its holder against a "
+        "longer queue",
+    )
     # fmt: on
 
     @property

@@ -308,10 +308,11 @@ class PrefixRouter:
     def _cost(self, inst: Instance, role: Role, prompt_tokens: int, cached: float) -> float:
         """``kv_aware``'s Dynamo cost in blocks: a prefill's ``max(prefilling + new - overlap, 0)`` (prefilling: the
         uncached tokens of its requests not yet through leg 1); a decode's ``max(new - overlap, 0) + in-flight``
-        (its in-flight prompts hold its KV; it computes only what it lacks)."""
+        (its in-flight prompts hold its KV; it computes only what it lacks). ``overlap``: the cached blocks times
+        ``routing.kv_overlap_credit``."""
         ev = self.exact_view(inst)
         bs = ev.block_size if ev is not None and ev.block_size else DEFAULT_BLOCK_TOKENS
-        new = prompt_tokens - cached
+        new = prompt_tokens - self.routing.kv_overlap_credit * cached
         if role == "prefill":
             return -(-max(self.prefilling_tokens(inst) + new, 0) // bs)
         return -(-max(new, 0) // bs) + -(-inst.in_flight_tokens // bs)

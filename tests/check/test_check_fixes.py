@@ -225,6 +225,8 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
                                   f"{SETTINGS}routing.strategy": "colocated"}, {"PD033"}),
     "exact-view-unused": (INIT, {f"{SETTINGS}routing.prefix_view": "exact"}, {"PD034"}),
     "kv-aware-without-events": (INIT, {f"{SETTINGS}routing.decode_policy": "kv_aware"}, {"PD034"}),
+    "cache-aware-several-processes": (INIT, {f"{SETTINGS}gateway.workers": 2,
+                                             f"{SETTINGS}routing.prefill_policy": "cache_aware"}, {"PD038"}),
     "trace-content-no-collector": (INIT, {f"{SETTINGS}logging.trace_content": True,
                                           f"{SETTINGS}logging.collect_detailed_traces": "model"}, {"PD037"}),
     "kv-events-port-clash": (INIT, {f"{SETTINGS}routing.pd_mode": "adaptive", f"{SETTINGS}routing.prefix_view": "exact",

@@ -158,6 +158,19 @@ def test_kv_aware_prices_overlap_against_load_with_dynamos_cost() -> None:
     assert fields.startswith("decode_pick=kv_aware:random ") and chosen in d
 
 
+def test_kv_overlap_credit_keeps_a_prefix_with_its_holder_against_a_longer_queue() -> None:
+    """Dynamo's overlap credit: each cached block takes ``kv_overlap_credit`` blocks off the cost."""
+    gw = _gateway(decode_policy="kv_aware", prefix_view="exact", kv_events_port=1, kv_overlap_credit=2.0)
+    router, d = _router(gw), _role(gw.pool, "decode")
+    ids = list(range(1000, 1000 + 8 * BS))
+    _exact(gw).feed(_frames(d[1].name, 0, _stored(ids[: 6 * BS], range(1, 7))))  # decode-1 holds 6 of 8 blocks
+    _exact(gw).feed(_frames(d[0].name, 0, _stored([7] * BS, [99])))
+    with _busy(d[1], 1, tokens=7 * BS):  # credit 1 would give 2 + 7 = 9 > 8: decode-0 (the test above)
+        plan = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
+        assert router.pick(gw.pool, "decode", plan) is d[1]
+    assert plan.picks[-1] == f"decode_pick=kv_aware:cost decode_scores={d[0].name}:8,{d[1].name}:7"
+
+
 def test_kv_aware_counts_what_it_routed_a_moment_ago_and_what_prefills_still_compute() -> None:
     """A prefill's load is the uncached tokens of the requests it has not finished; the prompt it was sent a moment
     ago counts as held there before its events arrive (the routed index)."""
