@@ -51,20 +51,20 @@ GATEWAY_IP = "127.0.0.6"
 PROMPT = "pods behind a headless Service " * 12
 
 
-def _config(folder: Path) -> Path:
+def _config(folder: Path, replicas: tuple[int, int] = (2, 1), **routing: Any) -> Path:
     ports = {role: (free_port(), free_port()) for role in ("prefill", "decode")}
     (folder / "config.toml").write_text(
         '[cluster]\nname = "pods"\n'
         + "".join(
             f'[{role}]\nmodel = "sim-model"\nengine = "sim"\nside_channel_port = {ports[role][1]}\nreplicas = {n}\n'
-            for role, n in (("prefill", 2), ("decode", 1))
+            for role, n in zip(("prefill", "decode"), replicas, strict=True)
         )
         + '[sim]\nprofile = "fast"\nspeed = 20\n',
         encoding="utf-8",
     )
     settings = {
         "gateway": {"listen": f"127.0.0.1:{free_port()}", "request_timeout_s": 60},
-        "routing": {f"{r}_endpoint": f"http://127.0.0.1:{p[0]}" for r, p in ports.items()},
+        "routing": {**{f"{r}_endpoint": f"http://127.0.0.1:{p[0]}" for r, p in ports.items()}, **routing},
         "logging": {"level": "debug"},
     }
     (folder / "settings.json").write_text(json.dumps(settings), encoding="utf-8")
@@ -90,6 +90,7 @@ class Cluster:
         container = dict(self.containers[group])
         args = list(container["args"])
         args[args.index("--host") + 1] = pod_ip
+        args = [a.replace('"tcp://gateway:', f'"tcp://{GATEWAY_IP}:') for a in args]  # the gateway Service's name
         container["args"] = args
         pod = start_pod(container, pod_ip, self.folder / f"{group}@{pod_ip}.log")
         self.pods[pod_ip] = pod
@@ -245,3 +246,49 @@ def test_pods_scale_behind_dns_and_nothing_is_lost(tmp_path: Path) -> None:
     assert metric_value(parsed, "pdctl_instances", role="decode", state="serving") == 2
     assert metric_value(parsed, "pdctl_instances", role="prefill", state="serving") == 1
     assert metric_value(parsed, "pdctl_instances", role="prefill", state="draining") == 0
+
+
+def test_each_pod_of_a_group_publishes_its_kv_events_under_its_discovered_name(tmp_path: Path) -> None:
+    """``prefix_view = "exact"`` with two decode pods behind one Service: each pod's events arrive under the name
+    discovery gives it (``decode@<pod IP>``), so ``kv_aware`` tells their caches apart and a prompt's next turn
+    goes to the pod holding it."""
+    folder = _config(tmp_path, (1, 2), prefix_view="exact", decode_policy="kv_aware", kv_events_port=free_port())
+    dep = config.load(folder / "config.toml", folder / "settings.json")
+    cluster = Cluster(dep, tmp_path)
+    pods = ("decode@127.0.0.3", "decode@127.0.0.5")
+    with DnsServer({"prefill": ["127.0.0.2"], "decode": ["127.0.0.3", "127.0.0.5"]}) as dns:
+        try:
+            for group, ip in (("prefill", "127.0.0.2"), ("decode", "127.0.0.3"), ("decode", "127.0.0.5")):
+                cluster.start_worker(group, ip)
+            gw = cluster.start_gateway(dns.address)
+            headers = {"authorization": f"Bearer {KEY}"}
+
+            def events(metrics: str) -> dict[str, float]:
+                parsed = samples(metrics, ["pdctl_kv_events"])
+                return {p: metric_value(parsed, "pdctl_kv_events_total", instance=p, event="BlockStored") or 0.0
+                        for p in pods}  # fmt: skip
+
+            def metrics() -> str:
+                return httpx.get(f"{gw}/metrics", headers=headers, timeout=5.0).text
+
+            _wait_for("three serving instances", lambda: set(_instances(gw).values()) == {"serving"}
+                      and len(_instances(gw)) == 3, cluster)  # fmt: skip
+            history = "a conversation held by one decode pod, " * 40
+            before = events(metrics())
+            with httpx.Client(timeout=60.0) as client:
+                first = client.post(f"{gw}/v1/completions", headers=headers,
+                                    json={"model": "sim-model", "prompt": history, "max_tokens": 4})  # fmt: skip
+                assert first.status_code == 200, first.text
+                holder = first.headers["x-pd-decode"]
+                _wait_for(f"{holder}'s events for the first turn",
+                          lambda: events(metrics())[holder] > before[holder], cluster)  # fmt: skip
+                nxt = client.post(f"{gw}/v1/completions", headers=headers,
+                                  json={"model": "sim-model", "prompt": history + "And then?", "max_tokens": 4})  # fmt: skip
+                assert nxt.status_code == 200, nxt.text
+        finally:
+            cluster.close()
+    assert nxt.headers["x-pd-decode"] == holder
+    picks = [line for line in cluster.gateway_log().splitlines() if "decode_pick=kv_aware:" in line]
+    assert picks and "decode_pick=kv_aware:cost" in picks[-1], picks[-1:]  # chosen by its cost, not a tie
+    scores = dict(x.split(":") for x in picks[-1].split("decode_scores=")[1].split()[0].split(","))
+    assert set(scores) == set(pods) and scores[holder] < max(scores.values()), scores

@@ -68,6 +68,8 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^[A-Za-z0-9.\-/]+=\d+$")
 _GATEWAY = "gateway"
+#: The worker container's variable holding its pod IP, for the KV cache events' topic (:func:`_worker_argv`).
+POD_IP_ENV = "PDCTL_POD_IP"
 _VERIFY = "pdctl-verify"
 #: Seconds a terminating pod keeps serving before SIGTERM, so the gateway and Services stop picking it.
 _PRESTOP_S = 5
@@ -164,12 +166,6 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
             add("K8S006", "info", f"{t}.replicas",
                 f"{w.replicas} {w.name} pods behind one headless Service: the gateway reaches them by that "
                 "name, re-resolved; a new pod gets traffic after its warm-up, a leaving one is drained")  # fmt: skip
-            if dep.routing.prefix_view == "exact" and dep.routing.strategy == "pd_disagg":
-                add("K8S008", "warning", f"{t}.replicas",
-                    f"routing.prefix_view = \"exact\": the {w.replicas} {w.name} pods publish their KV cache "
-                    f"events under one topic, {w.name!r}, so the gateway cannot tell their caches apart and "
-                    "judges them by the approximate view", 'set routing.prefix_view = "approx", or one pod per '
-                    "[[decode]]/[[prefill]] entry")  # fmt: skip
     if not uses_gpu(dep) and opts.image is None and any(w.engine == "vllm" for w in dep.workers):
         add("K8S005", "warning", "connector.kv_buffer_device",
             f"the pods request no GPU (kv_buffer_device = {dep.connector.kv_buffer_device!r}), but the default "
@@ -302,12 +298,14 @@ def image_argv(spec: ProcessSpec) -> list[str]:
 
 def _worker_argv(spec: ProcessSpec, dep: Deployment) -> list[str]:
     """The plan's command line as the container runs it (:func:`image_argv`), the pod IP bound, and KV cache events
-    (``routing.prefix_view = "exact"``) sent to the gateway's Service."""
+    (``routing.prefix_view = "exact"``) sent to the gateway's Service under the name the gateway gives the pod
+    (``<worker>@<pod IP>``, :mod:`pdctl.gateway.discovery`): Kubernetes expands ``$(PDCTL_POD_IP)`` in args."""
     argv = image_argv(spec)
     if "--kv-events-config" in argv:
         i = argv.index("--kv-events-config") + 1
         events = json.loads(argv[i])
         events["endpoint"] = connect_endpoint(_GATEWAY, dep.routing.kv_events_port)
+        events["topic"] = f"{events['topic']}@$({POD_IP_ENV})"
         argv[i] = json.dumps(events, separators=(",", ":"))
     i = argv.index("--host")
     argv[i + 1] = "0.0.0.0"  # pods are reached on their pod IP; the key never reaches a worker anyway
@@ -330,6 +328,8 @@ def _worker_env(w: WorkerConfig, spec: ProcessSpec, opts: K8sOptions) -> list[di
     for knob, setting in (("UCX_TLS", opts.ucx_tls), ("UCX_NET_DEVICES", opts.ucx_net_devices)):
         if setting and knob not in w.env:
             env.append({"name": knob, "value": setting})
+    if "--kv-events-config" in spec.argv:  # the events' topic names the pod
+        env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return env
 
 

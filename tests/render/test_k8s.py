@@ -17,7 +17,7 @@ import yaml
 
 from pdctl import config
 from pdctl.gateway.settings import from_deployment
-from pdctl.render.k8s import CONFIG_MOUNT, KUBERNETES_VERSION, K8sOptions, Rendered, dump_yaml, findings, render
+from pdctl.render.k8s import CONFIG_MOUNT, KUBERNETES_VERSION, K8sOptions, Rendered, dump_yaml, render
 from pdctl.runtime.plan import VllmInstall, build_plan
 from pdctl.sim.server import VLLM_VERSION
 from tests.conftest import REPO
@@ -234,13 +234,15 @@ def test_the_exact_prefix_view_sends_every_workers_kv_events_to_the_gateway_serv
     for w in dep.workers:
         args = container(find(docs, "StatefulSet", w.name))["args"]
         events = json.loads(args[args.index("--kv-events-config") + 1])
-        # vLLM's PUB socket connects to a tcp://host:port address; the gateway binds it on the pod IP (--host 0.0.0.0)
+        # vLLM's PUB socket connects to a tcp://host:port address; the gateway binds it on the pod IP (--host 0.0.0.0).
+        # The topic is the name the gateway's discovery gives the pod, <worker>@<pod IP>: Kubernetes expands $(VAR).
         assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://gateway:5557",
-                          "topic": w.name}  # fmt: skip
-    many = load("2p2d")  # a group of two pods: one topic for both, the gateway cannot tell them apart
-    many = dataclasses.replace(many, routing=dataclasses.replace(many.routing, pd_mode="adaptive",
-                                                                 prefix_view="exact"))  # fmt: skip
-    assert [f.key for f in findings(many) if f.code == "K8S008"] == [many.workers[-1].table + ".replicas"]
+                          "topic": f"{w.name}@$(PDCTL_POD_IP)"}  # fmt: skip
+        env = container(find(docs, "StatefulSet", w.name))["env"]
+        assert {"name": "PDCTL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    # Without the exact view no topic, and no variable for it.
+    plain = container(find(objects(render(load("seed"))), "StatefulSet", "decode"))
+    assert "--kv-events-config" not in plain["args"] and "PDCTL_POD_IP" not in {e["name"] for e in plain["env"]}
 
 
 def test_ucx_and_rdma_knobs_reach_every_worker_pod() -> None:

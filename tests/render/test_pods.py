@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -59,6 +60,12 @@ def write_config(folder: Path, sim: str = 'profile = "fast"\nspeed = 20') -> tup
     return cpath, spath
 
 
+def expand(arg: str, env: dict[str, str]) -> str:
+    """``$(NAME)`` in a container's command or args, as the kubelet expands it: from the container's own ``env``
+    (a name it does not declare stays as written; ``$$`` is a literal ``$``)."""
+    return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), arg)
+
+
 def start_pod(container: dict[str, Any], pod_ip: str, log: Path, mount: Path | None = None) -> SimProcess:
     """Run a container as a process: this interpreter as the image's ``python``, ``vllm serve`` (above), and
     ``mount`` (the ConfigMap's files) where the pod has ``/etc/pdctl``."""
@@ -74,6 +81,8 @@ def start_pod(container: dict[str, Any], pod_ip: str, log: Path, mount: Path | N
         else:
             assert e["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, e
             env[e["name"]] = pod_ip
+    declared = {e["name"]: env[e["name"]] for e in container["env"]}
+    argv = [expand(a, declared) for a in argv]
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
     side = next(p["containerPort"] for p in container["ports"] if p["name"] == "nixl")
     with log.open("wb") as out:
