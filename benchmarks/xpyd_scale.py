@@ -149,8 +149,9 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 def bench(url: str, workers: Sequence[Proc], rate: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One ``pdctl bench`` run of ``--workload`` against ``url``."""
+    count = [] if args.workload == "agent" else ["-n", str(args.requests)]  # agent: conversations x turns
     argv = [PY, "-m", "pdctl", "bench", "--gateway", url, "--model", MODEL, *workload(args), "--rate", rate,
-            "-n", str(args.requests), "--warmup", "8", "--seed", str(args.seed), "--timeout", "600", "--no-progress",
+            *count, "--warmup", "8", "--seed", str(args.seed), "--timeout", "600", "--no-progress",
             "--no-slo", "-o", str(out)]  # fmt: skip
     for w in workers:
         argv += ["--metrics-url", f"{w.url}/metrics"]
