@@ -264,14 +264,21 @@ class PrefixRouter:
         if role == "prefill" and pick.instance is not None:
             new = prompt_tokens - self._cached(pick.instance, plan.hashes, plan.token_ids, prompt_tokens, plan.chars)[0]
             self._prefilling.setdefault(pick.instance, weakref.WeakKeyDictionary())[plan] = new
+        self._learn(pick.instance, role, plan.hashes)
         return pick.instance
+
+    def _learn(self, inst: Instance | None, role: Role, hashes: Sequence[int]) -> None:
+        """``cache_aware``'s tree learns a request when it is routed, as the peers' trees do (a burst of one prefix
+        follows its first request), once the caller has read what the instance held before it."""
+        name = self.routing.prefill_policy if role == "prefill" else self.routing.decode_policy
+        if inst is not None and name == "cache_aware":
+            self.view(inst).insert(hashes)
 
     def _choose(
         self, pool: Pool, role: Role, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int,
-        chars: int, session: str | None, learn: bool = True,
+        chars: int, session: str | None,
     ) -> policy.Pick[Instance]:  # fmt: skip
-        """``role``'s pick by its policy. ``learn``: ``cache_aware``'s tree learns the request at once, as the
-        peers' do (False: the caller reads what the instance holds first, and inserts)."""
+        """``role``'s pick by its policy (the caller reads what the instance holds, then :meth:`_learn`)."""
         r = self.routing
         name = r.prefill_policy if role == "prefill" else r.decode_policy
         cands = [i for i in pool.instances if i.role == role and i.available()]
@@ -288,10 +295,9 @@ class PrefixRouter:
         elif name in policy.LOAD_POLICIES:
             pick = policy.by_load(name, cands, turn, pool.rng, sticky)
         elif name == "cache_aware":
+            queued = self.prefilling_tokens if role == "prefill" else None
             pick = policy.cache_aware(cands, lambda i: cached(i) / max(1, prompt_tokens),
-                                      lambda i: len(self.view(i)), r, turn, sticky)  # fmt: skip
-            if learn and pick.instance is not None:  # the tree learns the request when it is routed
-                self.view(pick.instance).insert(hashes)
+                                      lambda i: len(self.view(i)), r, turn, sticky, queued, prompt_tokens)  # fmt: skip
         else:
 
             def held(i: Instance) -> float:  # what the events say, or what was routed there a moment ago
@@ -357,11 +363,10 @@ class PrefixRouter:
         if self.routing.pd_mode != "adaptive":
             return Decision(False, "always", None, 0, prompt_tokens, hashes, token_ids=ids, chars=chars,
                             session=session)  # fmt: skip
-        pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session, learn=False)
+        pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session)
         decode = pick.instance
         cached = self._cached(decode, hashes, ids, prompt_tokens, chars)[0] if decode is not None else 0
-        if decode is not None and self.routing.decode_policy == "cache_aware":
-            self.view(decode).insert(hashes)  # after the count: the request itself is not yet cached there
+        self._learn(decode, "decode", hashes)
         view: View = "approx"
         approx: int | None = None
         if decode is not None and ids is not None:

@@ -102,6 +102,8 @@ def test_cache_aware_follows_the_prefix_until_the_pool_is_imbalanced() -> None:
     a = router.pick(gw.pool, "prefill", first)
     assert a is not None and first.picks[-1].startswith("prefill_pick=cache_aware:smallest_view")
     other = p[1] if a is p[0] else p[0]
+    busy = router.decide(gw.pool, _body("Q0", prefix="Tell me a story: " * 10), 600)
+    assert router.pick(gw.pool, "prefill", busy) is other  # the smaller view; now neither prefill is idle
     # Learned when routed (no completion yet): the same prefix follows, though `a` is busier.
     with _busy(a, 10):
         plan = router.decide(gw.pool, _body("Q2"), 600)
@@ -115,6 +117,31 @@ def test_cache_aware_follows_the_prefix_until_the_pool_is_imbalanced() -> None:
         plan = router.decide(gw.pool, _body("Q4"), 600)
         assert router.pick(gw.pool, "prefill", plan) is other
         assert plan.picks[-1].startswith("prefill_pick=cache_aware:imbalanced")
+    del first, busy
+
+
+def test_cache_aware_prefill_escapes_to_an_idle_instance_rather_than_queue() -> None:
+    """The idle escape: a prompt whose chosen prefill would make it wait longer than computing it whole goes to a
+    prefill with nothing queued; with no idle prefill the choice stands, a match included."""
+    gw = _gateway(prefill_policy="cache_aware")
+    router = _router(gw)
+    warm = router.decide(gw.pool, _body("Q1"), 600)
+    a = router.pick(gw.pool, "prefill", warm)
+    assert a is not None
+    router.record(a, warm)  # leg 1 done: `a` holds PREFIX (8 blocks in its view), nothing queued
+    short = "Translate: " * 30  # a 1-block prefix: `b`'s view stays the smaller
+    first = router.decide(gw.pool, _body("Q2", prefix=short), 600)
+    b = router.pick(gw.pool, "prefill", first)
+    assert b is not None and b is not a and router.prefilling_tokens(b) == 600 and router.prefilling_tokens(a) == 0
+    # A new prefix: the smallest view is `b`'s, which has 600 tokens queued; `a` has none and takes it.
+    fresh = router.decide(gw.pool, _body("Q3", prefix="Summarise this contract: " * 40), 600)
+    assert router.pick(gw.pool, "prefill", fresh) is a and ":idle " in fresh.picks[-1]
+    # Both have work queued now: no idle prefill, the choices stand.
+    late = router.decide(gw.pool, _body("Q4", prefix="Describe the weather: " * 40), 600)
+    assert router.pick(gw.pool, "prefill", late) is not None and ":smallest_view " in late.picks[-1]
+    same = router.decide(gw.pool, _body("Q5", prefix=short), 600)
+    assert router.pick(gw.pool, "prefill", same) is b and ":match " in same.picks[-1]
+    del first, fresh, late, same
 
 
 def test_cache_aware_thresholds_are_settings() -> None:
