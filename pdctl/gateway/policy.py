@@ -18,8 +18,8 @@ round_robin     nothing                                      the next in turn
 cache_aware     prefix view (share of the prompt held),      imbalanced pool: the least loaded; else the best match
                 in-flight requests, the view's size, a       when it holds more than ``cache_threshold`` of the
                 prefill's queued prompt tokens               prompt; else the smallest view (SGLang/vllm-router);
-                                                             on prefill, an idle instance when the choice would wait
-                                                             longer than computing the prompt whole
+                                                             on prefill, a prompt with no match goes to an idle
+                                                             instance rather than queue on the smallest view
 kv_aware        exact view (events), in-flight tokens        the least Dynamo cost in blocks: prefill
                                                              ``max(in-flight + new - overlap, 0)``, decode
                                                              ``max(new - overlap, 0) + in-flight``; ties at random
@@ -169,32 +169,29 @@ def cache_aware(
     turn: int,
     sticky: str | None = None,
     queued: Callable[[C], float] | None = None,
-    prompt_tokens: int = 0,
 ) -> Pick[C]:
     """SGLang's and vllm-router's ``cache_aware``: an imbalanced pool -> the least loaded; else the best match if
     it holds more than ``cache_threshold`` of the prompt; else the instance with the smallest view (the most room).
     Ties among the best: the least loaded, then the session, then in turn.
 
-    ``queued`` (a prefill pool: the prompt tokens each instance still has to compute) adds pdctl's idle escape: when
-    the chosen instance's queue plus what it lacks of the ``prompt_tokens`` exceeds the whole prompt and an instance
-    has nothing queued, an idle one computes it (rule ``idle``). A pool at saturation has no idle instance, so the
-    affinity stays; with headroom a prompt does not wait behind another while a prefill idles."""
+    ``queued`` (a prefill pool: the prompt tokens each instance still has to compute) adds pdctl's idle escape: a
+    prompt no instance holds enough of, whose smallest view has work queued, goes to an instance with nothing queued
+    (rule ``idle``): it is computed whole either way, so it need not wait. A match never escapes: sending it away
+    trades the compute its cache saves for a shorter wait, which at saturation costs throughput (measured)."""
     scores = {i: share(i) for i in cands}
     shown = tuple((i.name, scores[i]) for i in cands)
     if imbalanced(cands, r):
         return least_loaded(cands, turn, sticky, "cache_aware", "imbalanced", shown)
     top = max(scores.values())
     if top > r.cache_threshold:
-        pick = least_loaded([i for i in cands if scores[i] == top], turn, sticky, "cache_aware", "match", shown)
-    else:
-        sizes = {i: view_size(i) for i in cands}
-        small = min(sizes.values())
-        pick = least_loaded([i for i in cands if sizes[i] == small], turn, sticky, "cache_aware", "smallest_view",
-                            shown)  # fmt: skip
+        return least_loaded([i for i in cands if scores[i] == top], turn, sticky, "cache_aware", "match", shown)
+    sizes = {i: view_size(i) for i in cands}
+    small = min(sizes.values())
+    pick = least_loaded([i for i in cands if sizes[i] == small], turn, sticky, "cache_aware", "smallest_view", shown)
     chosen = pick.instance
-    if queued is None or chosen is None or queued(chosen) <= prompt_tokens * scores[chosen]:
+    if queued is None or chosen is None or queued(chosen) == 0:
         return pick
-    idle = [i for i in cands if i is not chosen and queued(i) == 0]
+    idle = [i for i in cands if queued(i) == 0]
     return least_loaded(idle, turn, sticky, "cache_aware", "idle", shown) if idle else pick
 
 

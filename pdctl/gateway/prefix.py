@@ -297,7 +297,7 @@ class PrefixRouter:
         elif name == "cache_aware":
             queued = self.prefilling_tokens if role == "prefill" else None
             pick = policy.cache_aware(cands, lambda i: cached(i) / max(1, prompt_tokens),
-                                      lambda i: len(self.view(i)), r, turn, sticky, queued, prompt_tokens)  # fmt: skip
+                                      lambda i: len(self.view(i)), r, turn, sticky, queued)  # fmt: skip
         else:
 
             def held(i: Instance) -> float:  # what the events say, or what was routed there a moment ago

@@ -121,8 +121,8 @@ def test_cache_aware_follows_the_prefix_until_the_pool_is_imbalanced() -> None:
 
 
 def test_cache_aware_prefill_escapes_to_an_idle_instance_rather_than_queue() -> None:
-    """The idle escape: a prompt whose chosen prefill would make it wait longer than computing it whole goes to a
-    prefill with nothing queued; with no idle prefill the choice stands, a match included."""
+    """The idle escape: a prompt no prefill holds, whose smallest view has work queued, goes to a prefill with
+    nothing queued; a match stays with its holder even while another prefill idles (its cache saves the compute)."""
     gw = _gateway(prefill_policy="cache_aware")
     router = _router(gw)
     warm = router.decide(gw.pool, _body("Q1"), 600)
@@ -133,6 +133,9 @@ def test_cache_aware_prefill_escapes_to_an_idle_instance_rather_than_queue() -> 
     first = router.decide(gw.pool, _body("Q2", prefix=short), 600)
     b = router.pick(gw.pool, "prefill", first)
     assert b is not None and b is not a and router.prefilling_tokens(b) == 600 and router.prefilling_tokens(a) == 0
+    # `b`'s prefix again while `b` computes it and `a` idles: the match.
+    again = router.decide(gw.pool, _body("Q2b", prefix=short), 600)
+    assert router.pick(gw.pool, "prefill", again) is b and ":match " in again.picks[-1]
     # A new prefix: the smallest view is `b`'s, which has 600 tokens queued; `a` has none and takes it.
     fresh = router.decide(gw.pool, _body("Q3", prefix="Summarise this contract: " * 40), 600)
     assert router.pick(gw.pool, "prefill", fresh) is a and ":idle " in fresh.picks[-1]
@@ -141,7 +144,7 @@ def test_cache_aware_prefill_escapes_to_an_idle_instance_rather_than_queue() -> 
     assert router.pick(gw.pool, "prefill", late) is not None and ":smallest_view " in late.picks[-1]
     same = router.decide(gw.pool, _body("Q5", prefix=short), 600)
     assert router.pick(gw.pool, "prefill", same) is b and ":match " in same.picks[-1]
-    del first, fresh, late, same
+    del first, again, fresh, late, same
 
 
 def test_cache_aware_thresholds_are_settings() -> None:
