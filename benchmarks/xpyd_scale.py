@@ -17,7 +17,9 @@ Arms:
   ``pdctl gateway`` with ``routing.prefill_policy`` and ``decode_policy`` (``kv_aware`` with
   ``prefix_view = "exact"``, the workers' events); ``+adaptive``: ``routing.pd_mode = "adaptive"`` (a request whose
   prompt the chosen decode mostly holds is served there alone); ``+exact``: ``prefix_view = "exact"`` for the other
-  policies too; ``+workers=N``: ``gateway.workers = N`` processes, each with its own prefix view and load counts;
+  policies too (the gateway then reads a config.toml naming the workers' model as the simulator's, whose
+  tokenizer gives the prompts' exact token ids); ``+workers=N``: ``gateway.workers = N`` processes, each with its
+  own prefix view and load counts;
   any other ``+key=value``: that ``routing`` key (``+balance_abs_threshold=4``);
 - ``vllm-router:<prefill policy>/<decode policy>``: vllm-router (PyPI) ``--vllm-pd-disaggregation`` with
   ``--prefill-policy`` and ``--decode-policy``.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,6 +42,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from benchmarks._harness import PY, ROOT, Proc, start
 from pdctl.sim.timing import PROFILES
@@ -131,6 +136,13 @@ def start_router(arm: str, log_dir: str, prefill: Sequence[Proc], decode: Sequen
     path = Path(log_dir) / f"{name}.settings.json"
     path.write_text(json.dumps(settings, indent=2))
     argv = [PY, "-m", "pdctl", "gateway", "-s", str(path)]
+    if routing.get("prefix_view") == "exact":  # the exact view needs the prompts' token ids: the simulator's model
+        config = Path(log_dir) / f"{name}.config.toml"
+        config.write_text("".join(
+            f'[[{role}]]\nmodel = "{MODEL}"\nengine = "sim"\n\n'
+            for role, pool in (("prefill", prefill), ("decode", decode)) for _ in pool
+        ))  # fmt: skip
+        argv += ["-c", str(config)]
     return start(name, argv, port, log_dir, env={"PDCTL_API_KEY": KEY}, ready_path="/ready", cwd=str(ROOT))
 
 
@@ -161,6 +173,15 @@ def bench(url: str, workers: Sequence[Proc], rate: str, args: argparse.Namespace
         raise RuntimeError(f"pdctl bench exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     runs = json.loads(out.read_text())
     return runs[0] if isinstance(runs, list) else runs
+
+
+def queue_rules(arm: str, url: str) -> dict[str, int] | None:
+    """A pdctl arm's requests per prefill-queue rule (``pdctl_prefill_queue_wait_seconds_count``), None for others."""
+    if not arm.startswith("pdctl:"):
+        return None
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    found = re.findall(r'^pdctl_prefill_queue_wait_seconds_count\{rule="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {rule: int(float(n)) for rule, n in found} or None
 
 
 def _hit_rate(caches: dict[str, dict[str, float]], urls: Sequence[str]) -> float | None:
@@ -206,6 +227,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"| {r['rate']} | {r['arm']} | {fmt(r['ttft_p50_ms'], 0)} / {fmt(r['ttft_p90_ms'], 0)} | "
             f"{fmt(r['itl_p99_ms'])} | {fmt(r['output_tok_s'], 0)} | {fmt(r['request_s'], 2)} | {r['failed']} | "
             f"{pct(r['prefill_hit_rate'])} / {pct(r['decode_hit_rate'])} |"
+            + (f" queue: {r['queue_rules']}" if r.get("queue_rules") else "")
         )
     return lines
 
@@ -254,11 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     try:
                         router = start_router(arm, logs, prefill, decode, events)
                         run = bench(router.url, [*prefill, *decode], rate, args, Path(logs) / "bench.json")
+                        rules = queue_rules(arm, router.url)
                     finally:
                         for proc in [*([router] if router else []), *prefill, *decode]:
                             proc.stop()
                 label = f"{pools} {arm}"
-                rows.append(row(label, rate, run, prefill, decode))
+                rows.append(row(label, rate, run, prefill, decode) | ({"queue_rules": rules} if rules else {}))
                 runs.append({"pools": pools, "arm": arm, "rate": rate, "run": run})
                 print(markdown(rows[-1:])[-1], flush=True)
     out = Path(args.out)

@@ -61,7 +61,7 @@ RULES: tuple[Rule, ...] = (
     connector.connectors, connector.backend, connector.connector_exists, engine.models, keys.key_env,
     keys.shared_key, keys.keys_file, keys.tokenizers, memory.memory, engine.lengths, engine.identity,
     memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive, routing.exact_view,
-    routing.several_processes, engine.sim, tracing.without_collector,
+    routing.several_processes, routing.queue_view, engine.sim, tracing.without_collector,
 )  # fmt: skip
 
 

@@ -268,6 +268,12 @@ class RoutingConfig:
         "(Dynamo's `--router-kv-overlap-score-credit`, default 1); above 1 a prefix stays with its holder against a "
         "longer queue",
     )
+    prefill_queue_tokens: int | None = key(
+        None, as_int(1), "an integer >= 1", use="gateway", type="integer", default="none",
+        doc="*extension*: requests wait in the gateway while every prefill has this many uncached prompt tokens to "
+        "compute, and a prefill with room takes the waiting request it holds most of (docs/gateway.md, The prefill "
+        "queue); none: a request's prefill is chosen when it arrives",
+    )
     # fmt: on
 
     @property
@@ -278,17 +284,20 @@ class RoutingConfig:
     @property
     def routes_by_request(self) -> bool:
         """Whether the gateway builds a per-request routing decision (:class:`pdctl.gateway.prefix.PrefixRouter`):
-        adaptive PD, or a policy other than ``least_loaded`` on the two legs."""
+        adaptive PD, a policy other than ``least_loaded`` on the two legs, or the prefill queue."""
         return self.strategy == "pd_disagg" and (
-            self.pd_mode == "adaptive" or any(p != "least_loaded" for p in self.policies)
+            self.pd_mode == "adaptive"
+            or any(p != "least_loaded" for p in self.policies)
+            or self.prefill_queue_tokens is not None
         )
 
     @property
     def reads_kv_events(self) -> bool:
-        """Whether the gateway reads its workers' KV cache events: the exact view with adaptive PD or ``kv_aware``."""
+        """Whether the gateway reads its workers' KV cache events: the exact view with adaptive PD, ``kv_aware`` or
+        the prefill queue."""
         return (
             self.prefix_view == "exact" and self.strategy == "pd_disagg"
-            and (self.pd_mode == "adaptive" or "kv_aware" in self.policies)
+            and (self.pd_mode == "adaptive" or "kv_aware" in self.policies or self.prefill_queue_tokens is not None)
         )  # fmt: skip
 
 

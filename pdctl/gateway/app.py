@@ -38,6 +38,7 @@ from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.kv_view import KvEventSubscriber
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
+from pdctl.gateway.prefill_queue import PrefillQueue
 from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
@@ -141,8 +142,10 @@ class Gateway:
                 events = relay or bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
                 self.kv_events = KvEventSubscriber(events, self._count_kv_event, connect=relay is not None)
             prefix = PrefixRouter(settings.routing, self.kv_events, lambda: self.admission.sec_per_token.mean)
+        limit = settings.routing.prefill_queue_tokens
+        queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
-                              self.secrets, self.spawn, self.upstream, prefix)  # fmt: skip
+                              self.secrets, self.spawn, self.upstream, prefix, queue)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 

@@ -67,6 +67,15 @@ class GatewayMetrics:
             "pdctl_pd_view_disagreements", "routing.prefix_view = exact: decisions the approximate view would have "
             "made the other way, by the exact view's path.", ["path"], registry=r,
         )  # fmt: skip
+        self.prefill_queue_waiting = Gauge(
+            "pdctl_prefill_queue_waiting", "routing.prefill_queue_tokens: requests waiting in the gateway for a "
+            "prefill with room.", registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.prefill_queue_wait = Histogram(
+            "pdctl_prefill_queue_wait_seconds", "routing.prefill_queue_tokens: how long requests waited for a "
+            "prefill, by the rule that bound them (match, policy, idle).", ["rule"], buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
         self.rejected = Counter("pdctl_rejected", "Requests rejected before any worker call.", ["reason"], registry=r)
         self.upstream_calls = Counter(
             "pdctl_upstream_calls", "Calls to the upstream channel, by outcome.", ["outcome"], registry=r

@@ -39,6 +39,7 @@ from pdctl.gateway import codec, migration
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.prefill_queue import PrefillQueue
 from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.routing import Instance, Pool, Role
 from pdctl.gateway.settings import GatewaySettings
@@ -79,6 +80,8 @@ class PdContext:
     """The upstream channel, for ``gateway.fallback = "upstream"``."""
     prefix: PrefixRouter | None = None
     """The per-request decision and cached-prefix choice (``routing.pd_mode = "adaptive"``); None: always two legs."""
+    queue: PrefillQueue | None = None
+    """The gateway's prefill queue (``routing.prefill_queue_tokens``); None: leg 1's prefill is chosen at once."""
 
 
 @dataclass(slots=True)
@@ -309,6 +312,9 @@ async def _leg1(
     others = [i for i in ctx.pool.by_role("prefill") if i.available() and i not in failed] if failed else []
     if others:  # a retry after a failed leg 1, whose prefill may have just died: another prefill
         inst: Instance | None = ctx.pool.choose(("prefill",), among=others)
+    elif plan is not None and ctx.queue is not None:
+        inst = await ctx.queue.pick(ctx.pool, plan, max(0.05, ex.remaining()))
+        ex.decision = plan.log_fields()
     elif plan is not None and ctx.prefix is not None:
         inst = ctx.prefix.pick(ctx.pool, "prefill", plan)
         ex.decision = plan.log_fields()
@@ -316,16 +322,24 @@ async def _leg1(
         inst = ctx.pool.choose(("prefill",))
     if inst is None:
         raise _no_instance(ctx, ("prefill",), "prefill")
-    pbody = codec.encode(build_prefill_body(body, ctx.kind, endpoint))
-    ahead = inst.in_flight_tokens
-    timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
     ex.in_leg1 = True
+    leg: LegResult | None = None
     try:
+        pbody = codec.encode(build_prefill_body(body, ctx.kind, endpoint))
+        ahead = inst.in_flight_tokens
+        timeout = max(0.05, min(ex.remaining(), ctx.settings.gateway.request_timeout_s))
         leg = await _prefill_once(
             ctx, inst, endpoint, pbody, rid, prompt_tokens, timeout, _leg(ex, "prefill", inst, rid)
         )
     finally:
         ex.in_leg1 = False
+        if plan is not None and ctx.prefix is not None:  # the prefill's views learn the prompt, its room frees
+            if leg is not None and leg.reply is not None:
+                ctx.prefix.record(inst, plan)
+            if ctx.queue is not None:
+                ctx.queue.release(ctx.pool, inst, plan)
+            else:
+                ctx.prefix.leg1_done(inst, plan)
     if ex.client_gone:  # the client left during leg 1: free what the prefill now holds, then end as cancelled
         if leg.reply is not None:
             ctx.spawn(_release(ctx, leg, endpoint, body, ex))
@@ -333,8 +347,6 @@ async def _leg1(
     if leg.error is not None and failed is not None:
         failed.append(inst)
     if leg.reply is not None:
-        if plan is not None and ctx.prefix is not None:
-            ctx.prefix.record(inst, plan)
         ctx.admission.observe_prefill(leg.elapsed_s, prompt_tokens, ahead)
         ctx.metrics.child(ctx.metrics.leg, "prefill").observe(leg.elapsed_s)
         ex.prefill = inst.name

@@ -198,7 +198,10 @@ class PrefixRouter:
         self.sec_per_token = sec_per_token
         """The prefill seconds per prompt token measured so far (None: not yet), for ``local_max_stall_ms``."""
         self.sessions = policy.Sessions()
-        self._indexed = routing.pd_mode == "adaptive" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
+        self._indexed = (
+            routing.pd_mode == "adaptive" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
+            or routing.prefill_queue_tokens is not None
+        )  # fmt: skip
         self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
         self._routed: weakref.WeakKeyDictionary[Instance, OrderedDict[int, float]] = weakref.WeakKeyDictionary()
         """Per instance, the approximate blocks of the prompts routed there in the last :data:`ROUTED_TTL_S`."""
@@ -231,6 +234,10 @@ class PrefixRouter:
     def record(self, inst: Instance, plan: Decision) -> None:
         """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now."""
         self.view(inst).insert(plan.hashes)
+        self.leg1_done(inst, plan)
+
+    def leg1_done(self, inst: Instance, plan: Decision) -> None:
+        """``plan``'s leg 1 on ``inst`` ended, however: its tokens no longer count as ``inst``'s to compute."""
         pending = self._prefilling.get(inst)
         if pending is not None:
             pending.pop(plan, None)
@@ -240,55 +247,77 @@ class PrefixRouter:
         pending = self._prefilling.get(inst)
         return sum(pending.values()) if pending is not None else 0
 
-    def cached(self, inst: Instance, plan: Decision) -> int:
-        """Prompt tokens of ``plan`` cached on ``inst``, by the plan's view."""
-        return self._cached(inst, plan.hashes, plan.token_ids, plan.cached_tokens + plan.uncached_tokens, plan.chars)[0]
+    def cached(self, inst: Instance, plan: Decision, memo: dict[int, list[int]] | None = None) -> int:
+        """Prompt tokens of ``plan`` cached on ``inst``, by the plan's view (``memo``: the prompt's token block
+        hashes per block size, filled on first use, for a caller that asks of many instances)."""
+        prompt_tokens = plan.cached_tokens + plan.uncached_tokens
+        return self._cached(inst, plan.hashes, plan.token_ids, prompt_tokens, plan.chars, memo)[0]
+
+    def computing(self, inst: Instance) -> set[int]:
+        """The approximate block hashes of the prompts ``inst`` is computing (their leg 1 not done)."""
+        pending = self._prefilling.get(inst)
+        return {h for plan in pending for h in plan.hashes} if pending else set()
 
     def _cached(
-        self, inst: Instance, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int, text_chars: int
-    ) -> tuple[int, View]:
+        self, inst: Instance, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int, text_chars: int,
+        memo: dict[int, list[int]] | None = None,
+    ) -> tuple[int, View]:  # fmt: skip
         if ids is not None:
             ev = self.exact_view(inst)
             if ev is not None and ev.block_size is not None:
                 bs = ev.block_size
-                return min(prompt_tokens, ev.match(token_block_hashes(ids, bs)) * bs), "exact"
+                own = memo.get(bs) if memo is not None else None
+                if own is None:
+                    own = token_block_hashes(ids, bs)
+                    if memo is not None:
+                        memo[bs] = own
+                return min(prompt_tokens, ev.match(own) * bs), "exact"
         blocks = self.view(inst).match(hashes)
         return min(prompt_tokens, prompt_tokens * blocks * BLOCK_CHARS // max(1, text_chars)), "approx"
 
-    def pick(self, pool: Pool, role: Role, plan: Decision) -> Instance | None:
-        """The instance of ``role`` for ``plan``'s request, by the role's policy; the pick's fields join
-        ``plan.picks``."""
+    def pick(self, pool: Pool, role: Role, plan: Decision, among: Sequence[Instance] | None = None) -> Instance | None:
+        """The instance of ``role`` for ``plan``'s request, by the role's policy (``among``: only those, else every
+        available one); the pick's fields join ``plan.picks``. A prefill counts the prompt's uncached tokens as its
+        to compute until :meth:`leg1_done`."""
         prompt_tokens = plan.cached_tokens + plan.uncached_tokens
-        pick = self._choose(pool, role, plan.hashes, plan.token_ids, prompt_tokens, plan.chars, plan.session)
+        memo: dict[int, list[int]] = {}
+        pick = self._choose(pool, role, plan.hashes, plan.token_ids, prompt_tokens, plan.chars, plan.session,
+                            among, memo)  # fmt: skip
         plan.picks.append(pick.log_fields(role))
         if role == "prefill" and pick.instance is not None:
-            new = prompt_tokens - self._cached(pick.instance, plan.hashes, plan.token_ids, prompt_tokens, plan.chars)[0]
+            new = prompt_tokens - self.cached(pick.instance, plan, memo)
             self._prefilling.setdefault(pick.instance, weakref.WeakKeyDictionary())[plan] = new
         self._learn(pick.instance, role, plan.hashes)
         return pick.instance
 
     def _learn(self, inst: Instance | None, role: Role, hashes: Sequence[int]) -> None:
         """``cache_aware``'s tree learns a request when it is routed, as the peers' trees do (a burst of one prefix
-        follows its first request), once the caller has read what the instance held before it."""
-        name = self.routing.prefill_policy if role == "prefill" else self.routing.decode_policy
-        if inst is not None and name == "cache_aware":
+        follows its first request), once the caller has read what the instance held before it; not on prefill
+        behind the prefill queue, whose views hold only what was computed."""
+        r = self.routing
+        if role == "prefill" and r.prefill_queue_tokens is not None:
+            return  # the prefill queue holds a burst's followers until their leader's prompt is computed
+        if inst is not None and (r.prefill_policy if role == "prefill" else r.decode_policy) == "cache_aware":
             self.view(inst).insert(hashes)
 
     def _choose(
         self, pool: Pool, role: Role, hashes: Sequence[int], ids: Sequence[int] | None, prompt_tokens: int,
-        chars: int, session: str | None,
+        chars: int, session: str | None, among: Sequence[Instance] | None = None,
+        memo: dict[int, list[int]] | None = None,
     ) -> policy.Pick[Instance]:  # fmt: skip
         """``role``'s pick by its policy (the caller reads what the instance holds, then :meth:`_learn`)."""
         r = self.routing
         name = r.prefill_policy if role == "prefill" else r.decode_policy
-        cands = [i for i in pool.instances if i.role == role and i.available()]
+        pool_cands = pool.instances if among is None else among
+        cands = [i for i in pool_cands if i.role == role and i.available()]
         if not cands:
             return policy.Pick(None, name, "none")
         sticky = self.sessions.last(role, session)
         turn = pool.turn((role,))
+        memo = {} if memo is None else memo
 
         def cached(i: Instance) -> float:
-            return self._cached(i, hashes, ids, prompt_tokens, chars)[0]
+            return self._cached(i, hashes, ids, prompt_tokens, chars, memo)[0]
 
         if name == "least_loaded" and r.pd_mode == "adaptive":
             pick = policy.prefix_first(cands, cached, r, turn, sticky)

@@ -1,0 +1,179 @@
+"""The gateway's prefill queue (``routing.prefill_queue_tokens``) on the real pool, prefix router and legs, over
+in-memory workers: requests wait while no prefill has room, a prefill with room takes the request it holds, a
+prompt another one is computing waits for it, an idle prefill never idles while requests wait, and a request
+that waits too long or whose client leaves is answered and forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from pdctl.gateway.app import Gateway
+from pdctl.gateway.errors import ApiError
+from pdctl.gateway.memory import MemoryReply, MemoryWorkers
+from pdctl.gateway.prefill_queue import PrefillQueue
+from pdctl.gateway.prefix import Decision, PrefixRouter
+from pdctl.gateway.routing import Instance
+from pdctl.runtime.trace import parse_access
+from tests.fakes.gateway_harness import asgi_request, run_app
+from tests.gateway.test_adaptive import _decoded, _prefill
+from tests.gateway.test_policy import _body, _gateway, _role
+
+A = "Ledger rules for the billing team, version one. " * 40
+B = "Style guide for the support desk, second edition. " * 40
+C = "Release checklist for the platform group, draft. " * 40
+
+
+def _parts(gw: Gateway) -> tuple[PrefixRouter, PrefillQueue, Instance, Instance]:
+    router, queue = gw.legs.prefix, gw.legs.queue
+    assert router is not None and queue is not None
+    p0, p1 = _role(gw.pool, "prefill")
+    return router, queue, p0, p1
+
+
+def _run(gw: Gateway, test: Callable[[Gateway], Awaitable[None]]) -> None:
+    async def main() -> None:
+        await test(gw)
+
+    asyncio.run(main())
+
+
+def _plan(router: PrefixRouter, gw: Gateway, prefix: str, question: str, tokens: int = 600) -> Decision:
+    return router.decide(gw.pool, _body(question, prefix), tokens)
+
+
+def _waiting(gw: Gateway) -> float | None:
+    return gw.metrics.registry.get_sample_value("pdctl_prefill_queue_waiting")
+
+
+def test_the_queue_is_off_by_default_and_needs_the_per_request_router() -> None:
+    assert _gateway().legs.queue is None
+    gw = _gateway(prefill_queue_tokens=1000)
+    assert gw.legs.prefix is not None and gw.legs.queue is not None and gw.legs.queue.limit == 1000
+
+
+def test_a_prefill_with_room_takes_the_waiting_request_it_holds_not_the_oldest() -> None:
+    gw = _gateway(prefill_queue_tokens=500)
+    router, queue, p0, p1 = _parts(gw)
+
+    async def test(gw: Gateway) -> None:
+        router.record(p0, _plan(router, gw, A, "earlier"))  # p0 computed prefix A, p1 prefix B
+        router.record(p1, _plan(router, gw, B, "earlier"))
+        busy = [_plan(router, gw, C, f"busy {n}") for n in range(2)]
+        for plan, inst in zip(busy, (p0, p1), strict=True):  # each computing 600 tokens: no room left
+            assert router.pick(gw.pool, "prefill", plan, among=[inst]) is inst
+        b2, a2 = _plan(router, gw, B, "later"), _plan(router, gw, A, "later")
+        wait_b = asyncio.create_task(queue.pick(gw.pool, b2, 5.0))
+        wait_a = asyncio.create_task(queue.pick(gw.pool, a2, 5.0))
+        await asyncio.sleep(0.01)
+        assert not wait_a.done() and not wait_b.done() and len(queue) == 2 and _waiting(gw) == 2
+        queue.release(gw.pool, p0, busy[0])  # p0 has room: it takes A's request, though B's waited longer
+        assert await wait_a is p0 and not wait_b.done()
+        assert a2.picks[-1].startswith("prefill_queue=match:")
+        queue.release(gw.pool, p1, busy[1])
+        assert await wait_b is p1 and len(queue) == 0 and _waiting(gw) == 0
+        assert router.prefilling_tokens(p0) < 600  # A's request computes only what p0 does not hold
+
+    _run(gw, test)
+
+
+def test_a_prompt_another_request_is_computing_waits_for_it_then_matches_there() -> None:
+    """vLLM caches a block once it is computed: two requests of one new prefix sent together both compute it
+    whole. The second waits for the first, though a prefill has room, then goes where the first was computed."""
+    gw = _gateway(prefill_queue_tokens=2000)
+    router, queue, p0, p1 = _parts(gw)
+
+    async def test(gw: Gateway) -> None:
+        leader = _plan(router, gw, A, "first")
+        lead_at = await queue.pick(gw.pool, leader, 1.0)
+        assert lead_at is not None and leader.picks[-1].startswith("prefill_queue=policy:")
+        other = p1 if lead_at is p0 else p0
+        busy = _plan(router, gw, B, "busy")  # (held: a request's tokens count while its decision lives)
+        assert router.pick(gw.pool, "prefill", busy, among=[other]) is other
+        follower = _plan(router, gw, A, "second")
+        waiting = asyncio.create_task(queue.pick(gw.pool, follower, 5.0))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # both prefills have room, but the leader's prompt is not computed yet
+        router.record(lead_at, leader)  # leg 1 done: the view holds A
+        queue.release(gw.pool, lead_at, leader)
+        assert await waiting is lead_at and follower.picks[-1].startswith("prefill_queue=match:")
+
+    _run(gw, test)
+
+
+def test_an_idle_prefill_takes_a_request_that_waits_for_a_busy_holder() -> None:
+    gw = _gateway(prefill_queue_tokens=500)
+    router, queue, p0, p1 = _parts(gw)
+
+    async def test(gw: Gateway) -> None:
+        router.record(p0, _plan(router, gw, A, "earlier"))
+        busy = _plan(router, gw, C, "busy")
+        assert router.pick(gw.pool, "prefill", busy, among=[p0]) is p0
+        assert router.prefilling_tokens(p0) >= 500 and router.prefilling_tokens(p1) == 0  # p0 has no room
+        again = _plan(router, gw, A, "again")
+        assert await queue.pick(gw.pool, again, 1.0) is p1  # p0 holds A but has no room; p1 would idle
+        assert again.picks[-1].startswith("prefill_queue=idle:")
+
+    _run(gw, test)
+
+
+def test_a_request_waits_until_its_deadline_then_gets_a_503_and_is_forgotten() -> None:
+    gw = _gateway(prefill_queue_tokens=100)
+    router, queue, p0, p1 = _parts(gw)
+
+    async def test(gw: Gateway) -> None:
+        busy = [_plan(router, gw, C, f"busy {n}") for n in range(2)]
+        assert [await queue.pick(gw.pool, plan, 1.0) for plan in busy].count(None) == 0
+        late = _plan(router, gw, A, "late")
+        with pytest.raises(ApiError) as err:
+            await queue.pick(gw.pool, late, 0.05)
+        assert err.value.status == 503 and "routing.prefill_queue_tokens" in err.value.message
+        assert err.value.retry_after_s is not None
+        assert len(queue) == 0 and _waiting(gw) == 0
+        gone = asyncio.create_task(queue.pick(gw.pool, _plan(router, gw, A, "leaves"), 5.0))
+        await asyncio.sleep(0.01)
+        gone.cancel()  # the client left while waiting
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert len(queue) == 0 and _waiting(gw) == 0
+        p0.healthy = p1.healthy = False  # no prefill at all: the caller answers its "no prefill" error
+        assert await queue.pick(gw.pool, _plan(router, gw, A, "none"), 1.0) is None
+
+    _run(gw, test)
+
+
+def test_requests_through_the_gateway_wait_for_their_prefill_and_log_how_they_were_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Four concurrent requests of two prefixes over two slow prefills with room for one prompt each: every
+    request is answered, each prefix's later request goes to the prefill that computed it, and the access log
+    says so (``prefill_queue=<rule>:<ms>``)."""
+    workers = MemoryWorkers()
+    slow = _prefill()
+    for i in range(2):
+        workers[f"prefill-{i}"].default = MemoryReply(slow.status, slow.parts, delay_s=0.2)
+        workers[f"decode-{i}"].default = _decoded()
+    caplog.set_level(logging.INFO, logger="pdctl.gateway.access")
+
+    async def test(app: Gateway) -> None:
+        async def send(prefix: str, n: int, after: float) -> Any:
+            await asyncio.sleep(after)
+            return await asgi_request(app, "/v1/completions", _body(f"Question {n}?", prefix), request_id=f"r{n}")
+
+        replies = await asyncio.gather(send(A, 0, 0), send(B, 1, 0.02), send(A, 2, 0.04), send(B, 3, 0.06))
+        assert [r.status for r in replies] == [200] * 4
+        heads = [r.headers for r in replies]
+        assert heads[0]["x-pd-prefill"] == heads[2]["x-pd-prefill"] != heads[1]["x-pd-prefill"]
+        assert heads[1]["x-pd-prefill"] == heads[3]["x-pd-prefill"]
+
+    app = run_app(_gateway(workers=workers, prefill_queue_tokens=100), test)
+    lines = [parse_access(f" pdctl.gateway.access {r.getMessage()}") for r in caplog.records]
+    fields = {f["request_id"]: f for f in lines if f is not None}
+    assert fields["r0"]["prefill_queue"].startswith("policy:")
+    rule, _, ms = fields["r2"]["prefill_queue"].partition(":")
+    assert rule == "match" and float(ms) >= 100  # waited for r0's prefill to finish (200 ms, sent 40 ms later)
+    assert app.metrics.registry.get_sample_value("pdctl_prefill_queue_wait_seconds_count", {"rule": "match"}) == 2
