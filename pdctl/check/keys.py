@@ -65,7 +65,8 @@ def keys_file(c: Ctx) -> Iterable[Finding]:
 
 
 def tokenizers(c: Ctx) -> Iterable[Finding]:
-    """PD031: a model without a local tokenizer.json gets estimated token counts in the gateway's limits."""
+    """PD031: a model without a local tokenizer.json gets estimated token counts in the gateway's limits, and no
+    exact view (a warning where the gateway reads the workers' KV events)."""
     from pdctl.gateway.tokens import find_tokenizer
 
     seen: set[str] = set()
@@ -75,7 +76,10 @@ def tokenizers(c: Ctx) -> Iterable[Finding]:
         seen.add(w.model)
         source = c.dep.resolve_path(w.model) if is_local(w.model) else w.model
         if find_tokenizer(source) is None:
-            yield c.at("PD031", "info", "config", f"{w.table}.model",
+            exact = c.dep.routing.reads_kv_events
+            also = (", and the exact view (routing.prefix_view) cannot hash its prompts: they are routed by the "
+                    "approximate view") if exact else ""  # fmt: skip
+            yield c.at("PD031", "warning" if exact else "info", "config", f"{w.table}.model",
                        f"no tokenizer.json for {w.model} on this machine: the gateway estimates prompt tokens "
-                       "(rate limits, admission) instead of counting them",
+                       f"(rate limits, admission) instead of counting them{also}",
                        f"download it (`hf download {w.model}`) or point `model` at its folder")  # fmt: skip

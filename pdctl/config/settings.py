@@ -229,8 +229,9 @@ class RoutingConfig:
     )
     prefix_view: PrefixView = key(
         "approx", as_choice("approx", "exact"), "approx or exact", use="gateway", type="`approx` \\| `exact`",
-        doc="*extension*, `adaptive`: `exact` follows each worker's vLLM KV cache events (the plan adds "
-        "`--kv-events-config`) and hashes the prompt's token ids; `approx` remembers what the gateway sent",
+        doc="*extension*, `adaptive`, `kv_aware` and the prefill queue: `exact` follows each worker's vLLM KV cache "
+        "events (the plan adds `--kv-events-config`) and hashes the prompt's token ids; `approx` remembers what the "
+        "gateway sent",
     )
     kv_events_port: int = key(
         5557, as_int(1, 65535), "a port number", use="gateway", type="integer",

@@ -539,3 +539,14 @@ def test_examples_carry_no_tool_calling_findings() -> None:
     ex = REPO / "examples" / "cpu"
     found = run_checks(load(ex / "config.toml", ex / "settings.json"), env={"PDCTL_API_KEY": "k"}, vllm=CPU)
     assert not [f for f in found if f.code == "PD032"]
+
+
+@pytest.mark.skipif(find_tokenizer("Qwen/Qwen3-8B") is not None, reason="Qwen3-8B's tokenizer is on this machine")
+def test_a_model_without_a_tokenizer_is_a_warning_where_the_exact_view_needs_its_token_ids(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = _on_own_ports(recipe_files)
+    assert [f.severity for f in codes(cpath, spath)["PD031"]] == ["info"]
+    settings = json.loads(spath.read_text())
+    settings["routing"].update(prefix_view="exact", prefill_queue_tokens=2048)
+    spath.write_text(json.dumps(settings))
+    (pd031,) = codes(cpath, spath)["PD031"]
+    assert pd031.severity == "warning" and "routed by the approximate view" in pd031.message
