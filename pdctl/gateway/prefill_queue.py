@@ -12,9 +12,9 @@ request arrived.
 Each time a request arrives or a leg 1 ends (:meth:`PrefillQueue.release`), :meth:`PrefillQueue._dispatch` binds
 requests from the :data:`WINDOW` oldest waiting, until no prefill has room or nothing more can go:
 
-1. ``match``: each prefill with room, the least busy first, takes the waiting request it holds the largest share of
-   (by the request's view: what the prefill computed, or its KV events say it holds), when that share is above
-   ``routing.cache_threshold``; ties: the oldest;
+1. ``match``: each prefill with room, the least busy first, takes a waiting request it holds more of than
+   ``routing.cache_threshold`` and than any other prefill does (by the request's view: what the prefill computed,
+   or what its KV events say it holds), the one it holds the largest share of; ties: the oldest;
 2. ``policy``: the oldest request that no prefill holds above ``cache_threshold`` goes where
    ``routing.prefill_policy`` sends it among the prefills with room, unless a prefill is computing a prompt that
    shares that much with it: then it waits for that prompt to be computed, and matches there (vLLM caches a
@@ -148,14 +148,15 @@ class PrefillQueue:
             return router.cached(i, w.plan, w.memo) / max(1, w.plan.cached_tokens + w.plan.uncached_tokens)
 
         cached = {w: {i: share(w, i) for i in prefills} for w in window}
-        for inst in room:  # 1. match: the request this prefill holds most of
-            best = max(window, key=lambda w: cached[w][inst])  # max() keeps the first (oldest) of equals
-            if cached[best][inst] > threshold:
-                self._bind(pool, best, [inst], "match")
+        top = {w: max(cached[w].values()) for w in window}
+        for inst in room:  # 1. match: of the requests this prefill holds most of, the one it holds the most of
+            mine = [w for w in window if cached[w][inst] == top[w] > threshold]
+            if mine:
+                self._bind(pool, max(mine, key=lambda w: cached[w][inst]), [inst], "match")  # ties: the oldest
                 return True
         computing = [router.computing(i) for i in prefills]
         for w in window:  # 2. policy: the oldest request no prefill holds or computes
-            if max(cached[w].values()) > threshold:
+            if top[w] > threshold:
                 continue  # held by a prefill without room: it waits for that one
             led = w.plan.hashes and any(
                 leading(w.plan.hashes, c) * BLOCK_CHARS > threshold * w.plan.chars for c in computing
