@@ -23,7 +23,8 @@ requests from the :data:`WINDOW` oldest waiting, until no prefill has room or no
 3. ``idle``: a prefill with nothing to compute takes the oldest request still waiting (it would idle otherwise).
 
 A request waits at most until its deadline (``gateway.request_timeout_s``), then gets a 503 with ``Retry-After``;
-a client that leaves stops waiting. Each process of ``gateway.workers`` has its own queue. The access log's
+a client that leaves stops waiting. Each process of ``gateway.workers`` has its own queue and counts only its own
+requests against a prefill's room. The access log's
 ``prefill_queue=<rule>:<ms waited>`` says how each request was bound; ``pdctl_prefill_queue_waiting`` counts the
 requests waiting and ``pdctl_prefill_queue_wait_seconds`` their wait, by rule.
 """

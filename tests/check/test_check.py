@@ -550,3 +550,20 @@ def test_a_model_without_a_tokenizer_is_a_warning_where_the_exact_view_needs_its
     spath.write_text(json.dumps(settings))
     (pd031,) = codes(cpath, spath)["PD031"]
     assert pd031.severity == "warning" and "routed by the approximate view" in pd031.message
+
+
+def test_the_prefill_queue_on_the_exact_view_is_not_warned_about_in_several_processes(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    cpath, spath = _on_own_ports(recipe_files)
+    settings = json.loads(spath.read_text())
+    settings["gateway"]["workers"] = 2
+    settings["routing"].update(prefill_policy="cache_aware", prefill_queue_tokens=2048)
+    spath.write_text(json.dumps(settings))
+    assert "PD038" in codes(cpath, spath) and "PD039" in codes(cpath, spath)  # the approximate view: both
+    settings["routing"]["prefix_view"] = "exact"  # the engines' events reach every process
+    spath.write_text(json.dumps(settings))
+    found = codes(cpath, spath)
+    assert "PD038" not in found and "PD039" not in found
+    settings["routing"]["decode_policy"] = "cache_aware"  # the decode's view is still each process's own
+    spath.write_text(json.dumps(settings))
+    (pd038,) = codes(cpath, spath)["PD038"]
+    assert "decode_policy = 'cache_aware'" in pd038.message and "prefill_policy" not in pd038.message

@@ -227,7 +227,7 @@ CASES: dict[str, tuple[str, dict[str, object], set[str]]] = {
     "kv-aware-without-events": (INIT, {f"{SETTINGS}routing.decode_policy": "kv_aware"}, {"PD034"}),
     "cache-aware-several-processes": (INIT, {f"{SETTINGS}gateway.workers": 2,
                                              f"{SETTINGS}routing.prefill_policy": "cache_aware"}, {"PD038"}),
-    "prefill-queue-several-processes": (INIT, {f"{SETTINGS}gateway.workers": 2, f"{SETTINGS}routing.prefix_view": "exact",
+    "prefill-queue-several-processes": (INIT, {f"{SETTINGS}gateway.workers": 2, f"{SETTINGS}routing.prefix_cache_blocks": 128,
                                                f"{SETTINGS}routing.prefill_queue_tokens": 4096}, {"PD038"}),
     "prefill-queue-approx-view": (INIT, {f"{SETTINGS}routing.prefill_queue_tokens": 4096}, {"PD039"}),
     "trace-content-no-collector": (INIT, {f"{SETTINGS}logging.trace_content": True,
