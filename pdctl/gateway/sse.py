@@ -4,9 +4,9 @@ The relay forwards each chunk as it arrives, decode's bytes as they are (no re-f
 stream's final event goes out with the end of the response in one write when the worker's body is already
 complete (never by waiting for it). Per chunk it only counts ``data:`` occurrences (a C-level
 ``bytes.count``) and keeps a short tail; usage and ``[DONE]`` are read from that tail at the end. The agent
-routes end differently (:data:`END_EVENTS`: ``response.completed`` for Responses, ``message_stop`` for Anthropic
-Messages, neither followed by ``[DONE]``); their end is looked for in each chunk, since a Responses stream's last
-event carries the whole response and may be longer than the tail. It reads
+routes end differently (:data:`END_EVENTS`: ``response.completed``, ``response.incomplete`` or ``response.failed``
+for Responses, ``message_stop`` for Anthropic Messages, none followed by ``[DONE]``); their end is looked for in each
+chunk, since a Responses stream's last event carries the whole response and may be longer than the tail. It reads
 any :class:`Body` (a worker's :class:`pdctl.vllm.transport.Response`, or the upstream's adapter), whose failures are
 :class:`pdctl.vllm.transport.TransportError`.
 """
@@ -36,11 +36,13 @@ _PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _PROMPT_IDS = b'"prompt_token_ids":['
 #: A choice's ``token_ids``, as vLLM's ``return_token_ids`` writes it (after ``finish_reason``, so after a comma).
 _TOKEN_IDS = re.compile(rb',\s*"token_ids"\s*:\s*\[[0-9,\s]*\]')
-#: The event that completes a stream, per wire (vllm-agent-apis.md §5).
-END_EVENTS: dict[Wire, bytes] = {
-    "openai": b"[DONE]",
-    "responses": b"event: response.completed",
-    "anthropic": b"event: message_stop",
+#: The events that end a stream, per wire. A Responses stream ends with one of the three terminal events of
+#: OpenAI's Responses API: vLLM 0.33 ends a reply cut by ``max_output_tokens`` with ``response.incomplete``
+#: (``vllm/entrypoints/openai/responses/serving.py``), 0.32 with ``response.completed`` either way.
+END_EVENTS: dict[Wire, tuple[bytes, ...]] = {
+    "openai": (b"[DONE]",),
+    "responses": (b"event: response.completed", b"event: response.incomplete", b"event: response.failed"),
+    "anthropic": (b"event: message_stop",),
 }
 
 
@@ -253,7 +255,8 @@ class _Stream:
         self.events += chunk.count(b"data:")
         tail = self.tail
         if self.end is not None and not self.ended:
-            self.ended = self.end in tail[-32:] + chunk
+            seen = tail[-32:] + chunk
+            self.ended = any(end in seen for end in self.end)
         self.tail = (tail + chunk)[-_TAIL:] if len(chunk) < _TAIL else chunk[-_TAIL:]
         if self.pending:
             chunk = self.pending + chunk
@@ -317,7 +320,7 @@ async def relay(
     read = resp.chunk
     forward = getattr(resp, "forward", None)
     st = _Stream(ex.wire, client_socket(send) if forward is not None else None, keep, ex.transcript)
-    last_event = END_EVENTS[ex.wire]
+    last_events = END_EVENTS[ex.wire]
     at_end = getattr(resp, "at_end", None)
     final = b""  # the stream's last events, when its whole body is in: sent with the body's end, in one write
     forwarding = False
@@ -339,7 +342,7 @@ async def relay(
                 await send({"type": "http.response.body", "body": final, "more_body": True})
                 final = b""
             if chunk:
-                if at_end is not None and last_event in chunk and at_end():
+                if at_end is not None and any(e in chunk for e in last_events) and at_end():
                     final = chunk  # the next read returns b"" at once: never a wait for the end
                 else:
                     st.busy = True

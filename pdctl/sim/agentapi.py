@@ -1,10 +1,13 @@
-"""The simulator's agent-facing routes, ``/v1/responses`` and Anthropic ``/v1/messages``, in vLLM 0.32's shapes.
+"""The simulator's agent-facing routes, ``/v1/responses`` and Anthropic ``/v1/messages``, in vLLM's shapes.
 
 As vLLM does (``AnthropicServingMessages`` translates to an internal chat request), each request becomes a chat
 request for the engine (:func:`chat_request`); the output is written back in the route's own shape: a whole JSON
 answer (:func:`responses_reply`, :func:`messages_reply`, both with ``kv_transfer_params``) or its event stream
-(:class:`AgentStream`; no ``kv_transfer_params`` in a stream, as vLLM). Event order and fields follow
-``../shared/reference/vllm-agent-apis.md`` §5-§6.
+(:class:`AgentStream`; no ``kv_transfer_params`` in a stream, as vLLM). Event order and fields follow vLLM's
+``vllm/entrypoints/openai/responses/`` and ``vllm/entrypoints/anthropic/``. A Responses reply cut by
+``max_output_tokens`` is as vLLM 0.33 writes it: the output item's and the response's ``status`` are
+``"incomplete"`` (``incomplete_details.reason`` ``"max_output_tokens"``) and a stream ends with
+``response.incomplete`` (0.32 ended every stream with ``response.completed`` and its items ``"completed"``).
 
 Tool calls are faked when the request forces one (Anthropic ``tool_choice`` ``{"type": "tool", "name": ...}``
 or ``{"type": "any"}``; Responses ``{"type": "function", "name": ...}`` or ``"required"``): the generated text
@@ -177,17 +180,22 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}  # fmt: skip
 
 
+def _status(finish_reason: str | None) -> str:
+    """A Responses item's and response's status (vLLM 0.33's ``response_item_status``)."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def responses_reply(
     resp_id: str, model: str, body: Mapping[str, Any], text: str, finish_reason: str | None,
     forced: ForcedTool | None, prompt_len: int, output: int, kv_params: Mapping[str, Any] | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """vLLM's non-streaming ``ResponsesResponse``; a max-token stop is ``status: "incomplete"``."""
+    """vLLM's non-streaming ``ResponsesResponse``; a max-token stop is ``status: "incomplete"``, its item's too."""
+    status = _status(finish_reason)
     item = (
-        _call_item(f"fc_{secrets.token_hex(8)}", f"call_{secrets.token_hex(8)}", forced.name, _args(text), "completed")
+        _call_item(f"fc_{secrets.token_hex(8)}", f"call_{secrets.token_hex(8)}", forced.name, _args(text), status)
         if forced is not None
-        else _message_item(f"msg_{secrets.token_hex(8)}", text, "completed")
+        else _message_item(f"msg_{secrets.token_hex(8)}", text, status)
     )
-    status = "incomplete" if finish_reason == "length" else "completed"
     usage = _responses_usage(prompt_len, output)
     return _response_object(resp_id, model, body, status, [item], usage, kv_params)
 
@@ -272,7 +280,8 @@ class AgentStream:
                               "content_index": 0, "delta": text, "logprobs": []})  # fmt: skip
 
     async def finish(self, finish_reason: str | None, output: int) -> None:
-        """The closing events: ``message_stop`` or ``response.completed`` (with usage)."""
+        """The closing events: ``message_stop``, or ``response.completed`` / ``response.incomplete`` (a reply cut by
+        ``max_output_tokens``), with usage."""
         text = "".join(self._text)
         if self.route == MESSAGES:
             if self.forced is not None:
@@ -284,25 +293,25 @@ class AgentStream:
                 "usage": _anthropic_usage(self.prompt_len, output)})  # fmt: skip
             await self._event("message_stop", {})
             return
+        status = _status(finish_reason)
         if self.forced is not None:
             args = _args(text)
             await self._event("response.function_call_arguments.delta", {
                 "item_id": self._item_id, "output_index": 0, "delta": '"}'})  # fmt: skip
             await self._event("response.function_call_arguments.done", {
                 "item_id": self._item_id, "output_index": 0, "arguments": args, "name": self.forced.name})  # fmt: skip
-            item = _call_item(self._item_id, self._call_id, self.forced.name, args, "completed")
+            item = _call_item(self._item_id, self._call_id, self.forced.name, args, status)
         else:
             await self._event("response.output_text.done", {"item_id": self._item_id, "output_index": 0,
                               "content_index": 0, "text": text, "logprobs": []})  # fmt: skip
             part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
             await self._event("response.content_part.done", {"item_id": self._item_id, "output_index": 0,
                               "content_index": 0, "part": part})  # fmt: skip
-            item = _message_item(self._item_id, text, "completed")
+            item = _message_item(self._item_id, text, status)
         await self._event("response.output_item.done", {"output_index": 0, "item": item})
-        status = "incomplete" if finish_reason == "length" else "completed"
         done = _response_object(self.resp_id, self.model, self.body, status, [item],
                                 _responses_usage(self.prompt_len, output), None)  # fmt: skip
-        await self._event("response.completed", {"response": done})
+        await self._event(f"response.{status}", {"response": done})
 
     async def fail(self, message: str) -> None:
         """A failure after the first event: Anthropic's ``event: error``; a Responses stream is cut (as vLLM)."""

@@ -294,8 +294,7 @@ class KVConnector:
         if self.cfg.kv.failure_policy == "recompute":
             self.log.warning(
                 L.W_RECOMPUTE,
-                f"Recomputing 1 request(s) after KV load failure (failure_policy=recompute, "
-                f"{req.prompt_len} tokens affected). Request IDs: {{{req.request_id!r}}}",
+                f"Recovered from KV load failure: 1 request(s) rescheduled ({req.prompt_len} tokens affected).",
             )
             self._engine._enqueue(req)
             return

@@ -110,14 +110,36 @@ def _flag_of(message: str) -> str | None:
     return None
 
 
+#: Where ``make_arg_parser`` and ``validate_parsed_serve_args`` live, newest vLLM first: 0.33 moved them to
+#: ``entrypoints.common``, 0.32 has them in ``entrypoints.launchers``, earlier versions in ``entrypoints.openai``.
+_CLI_ARGS_MODULES = (
+    "vllm.entrypoints.common.cli_args",
+    "vllm.entrypoints.launchers.cli_args",
+    "vllm.entrypoints.openai.cli_args",
+)
+
+
+def _cli_args() -> Any:
+    """vLLM's ``cli_args`` module, wherever this version keeps it (ImportError naming every place tried)."""
+    import importlib
+
+    for name in _CLI_ARGS_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # the module exists but one of its own imports is missing: that is the error to report
+            continue
+        if hasattr(module, "make_arg_parser") and hasattr(module, "validate_parsed_serve_args"):
+            return module
+    raise ImportError(f"no vLLM argument parser in {', '.join(_CLI_ARGS_MODULES)}")
+
+
 def _check_one(parser: Any, cmd: dict[str, Any]) -> str | None:
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    try:
-        from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-    except ImportError:  # vLLM before the launchers package
-        from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args  # type: ignore[no-redef]
+    validate_parsed_serve_args = _cli_args().validate_parsed_serve_args
 
     try:
         args = parser.parse_args(cmd["args"])
@@ -155,10 +177,7 @@ def _main() -> int:
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        try:
-            from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        except ImportError:
-            from vllm.entrypoints.openai.cli_args import make_arg_parser  # type: ignore[no-redef]
+        make_arg_parser = _cli_args().make_arg_parser
     except Exception as exc:
         print(json.dumps({"unavailable": f"vLLM is not importable by {sys.executable}: {exc}"}))
         return 0

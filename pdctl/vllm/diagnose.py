@@ -64,6 +64,13 @@ _RULES: tuple[tuple[str, re.Pattern[str], str, str], ...] = (
         "SharedStorageConnector was renamed ExampleConnector and P2pNcclConnector was removed",
     ),
     (
+        "nixl_version",
+        # vllm.distributed.nixl_utils.check_nixl_version (vLLM 0.33: NixlConnector's worker asks for 1.5.0).
+        re.compile(r"NIXL >= [\w.]+ is required"),
+        "this vLLM refuses the installed NIXL as too old (the line names the version it needs and the one found)",
+        "upgrade NIXL next to vLLM (`pip install -U nixl`; on the CPU build nixl-cu12==1.5.1, see docs/cpu.md)",
+    ),
+    (
         "nixl_missing",
         re.compile(r"NIXL is not available|No module named ['\"]?nixl|nixl.*not (?:installed|available)", re.I),
         "NixlConnector needs the nixl package, which is not installed",

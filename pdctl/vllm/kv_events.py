@@ -18,6 +18,9 @@ Map:
 The wire, as recorded from a real vLLM CPU 0.32.0 engine on 2026-12-04 (``benchmarks/kv_events_probe.py``;
 the recordings are tests/fixtures/vllm-cpu/kv-events/, decoded by tests/vllm/test_kv_events.py):
 
+- vLLM 0.33.0 (read from its wheel, ``vllm/distributed/kv_events.py``) adds one field with a default to
+  ``BlockStored``, ``lookahead_token_ids``; as every event is a map with defaults omitted, 0.32's events and 0.33's
+  decode with the same structs (tests/vllm/test_vllm033.py).
 - Sockets. ``endpoint`` is a PUB socket that **binds only if the address contains ``*`` or ``::`` (or is
   ipc/inproc) and otherwise connects**: with ``tcp://127.0.0.1:PORT`` the subscriber must bind that port and
   the engine dials it. ``replay_endpoint`` is a ROUTER socket that always binds. The port of both is offset by
@@ -128,6 +131,9 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    """vLLM 0.33: the tokens past each block that went into its hash, one list per hash; None (left out) without
+    lookahead hashing, which 0.33 uses only with EAGLE's block drop and never with a ``kv_transfer_config``."""
 
 
 class BlockRemoved(KVCacheEvent):

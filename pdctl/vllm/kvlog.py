@@ -154,15 +154,28 @@ _REQ = r"(?P<req>[\w.:-]+)"
 _RULES: tuple[_Rule, ...] = (
     # --- failures
     _rule("kv_failure", r"NIXL transfer failure: (?P<kind>\w+)", _transfer_failure),
+    # vllm/v1/core/sched/scheduler.py (0.32 and 0.33): kv_load_failure_policy "recompute", then "fail".
     _rule(
         "kv_failure",
-        r"Recomputing (?P<n>\d+) request\(s\) after KV load failure",
-        lambda m: f"{m['n']} request(s) recomputed locally after a KV load failure (policy recompute)",
+        r"Recovered from KV load failure: (?P<n>\d+) request\(s\) rescheduled(?: \((?P<t>\d+) tokens affected\))?",
+        lambda m: (
+            f"{m['n']} request(s) rescheduled to recompute after a KV load failure"
+            + (f" ({m['t']} tokens)" if m["t"] else "")
+        ),
     ),
     _rule(
         "kv_failure",
         r"Failing (?P<n>\d+) request\(s\) due to KV load failure(?: \((?P<why>[^)]*)\))?",
         lambda m: f"{m['n']} request(s) failed: KV load failure" + (f" ({m['why']})" if m["why"] else ""),
+    ),
+    # NIXL's worker (vLLM 0.33) when prefill and decode block sizes cannot be paired: their transfers cannot work.
+    _rule(
+        "kv_failure",
+        r"Not pairing remote (?P<r>\d+)-token blocks with local (?P<l>\d+)-token blocks: (?P<why>[^.]*)",
+        lambda m: (
+            f"handshake: remote {m['r']}-token blocks cannot be paired with local {m['l']}-token blocks "
+            f"({m['why']}): give prefill and decode the same block size"
+        ),
     ),
     _rule("kv_failure", r"Got invalid KVTransferParams", "decode got invalid kv_transfer_params: it recomputes"),
     _rule(

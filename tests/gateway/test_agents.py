@@ -135,21 +135,29 @@ def test_responses_through_pd_with_openai_sdk(pair: tuple[SimProcess, SimProcess
         assert resp.output_text and resp.usage is not None and resp.usage.output_tokens == 7
         assert resp.status == "incomplete"  # a max-token stop, as vLLM reports it
         assert _pulled(d.url) > before
+        # Cut by max_output_tokens: the stream ends with response.incomplete (vLLM 0.33), relayed without an error.
         with client.responses.stream(
             model="sim-model", input=[{"role": "user", "content": "stream it"}], max_output_tokens=6
         ) as stream:
-            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-            done = stream.get_final_response()
-        assert len(deltas) == 6 and done.output_text == "".join(deltas)
+            events = list(stream)
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert [e.type for e in events if e.type in ("response.completed", "response.incomplete", "error")] == [
+            "response.incomplete"
+        ]
+        cut = events[-1].response  # type: ignore[union-attr]
+        assert cut.status == "incomplete" and cut.incomplete_details is not None
+        assert cut.incomplete_details.reason == "max_output_tokens"
+        assert len(deltas) == 6 and cut.output_text == "".join(deltas)
         # A forced function call, streamed as argument deltas.
         with client.responses.stream(
             model="sim-model", input="read README.md", max_output_tokens=5,
             tools=[{"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {}}}],
             tool_choice={"type": "function", "name": "read_file"},
         ) as stream:  # fmt: skip
-            args = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
-            done = stream.get_final_response()
-        (call,) = done.output
+            events = list(stream)
+        args = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        (call,) = events[-1].response.output  # type: ignore[union-attr]
         assert call.type == "function_call" and call.name == "read_file"
         assert json.loads(call.arguments) == json.loads("".join(args))
 

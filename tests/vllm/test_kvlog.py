@@ -237,10 +237,10 @@ def test_prefix_parsing() -> None:
             "cmpl-x-0-0123abcd",
         ),
         (
-            "(EngineCore pid=1) WARNING 11-30 10:00:00 [scheduler.py:3405] Recomputing 1 request(s) after KV load "
-            "failure (failure_policy=recompute, 12 tokens affected). Request IDs: {'cmpl-a-0-0123abcd'}",
+            "(EngineCore pid=1) WARNING 11-30 10:00:00 [scheduler.py:3426] Recovered from KV load failure: "
+            "1 request(s) rescheduled (12 tokens affected).",
             FAIL,
-            "cmpl-a-0-0123abcd",
+            None,
         ),
         # With the time stamp's milliseconds and ANSI colour left on
         (
