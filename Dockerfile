@@ -6,7 +6,7 @@
 #   docker tag pdctl:0.1.0 REGISTRY/pdctl:0.1.0 && docker push REGISTRY/pdctl:0.1.0
 #   pdctl render k8s --pdctl-image REGISTRY/pdctl:0.1.0 ...
 #
-# BASE_IMAGE: any Debian-like image with python3 (>= 3.10) and its venv module. Without a registry,
+# BASE_IMAGE: any Debian-like image with python3 (>= 3.11) and its venv module. Without a registry,
 # scripts/build-image.sh makes one with debootstrap and builds from a wheelhouse (a `wheels/` folder in the
 # build context is installed from, offline). See docs/multi-node.md ("The pdctl image").
 ARG BASE_IMAGE=python:3.11-slim

@@ -85,7 +85,7 @@ NEVER_READY_STOP_S = 5.0
 RELEASE_POLL_S = 0.01
 
 
-class ProcState(str, enum.Enum):
+class ProcState(enum.StrEnum):
     """Where one process is in its life (see the module docstring)."""
 
     STOPPED = "stopped"

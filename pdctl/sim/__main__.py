@@ -388,12 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
         loop_factory = asyncio.new_event_loop
     try:
-        if sys.version_info >= (3, 11):
-            with asyncio.Runner(loop_factory=loop_factory) as runner:
-                runner.run(_serve(cfg, faults, log, args, events))
-        else:  # pragma: no cover - Python 3.10
-            asyncio.set_event_loop(loop_factory())
-            asyncio.get_event_loop().run_until_complete(_serve(cfg, faults, log, args, events))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(_serve(cfg, faults, log, args, events))
     except _Fatal as e:
         log.error(L.W_FATAL, str(e))
         return e.code
