@@ -358,7 +358,7 @@ async def _fault_run(d: Path, dep: dict[str, Any], cfg: ChaosConfig, arm: str, c
         recovering = asyncio.create_task(asyncio.to_thread(_ready_on_both_legs, url, model, 900))
         try:
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=400)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for t in tasks:
                 t.cancel()
         finally:

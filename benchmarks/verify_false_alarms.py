@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -366,7 +366,7 @@ def main() -> None:
         if deadline is not None and time.monotonic() > deadline:
             print(f"--stop-after-s reached: {i} of {len(plan)} runs done", flush=True)
             break
-        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started = datetime.now(UTC).isoformat(timespec="seconds")
         if kind == "broken":
             rec = broken_run(seed0, seed1, args.lock)
         else:

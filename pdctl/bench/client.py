@@ -206,7 +206,7 @@ class BenchClient:
         state = _StreamState(res, begin, keep_text)
         try:
             await asyncio.wait_for(self._stream(req, state, t0), timeout=self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if state.done and not res.error:
                 # The answer was complete; only the server's end of stream after [DONE] never came.
                 state.finish()

@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import httpx
@@ -253,7 +253,7 @@ async def run_once(
     live = live if live is not None else LiveStats()
     live.label, live.total = target.label or target.base_url, n
     pool = shape.concurrency if shape.concurrency is not None else None
-    date = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    date = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_id = new_run_id() if run_id is None else run_id
     plan = plan_conversations(target.workload.spec, run_id) if target.workload.conversational else None
     run_tag = f"{request_id_prefix}-{date}-{run_id.replace(' ', '-')}-{shape.seed}"

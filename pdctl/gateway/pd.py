@@ -474,7 +474,7 @@ async def _decode_call(
         try:
             call = inst.client.request("POST", endpoint, body=payload, headers=headers)
             resp = await (call if bounded is None else asyncio.wait_for(call, timeout=max(0.05, bounded)))
-        except (asyncio.TimeoutError, TransportError) as exc:
+        except (TimeoutError, TransportError) as exc:
             _count_failure(ctx, inst, source)
             if isinstance(exc, asyncio.TimeoutError) or exc.kind in ("timeout", "connect_timeout"):
                 raise _DecodeFailed(504, f"{what} {inst.name} did not answer in time", code="decode_timeout") from None

@@ -263,7 +263,7 @@ def tls_files(g: GatewayConfig) -> tuple[str, str] | None:
             f"{g.tls_certfile}: not a PEM certificate ({exc})",
             hint="the certificate (BEGIN CERTIFICATE), not the key",
         ) from None
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     if cert.not_valid_after_utc < now:
         raise ConfigError(
             "settings.json",

@@ -352,7 +352,7 @@ async def relay(
                 forward(st.give)
                 forwarding = True
             chunk = await read()
-    except asyncio.TimeoutError:
+    except TimeoutError:
         out.error = ApiError(
             504, f"no first token within {first_timeout_s}s (the KV handoff deadline)", code="upstream_timeout"
         )

@@ -147,7 +147,7 @@ class Upstream:
             err: ApiError
             try:
                 resp = await asyncio.wait_for(self.client.send(req, stream=True), timeout=max(0.05, ex.remaining()))
-            except (asyncio.TimeoutError, httpx.TimeoutException):
+            except (TimeoutError, httpx.TimeoutException):
                 self._metrics.upstream_calls.labels("timeout").inc()
                 err = ApiError(504, "the upstream API did not answer in time", code="upstream_timeout")
             except httpx.HTTPError as exc:

@@ -288,13 +288,13 @@ async def pull_kv(
     t0 = time.monotonic()
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=_MAX_LINE), timeout_s)
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         raise KVPullError("handshake_setup_failed", f"cannot connect to tcp://{host}:{port}: {e}") from None
     try:
         await _send(writer, {"op": "handshake", "engine_id": engine_id, "compat_hash": compat})
         try:
             line = await asyncio.wait_for(reader.readline(), timeout_s)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             line = b""
         if not line:
             raise KVPullError("handshake_setup_failed", "side channel closed during the handshake")
@@ -314,7 +314,7 @@ async def pull_kv(
         with contextlib.suppress(Exception):
             await asyncio.wait_for(reader.readline(), timeout_s)
         return PullResult(data, int(head["num_tokens"]), remote_engine, handshake_s)
-    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as e:
         raise KVPullError("transfer_failed", f"{type(e).__name__}: {e}") from None
     finally:
         writer.close()

@@ -117,7 +117,7 @@ async def _wait_or_abort(req: Request, seconds: float) -> bool:
     try:
         await asyncio.wait_for(req.aborted.wait(), timeout=seconds)
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
 
 

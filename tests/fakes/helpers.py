@@ -43,7 +43,7 @@ def self_signed_cert(folder: Path, days: int) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start = now - datetime.timedelta(days=2) if days > 0 else now - datetime.timedelta(days=10)
     cert = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
