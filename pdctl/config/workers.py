@@ -312,6 +312,11 @@ class SupervisorConfig:
         300.0, as_num(0), "a number of seconds > 0", use="supervisor",
         doc="deadline of the warm-up probe, retries included",
     )
+    idle_spinning_threads: bool = key(
+        True, as_bool, "true or false", use="supervisor",
+        doc="vLLM CPU engines only: once an engine is ready and has no request, put the threads that keep a core "
+        "busy anyway (NIXL's UCX progress thread) at `SCHED_IDLE`, again after a restart (docs/cpu.md)",
+    )
     # fmt: on
 
 

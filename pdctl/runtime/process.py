@@ -336,6 +336,35 @@ class ManagedProcess:
         except psutil.Error:
             pass
 
+    def thread_cpu_s(self) -> dict[tuple[int, int], float]:
+        """CPU seconds (user + system) of every thread but each process's main thread, in the recorded tree,
+        keyed ``(pid, tid)``: what :meth:`idle_threads` compares between two looks."""
+        out: dict[tuple[int, int], float] = {}
+        for proc in self.descendants():
+            try:
+                threads = proc.threads()
+            except psutil.Error:
+                continue
+            for t in threads:
+                if t.id != proc.pid:
+                    out[(proc.pid, t.id)] = t.user_time + t.system_time
+        return out
+
+    @staticmethod
+    def idle_threads(tids: Iterator[int] | list[int]) -> list[int]:
+        """Put each thread at ``SCHED_IDLE`` (it runs only when its core has nothing else to run); returns those
+        changed (a thread gone or already there is skipped)."""
+        changed = []
+        for tid in tids:
+            try:
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    continue
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except OSError:
+                continue
+            changed.append(tid)
+        return changed
+
     def known_pids(self) -> set[int]:
         """Pids of the child and every descendant recorded so far."""
         return set(self._known)

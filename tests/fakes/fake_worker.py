@@ -147,6 +147,8 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true")
     p.add_argument("--fail-kv", type=int, default=0)
     p.add_argument("--engine-id", default=str(uuid.uuid4()))
+    # A thread that keeps a core busy while the worker is idle, as NIXL's UCX progress thread does in vLLM CPU.
+    p.add_argument("--spin-thread", action="store_true")
     args, _unknown = p.parse_known_args()
 
     if args.ignore_sigterm:
@@ -173,6 +175,14 @@ def main() -> None:
     if args.hang_line and (args.crash_once_file is None or os.path.exists(args.crash_once_file)):
         print(args.hang_line, flush=True)
         time.sleep(3600)
+    if args.spin_thread:
+
+        def spin() -> None:
+            log(f"spin thread tid={threading.get_native_id()}")
+            while True:
+                sum(range(1000))
+
+        threading.Thread(target=spin, name="spin", daemon=True).start()
     Handler.args = args
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     log(f"Started server process on http://{args.host}:{args.port}")

