@@ -7,13 +7,19 @@ engines").
    (``perf report --no-children``), which name the native loop (NIXL's UCX progress thread, OpenMP, ...).
 3. With ``--probe-core N``: what a bystander on core N gets beside the deployment: a pure-Python loop's speed
    and a 1 ms sleep's wake-up lateness (p50/p99/max), the same as with the deployment stopped.
-4. With ``--ab ROUNDS``: the busy threads' scheduling policy A/B, interleaved: ``pdctl bench -w doc -n 8
+4. With ``--contention ROUNDS``: what the idle engines take from other work on their own cores. One pure-Python
+   loop pinned to each core in ``--cores`` for ``--seconds``, while each engine's per-thread CPU is sampled, with
+   the threads pdctl put at SCHED_IDLE (``[supervisor] idle_spinning_threads``) left there, then at SCHED_OTHER
+   (as vLLM starts them), interleaved ROUNDS times; each arm's engine CPU (% of a core) and loop speed. They are
+   put back at the end.
+5. With ``--ab ROUNDS``: the busy threads' scheduling policy A/B, interleaved: ``pdctl bench -w doc -n 8
    --concurrency 2`` through the gateway with them at SCHED_OTHER (as started), then at SCHED_IDLE (they run
-   only when their core has nothing else to run), ROUNDS times; each arm's TTFT/TPOT medians. They are put back
-   to SCHED_OTHER at the end. Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu).
+   only when their core has nothing else to run), ROUNDS times; each arm's TTFT/TPOT medians. Each is put back
+   to the policy it had at the end. The A/B's threads are those at SCHED_IDLE when the run starts (pdctl's
+   choice), else the busy ones. Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu).
 
     .venv/bin/python -m benchmarks.idle_threads -c examples/cpu/config.toml -s examples/cpu/settings.json \\
-        [--seconds 15] [--native] [--probe-core 0] [--ab 2] [--json OUT]
+        [--seconds 15] [--native] [--probe-core 0] [--contention 2 --cores 0,1] [--ab 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from pdctl.bench.engine_metrics import kv_summary
 from pdctl.config import load
 from pdctl.runtime.rundir import read_state
 
@@ -144,18 +151,61 @@ def set_policy(tids: list[int], policy: int) -> None:
             pass
 
 
+def idled_threads(workers: dict[str, int]) -> list[int]:
+    """The threads of the workers' trees at SCHED_IDLE now."""
+    out = []
+    for _w, _pid, _name, tid in _sample(workers):
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                out.append(tid)
+        except OSError:
+            continue
+    return out
+
+
+def contention(
+    workers: dict[str, int], tids: list[int], cores: list[int], seconds: float, rounds: int
+) -> dict[str, list[dict[str, float]]]:
+    """Bystander loops pinned to ``cores`` beside the idle engines, ``tids`` at SCHED_IDLE then SCHED_OTHER,
+    interleaved: each engine's CPU (% of a core) and the loops' mean speed (M it/s)."""
+    arms: dict[str, list[dict[str, float]]] = {"SCHED_IDLE": [], "SCHED_OTHER": []}
+    before = {tid: os.sched_getscheduler(tid) for tid in tids}
+    try:
+        for _ in range(rounds):
+            for name, policy in (("SCHED_IDLE", os.SCHED_IDLE), ("SCHED_OTHER", os.SCHED_OTHER)):
+                set_policy(tids, policy)
+                loops = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, "-c", _LOOP.format(s=seconds)],
+                                          stdout=subprocess.PIPE, text=True) for c in cores]  # fmt: skip
+                rows = thread_cpu(workers, seconds - 1.0)
+                speeds = [float(p.communicate()[0]) / 1e6 for p in loops]
+                row = {f"{w}_pct": round(sum(r.pct for r in rows if r.worker == w), 1) for w in workers}
+                row["loop_mit_s"] = round(sum(speeds) / len(speeds), 2)
+                arms[name].append(row)
+                print(f"  {name}: {row}")
+    finally:
+        for tid, policy in before.items():
+            set_policy([tid], policy)
+    return arms
+
+
 def bench(config: str, settings: str, out: Path) -> dict[str, float]:
-    """One short ``pdctl bench`` run through the gateway: completed, failed, TTFT and TPOT medians (ms)."""
+    """One short ``pdctl bench`` run through the gateway: completed, failed, TTFT and TPOT medians (ms), NIXL
+    transfers and their mean time (ms, the engines' ``vllm:nixl_xfer_time_seconds``)."""
     pdctl = [sys.executable, "-m", "pdctl", "bench", "-c", config, "-s", settings, "-w", "doc", "-n", "8",
              "--concurrency", "2", "--warmup", "1", "--timeout", "300", "-o", str(out)]  # fmt: skip
     subprocess.run(pdctl, capture_output=True, text=True, check=True)
     run = json.loads(out.read_text(encoding="utf-8"))
-    return {k: float(run[k]) for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")}
+    row = {k: float(run[k]) for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")}
+    kv = kv_summary(run.get("metric_deltas") or {})
+    row["kv_transfers"] = kv.get("kv_transfers", 0.0)
+    row["kv_xfer_ms_mean"] = round(kv.get("kv_xfer_ms_mean", 0.0), 2)
+    return row
 
 
 def ab(config: str, settings: str, tids: list[int], rounds: int) -> dict[str, list[dict[str, float]]]:
-    """Benchmarks with ``tids`` at SCHED_OTHER and at SCHED_IDLE, interleaved; SCHED_OTHER again at the end."""
+    """Benchmarks with ``tids`` at SCHED_OTHER and at SCHED_IDLE, interleaved; each back to its policy at the end."""
     arms: dict[str, list[dict[str, float]]] = {"SCHED_OTHER": [], "SCHED_IDLE": []}
+    before = {tid: os.sched_getscheduler(tid) for tid in tids}
     try:
         with tempfile.TemporaryDirectory() as d:
             for i in range(rounds):
@@ -164,7 +214,8 @@ def ab(config: str, settings: str, tids: list[int], rounds: int) -> dict[str, li
                     arms[name].append(bench(config, settings, Path(d) / f"{name}-{i}.json"))
                     print(f"  {name} round {i + 1}: {arms[name][-1]}")
     finally:
-        set_policy(tids, os.SCHED_OTHER)
+        for tid, policy in before.items():
+            set_policy([tid], policy)
     return arms
 
 
@@ -177,6 +228,8 @@ def main() -> None:
     ap.add_argument("--busy-pct", type=float, default=20.0, help="a thread above it is 'busy' (--native)")
     ap.add_argument("--native", action="store_true", help="perf call chains of the busy threads")
     ap.add_argument("--probe-core", type=int, default=None, help="measure a bystander on this core")
+    ap.add_argument("--contention", type=int, default=0, metavar="ROUNDS", help="bystanders beside the idle engines")
+    ap.add_argument("--cores", default="0,1", help="--contention's cores, comma-separated")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="SCHED_OTHER vs SCHED_IDLE of the busy threads")
     ap.add_argument("--json", default=None, help="write the measurements here")
     a = ap.parse_args()
@@ -199,8 +252,16 @@ def main() -> None:
     if a.probe_core is not None:
         result["probe"] = probe(a.probe_core)
         print(f"bystander on core {a.probe_core}: {result['probe']}")
+    idled = idled_threads(workers)
+    result["sched_idle"] = idled
+    print(f"threads at SCHED_IDLE: {idled or 'none'}")
+    if a.contention:
+        tids = idled or [r.tid for r in rows if r.pct >= a.busy_pct]
+        cores = [int(c) for c in a.cores.split(",")]
+        print(f"contention: loops on cores {cores} beside {len(tids)} thread(s) {tids}, {a.contention} round(s)")
+        result["contention"] = contention(workers, tids, cores, a.seconds, a.contention)
     if a.ab:
-        busy = [r.tid for r in rows if r.pct >= a.busy_pct]
+        busy = idled or [r.tid for r in rows if r.pct >= a.busy_pct]
         print(f"A/B of {len(busy)} busy thread(s) {busy}: SCHED_OTHER vs SCHED_IDLE, {a.ab} round(s)")
         result["ab"] = ab(a.config, a.settings, busy, a.ab)
     if a.json:
