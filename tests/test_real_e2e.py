@@ -13,6 +13,7 @@ Deadlines are generous and nothing asserts on speed: the machine is small and sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -109,6 +110,25 @@ def _alive(p: psutil.Process) -> bool:
 def _recorded(run_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = json.loads((run_dir / "state.json").read_text(encoding="utf-8"))
     return state
+
+
+def _sched_idle_threads(engines: dict[str, int], within_s: float) -> dict[str, list[tuple[int, int]]]:
+    """``(pid, tid)`` of each engine tree's threads at SCHED_IDLE, waited for until each engine has one."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found: dict[str, list[tuple[int, int]]] = {}
+        for name, pid in engines.items():
+            root = psutil.Process(pid)
+            found[name] = []
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error, OSError):
+                    for t in p.threads():
+                        if os.sched_getscheduler(t.id) == os.SCHED_IDLE:
+                            assert t.id != p.pid, f"{name}'s main thread of pid {p.pid} is at SCHED_IDLE"
+                            found[name].append((p.pid, t.id))
+        if all(found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(1.0)
 
 
 def scrape(url: str, name: str, **labels: str) -> float:
@@ -246,6 +266,11 @@ def test_nixl_up_verify_requests_logs_bench_down(nixl: Deployment, tmp_path: Pat
     # vLLM's ZMQ IPC sockets live in each worker's own folder (VLLM_RPC_BASE_PATH), not in the system /tmp.
     ipc = [Path(p["ipc_dir"]) for p in recorded["processes"] if p["role"] != "gateway"]
     assert len(ipc) == 2 and all(any(f.is_socket() for f in d.iterdir()) for d in ipc), ipc
+    # Idle after the warm-up: each engine's spinning NIXL progress thread is put at SCHED_IDLE (never a main
+    # thread); everything below (verify's KV checks, the transfers, the bench) then runs with it there.
+    engines = {p["name"]: p["pid"] for p in recorded["processes"] if p["role"] != "gateway"}
+    idle = _sched_idle_threads(engines, within_s=60)
+    assert all(idle[name] for name in engines), f"{idle}\n{nixl.log_tails()}"
 
     with httpx.Client(base_url=nixl.gateway, timeout=REQUEST_TIMEOUT_S) as client:
         assert client.get("/health").status_code == 200
