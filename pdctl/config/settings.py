@@ -41,6 +41,9 @@ itself, or send it to the upstream."""
 #: Long-context agents send whole repositories: 256 MiB, between the peers' 192 MiB and 512 MiB (docs/gateway.md).
 DEFAULT_MAX_BODY_BYTES = 256 << 20
 
+#: ``routing.kv_events_max_blocks``: 1,048,576 blocks (16M tokens at block size 16; about 150 MB of view per worker).
+DEFAULT_KV_EVENTS_MAX_BLOCKS = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class RateLimitConfig:
@@ -236,6 +239,18 @@ class RoutingConfig:
     kv_events_port: int = key(
         5557, as_int(1, 65535), "a port number", use="gateway", type="integer",
         doc="*extension*, `prefix_view = \"exact\"`: the port the gateway binds for the workers' KV cache events",
+    )
+    kv_events_host: str = key(
+        "127.0.0.1", as_str, "a host address", use="gateway", type="host",
+        doc="*extension*, `prefix_view = \"exact\"`: the address the gateway binds for the workers' KV cache events "
+        "and the workers dial; loopback unless workers on other hosts publish (the port is unauthenticated: "
+        "docs/multi-node.md, The KV events port); `pdctl render k8s` sets `0.0.0.0` behind a NetworkPolicy",
+    )
+    kv_events_max_blocks: int = key(
+        DEFAULT_KV_EVENTS_MAX_BLOCKS, as_int(1), "an integer >= 1", use="gateway", type="integer",
+        doc="*extension*, `prefix_view = \"exact\"`: blocks the gateway keeps per worker from its events, at least "
+        "the engine's KV capacity (vLLM logs it as `GPU KV cache size`); a worker's events that claim more empty "
+        "its view",
     )
     prefill_policy: Policy = key(
         "least_loaded", as_choice(*POLICIES), "one of " + ", ".join(POLICIES), use="gateway",

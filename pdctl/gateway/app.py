@@ -139,8 +139,15 @@ class Gateway:
         if settings.routing.routes_by_request:  # adaptive PD, or per-pool policies (pdctl.gateway.policy)
             if settings.routing.reads_kv_events:
                 relay = settings.kv_events_connect
-                events = relay or bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
-                self.kv_events = KvEventSubscriber(events, self._count_kv_event, connect=relay is not None)
+                r = settings.routing
+                events = relay or bind_endpoint(r.kv_events_host, r.kv_events_port)
+                self.kv_events = KvEventSubscriber(
+                    events,
+                    self._count_kv_event,
+                    connect=relay is not None,
+                    allowed=self._known_instance,
+                    max_blocks=r.kv_events_max_blocks,
+                )
             prefix = PrefixRouter(settings.routing, self.kv_events, lambda: self.admission.sec_per_token.mean)
         limit = settings.routing.prefill_queue_tokens
         queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
@@ -168,6 +175,10 @@ class Gateway:
             sources.setdefault(name, name)
         sim = [m.name for m in self.settings.models if m.engine == "sim"]
         await asyncio.to_thread(self.tokens.load, sources, sim)
+
+    def _known_instance(self, name: str) -> bool:
+        """Whether ``name`` is one of this deployment's workers, configured or discovered (a KV events topic)."""
+        return any(i.name == name for i in self.pool.instances)
 
     def _count_kv_event(self, instance: str, event: str) -> None:
         self.metrics.child(self.metrics.kv_events, instance, event).inc()

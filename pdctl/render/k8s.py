@@ -200,12 +200,15 @@ def service_url(w: WorkerConfig) -> str:
 
 
 def cluster_settings(dep: Deployment) -> str:
-    """settings.json for the pods: each worker endpoint names its group's headless Service, nothing else changes."""
+    """settings.json for the pods: each worker endpoint names its group's headless Service, and the KV events port
+    listens on the pod IP (:mod:`pdctl.render.netpol` admits only the worker pods); nothing else changes."""
     data: dict[str, Any] = json.loads(Path(dep.settings_path).read_text(encoding="utf-8"))
     routing = data.setdefault("routing", {})
     for role, workers in (("prefill", dep.prefill), ("decode", dep.decode)):
         urls = [service_url(w) for w in workers]
         routing[f"{role}_endpoint"] = urls[0] if len(urls) == 1 else urls
+    if dep.routing.prefix_view == "exact":  # the worker pods dial the pod IP; the NetworkPolicy admits only them
+        routing["kv_events_host"] = "0.0.0.0"
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
