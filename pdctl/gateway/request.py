@@ -6,7 +6,8 @@ only need a model.
 
 The steps, in the order the gateway runs them (each raises :class:`~pdctl.gateway.errors.ApiError` 400/404)::
 
-    parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no 1e999, no duplicate keys), an object, nesting
+    parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no 1e999, no duplicate keys), an object, nesting;
+                                          the fields pdctl sets for the engines removed (:data:`ENGINE_FIELDS`)
     read_model(body)                      `model` (read first: the access log names it even when a later check fails)
     validate(body, endpoint, model)       stream, messages | prompt, max_tokens, n; the prompt-token estimate
     route_model(model, local, upstream)   "local" | "upstream" | 404
@@ -29,6 +30,7 @@ __all__ = [
     "CHAT_PATH",
     "COMPLETION_PATHS",
     "COUNT_TOKENS_PATH",
+    "ENGINE_FIELDS",
     "MAX_N",
     "MESSAGES_PATH",
     "PASSTHROUGH_PATHS",
@@ -50,6 +52,10 @@ PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize", COUNT_TOKENS_PATH)
 #: Responses tool types that vLLM runs itself in a loop of sub-requests sharing one kv_transfer_params: only
 #: the first could pull KV, so such requests run colocated on decode (vllm-agent-apis.md §3).
 _CLIENT_TOOLS = frozenset({"function", "custom"})
+#: Fields only pdctl sets for the engines, never taken from a client: ``kv_transfer_params`` tells a NIXL decode
+#: which host to hand-shake with and which blocks to pull. vLLM 0.32 also reads them from ``vllm_xargs``
+#: (``to_sampling_params`` merges it into the same ``extra_args``), so they are removed from there too.
+ENGINE_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 MAX_N = 64
 # A conservative estimate: only clearly too-long requests are refused here; vLLM's exact check stays behind it.
 CHARS_PER_TOKEN = 6
@@ -154,6 +160,12 @@ def parse_body(raw: bytes, max_nesting: int) -> dict[str, Any]:
         raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
     if not _depth_ok(body, max_nesting):
         raise ApiError(400, f"request body is nested deeper than {max_nesting} levels", code="invalid_json")
+    for name in ENGINE_FIELDS:
+        body.pop(name, None)
+    xargs = body.get("vllm_xargs")
+    if type(xargs) is dict:
+        for name in ENGINE_FIELDS:
+            xargs.pop(name, None)
     return body
 
 
