@@ -48,8 +48,9 @@ from pdctl.gateway.request import (
     PASSTHROUGH_PATHS,
     CompletionRequest,
     Route,
+    body_limit,
     check_fits,
-    parse_body,
+    parse_body_off_loop,
     read_model,
     route_model,
     validate,
@@ -323,8 +324,11 @@ class Gateway:
                 raise _auth_error()
             key_name = entry.name
             ex.upstream_allowed = entry.upstream
+            if (limiter := self.keys.limiters.get(entry.name)) is not None:
+                limiter.check(0, entry.name)  # a key at its limits is refused before its body is read
+            self.limiter.check(0)
             raw = await self._read_body(scope, receive, ex)
-            body = parse_body(raw, self.settings.max_nesting)
+            body = await parse_body_off_loop(raw, self.settings.max_nesting)
             if ex.trace is not None and ex.trace.wants_content:
                 ex.trace.prompt(body)
                 ex.transcript = []
@@ -417,7 +421,8 @@ class Gateway:
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
-        limit = self.settings.gateway.max_body_bytes
+        g = self.settings.gateway
+        limit = body_limit(g.max_body_bytes, self.local_models().values(), self.upstream is not None)
         length = _header(scope, b"content-length")
         if length is not None:
             try:
@@ -425,8 +430,8 @@ class Gateway:
             except ValueError:
                 raise ApiError(400, "invalid Content-Length", code="invalid_request") from None
             if declared > limit:
-                raise ApiError(413, f"request body of {declared} bytes exceeds gateway.max_body_bytes = {limit}",
-                               code="request_too_large")  # fmt: skip
+                raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes "
+                               "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -437,7 +442,8 @@ class Gateway:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"request body exceeds gateway.max_body_bytes = {limit}", code="request_too_large")
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes (gateway.max_body_bytes)",
+                               code="request_too_large")  # fmt: skip
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
