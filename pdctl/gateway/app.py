@@ -50,6 +50,7 @@ from pdctl.gateway.request import (
     Route,
     body_limit,
     check_fits,
+    check_lists,
     parse_body_off_loop,
     read_model,
     route_model,
@@ -480,6 +481,7 @@ class Gateway:
         ex.model = read_model(body)
         req = validate(body, endpoint, ex.model)
         ex.stream = req.stream
+        check_lists(req, self.local_models().get(req.model))
         prompt_tokens = await self.tokens.count(req.model, body)
         if self.tokens.exact(req.model):
             req.prompt_tokens = prompt_tokens

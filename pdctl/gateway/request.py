@@ -12,6 +12,7 @@ The steps, in the order the gateway runs them (each raises :class:`~pdctl.gatewa
     read_model(body)                      `model` (read first: the access log names it even when a later check fails)
     validate(body, endpoint, model)       stream, messages | prompt, max_tokens, n; the prompt-token estimate
     route_model(model, local, upstream)   "local" | "upstream" | 404
+    check_lists(request, max_model_len)   lists no longer than the context (before counting and hashing)
     check_fits(request, route, ...)       one prompt per PD request; max_tokens, prompt and lists within the context
 
 :func:`parse_body_off_loop` runs ``parse_body`` on a thread for a body above :data:`OFF_LOOP_BYTES`.
@@ -43,6 +44,7 @@ __all__ = [
     "Route",
     "body_limit",
     "check_fits",
+    "check_lists",
     "parse_body",
     "parse_body_off_loop",
     "read_model",
@@ -157,6 +159,8 @@ def _text_len(value: Any) -> int:
     if isinstance(value, int):
         return 4
     if isinstance(value, list):
+        if value and type(value[0]) is int:  # token ids (a mixed list is vLLM's to refuse): no walk of a long list
+            return 4 * len(value)
         return sum(_text_len(v) for v in value)
     if isinstance(value, dict):
         return sum(_text_len(v) for k, v in value.items() if k in ("content", "text", "prompt"))
@@ -314,15 +318,23 @@ def route_model(model: str, local: Mapping[str, int | None], has_upstream: bool)
                    code="model_not_found")  # fmt: skip
 
 
+def check_lists(req: CompletionRequest, max_model_len: int | None) -> None:
+    """A prompt, messages or input list longer than the context (each item is at least a token) is a 400: checked
+    before the prompt is counted or hashed, whose cost grows with it."""
+    if max_model_len is not None and req.items > max_model_len:
+        where = "messages" if req.chat else "prompt"
+        raise ApiError(400, f"this request's {where} holds a list of {req.items} items, more than the model's "
+                       f"context length {max_model_len} (each is at least one token)", param=where,
+                       code="context_length_exceeded")  # fmt: skip
+
+
 def check_fits(req: CompletionRequest, route: Route, pd_disagg: bool, max_model_len: int | None) -> None:
-    """Refuse what the local path cannot serve: a list longer than the context, a batch of prompts on the PD path,
-    a request beyond the context; where the context is unknown, a ``max_tokens`` no model has."""
+    """Refuse what the local path cannot serve: a list longer than the context (:func:`check_lists`), a batch of
+    prompts on the PD path, a request beyond the context; where the context is unknown, a ``max_tokens`` no model
+    has."""
     mlen, max_tokens = max_model_len, req.max_tokens
     where = "messages" if req.chat else "prompt"
-    if mlen is not None and req.items > mlen:
-        raise ApiError(400, f"this request's {where} holds a list of {req.items} items, more than the model's "
-                       f"context length {mlen} (each is at least one token)", param=where,
-                       code="context_length_exceeded")  # fmt: skip
+    check_lists(req, mlen)
     if req.multi_prompt and pd_disagg and route == "local":
         raise ApiError(400, "send one prompt per request: the PD path prefills one prompt at a time",
                        param="prompt", code="invalid_value")  # fmt: skip
