@@ -7,8 +7,8 @@ and prefill 2 -> 1 the way Kubernetes does it (a new pod starts, then joins the 
 pod leaves the records, drains, then gets SIGTERM). Then N1-N3 must hold, nothing is lost, and the new decode
 pod's first KV pull is the gateway's warm-up, not a client's request. Simulator engines.
 
-Two deviations from a cluster, both from sharing one network namespace: ``--host 0.0.0.0`` becomes the pod's
-own address (two replicas share a port), and ``/etc/pdctl`` (the ConfigMap mount) becomes a folder of the test.
+Two deviations from a cluster, both from sharing one network namespace: ``--host 0.0.0.0`` (and the gateway's
+``routing.kv_events_host``) becomes the pod's own address (two replicas share a port), and ``/etc/pdctl`` (the ConfigMap mount) becomes a folder of the test.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class Cluster:
         mount = self.folder / "etc-pdctl"
         mount.mkdir()
         for name, text in self.files.items():
+            # the KV events port listens on the pod IP, as --host does (0.0.0.0 in a pod of its own)
+            text = text.replace('"kv_events_host": "0.0.0.0"', f'"kv_events_host": "{GATEWAY_IP}"')
             (mount / name).write_text(text, encoding="utf-8")
         c = self.containers["gateway"]
         argv = [a.replace(CONFIG_MOUNT, str(mount)) for a in c["command"] + c["args"]]

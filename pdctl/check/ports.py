@@ -42,7 +42,7 @@ def _port_uses(dep: Deployment) -> list[_PortUse]:
     r = dep.routing
     if r.prefix_view == "exact" and r.strategy == "pd_disagg":
         key = "routing.kv_events_port"
-        uses.append(_PortUse("gateway KV events", g.listen_host, r.kv_events_port, "settings", key))
+        uses.append(_PortUse("gateway KV events", r.kv_events_host, r.kv_events_port, "settings", key))
     for w in dep.workers:
         ep = "prefill_endpoint" if w.role == "prefill" else "decode_endpoint"
         uses.append(_PortUse(w.name, w.host, w.port, "settings", f"routing.{ep}", w))

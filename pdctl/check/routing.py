@@ -56,6 +56,10 @@ def adaptive(c: Ctx) -> Iterable[Finding]:
                           {f"{SETTINGS}routing.pd_mode": "always"}))  # fmt: skip
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def exact_view(c: Ctx) -> Iterable[Finding]:
     """PD034: the exact prefix view without adaptive PD or ``kv_aware`` to use it, or ``kv_aware`` without it."""
     r = c.dep.routing
@@ -73,6 +77,14 @@ def exact_view(c: Ctx) -> Iterable[Finding]:
                    "prefix_view \"exact\" changes nothing under strategy \"colocated\": the workers get no "
                    "--kv-events-config", fixes=({f"{SETTINGS}routing.prefix_view": "approx"},))  # fmt: skip
         return
+    far = sorted({w.host for w in c.dep.workers if not _loopback(w.host)})
+    if far and _loopback(r.kv_events_host):
+        yield c.at("PD034", "error", "settings", "routing.kv_events_host",
+                   f"the workers on {', '.join(far)} publish their KV cache events to routing.kv_events_host "
+                   f"({r.kv_events_host}), which they cannot reach: their views stay empty",
+                   hint="or set kv_events_host to the gateway's address on the workers' network, and keep the port "
+                   "unreachable from anyone else (docs/multi-node.md, The KV events port)",
+                   fixes=({f"{SETTINGS}routing.prefix_view": "approx"},))  # fmt: skip
     if not r.reads_kv_events:
         yield c.at("PD034", "info", "settings", "routing.prefix_view",
                    "the workers publish their KV cache events to routing.kv_events_port, but under pd_mode "

@@ -46,7 +46,6 @@ from pdctl.config.schema import (
     sections_of,
 )
 from pdctl.config.settings import (
-    DEFAULT_MAX_BODY_BYTES,
     SETTINGS_SECTIONS,
     Fallback,
     GatewayConfig,
@@ -79,7 +78,6 @@ __all__ = [
     "CONFIG_SECTIONS",
     "DECLARED_SECTIONS",
     "DEFAULT_CONFIG",
-    "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_SETTINGS",
     "NIXL_SIDE_CHANNEL_BASE",
     "SETTINGS_SECTIONS",

@@ -38,8 +38,9 @@ Fallback = Literal["none", "decode", "upstream"]
 """``gateway.fallback``: no prefill can serve a PD request -> answer the error, let decode compute the prompt
 itself, or send it to the upstream."""
 
-#: Long-context agents send whole repositories: 256 MiB, between the peers' 192 MiB and 512 MiB (docs/gateway.md).
-DEFAULT_MAX_BODY_BYTES = 256 << 20
+
+#: ``routing.kv_events_max_blocks``: 1,048,576 blocks (16M tokens at block size 16; about 150 MB of view per worker).
+DEFAULT_KV_EVENTS_MAX_BLOCKS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +91,11 @@ class GatewayConfig:
         2, as_int(0, 10), "an integer 0-10", use="gateway", type="integer",
         doc="retries before the first byte reached the client: upstream calls, and PD pipelines (at most 3 there)",
     )
-    max_body_bytes: int = key(
-        DEFAULT_MAX_BODY_BYTES, as_int(1024), "an integer >= 1024", use="gateway", type="integer",
-        default="`268435456` (256 MiB)",
-        doc="*extension*: larger bodies get 413, counted while reading (long-context agents: docs/gateway.md)",
+    max_body_bytes: int | None = key(
+        None, as_int(1024), "an integer >= 1024", use="gateway", type="integer", default="none",
+        doc="*extension*: larger bodies get 413, counted while reading; none: sized from the served models' largest "
+        "`max_model_len` (32 bytes a token + 8 MiB; 32 MiB where a context length is unknown or with an upstream; "
+        "docs/gateway.md)",
     )
     drain_timeout_s: float = key(
         30.0, as_num(-1), "a number of seconds >= 0", use="gateway", type="number",
@@ -236,6 +238,18 @@ class RoutingConfig:
     kv_events_port: int = key(
         5557, as_int(1, 65535), "a port number", use="gateway", type="integer",
         doc="*extension*, `prefix_view = \"exact\"`: the port the gateway binds for the workers' KV cache events",
+    )
+    kv_events_host: str = key(
+        "127.0.0.1", as_str, "a host address", use="gateway", type="host",
+        doc="*extension*, `prefix_view = \"exact\"`: the address the gateway binds for the workers' KV cache events "
+        "and the workers dial; loopback unless workers on other hosts publish (the port is unauthenticated: "
+        "docs/multi-node.md, The KV events port); `pdctl render k8s` sets `0.0.0.0` behind a NetworkPolicy",
+    )
+    kv_events_max_blocks: int = key(
+        DEFAULT_KV_EVENTS_MAX_BLOCKS, as_int(1), "an integer >= 1", use="gateway", type="integer",
+        doc="*extension*, `prefix_view = \"exact\"`: blocks the gateway keeps per worker from its events, at least "
+        "the engine's KV capacity (vLLM logs it as `GPU KV cache size`); a worker's events that claim more empty "
+        "its view",
     )
     prefill_policy: Policy = key(
         "least_loaded", as_choice(*POLICIES), "one of " + ", ".join(POLICIES), use="gateway",

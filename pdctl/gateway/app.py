@@ -48,8 +48,10 @@ from pdctl.gateway.request import (
     PASSTHROUGH_PATHS,
     CompletionRequest,
     Route,
+    body_limit,
     check_fits,
-    parse_body,
+    check_lists,
+    parse_body_off_loop,
     read_model,
     route_model,
     validate,
@@ -139,8 +141,15 @@ class Gateway:
         if settings.routing.routes_by_request:  # adaptive PD, or per-pool policies (pdctl.gateway.policy)
             if settings.routing.reads_kv_events:
                 relay = settings.kv_events_connect
-                events = relay or bind_endpoint(settings.gateway.listen_host, settings.routing.kv_events_port)
-                self.kv_events = KvEventSubscriber(events, self._count_kv_event, connect=relay is not None)
+                r = settings.routing
+                events = relay or bind_endpoint(r.kv_events_host, r.kv_events_port)
+                self.kv_events = KvEventSubscriber(
+                    events,
+                    self._count_kv_event,
+                    connect=relay is not None,
+                    allowed=self._known_instance,
+                    max_blocks=r.kv_events_max_blocks,
+                )
             prefix = PrefixRouter(settings.routing, self.kv_events, lambda: self.admission.sec_per_token.mean)
         limit = settings.routing.prefill_queue_tokens
         queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
@@ -168,6 +177,10 @@ class Gateway:
             sources.setdefault(name, name)
         sim = [m.name for m in self.settings.models if m.engine == "sim"]
         await asyncio.to_thread(self.tokens.load, sources, sim)
+
+    def _known_instance(self, name: str) -> bool:
+        """Whether ``name`` is one of this deployment's workers, configured or discovered (a KV events topic)."""
+        return any(i.name == name for i in self.pool.instances)
 
     def _count_kv_event(self, instance: str, event: str) -> None:
         self.metrics.child(self.metrics.kv_events, instance, event).inc()
@@ -312,8 +325,11 @@ class Gateway:
                 raise _auth_error()
             key_name = entry.name
             ex.upstream_allowed = entry.upstream
+            if (limiter := self.keys.limiters.get(entry.name)) is not None:
+                limiter.check(0, entry.name)  # a key at its limits is refused before its body is read
+            self.limiter.check(0)
             raw = await self._read_body(scope, receive, ex)
-            body = parse_body(raw, self.settings.max_nesting)
+            body = await parse_body_off_loop(raw, self.settings.max_nesting)
             if ex.trace is not None and ex.trace.wants_content:
                 ex.trace.prompt(body)
                 ex.transcript = []
@@ -406,7 +422,8 @@ class Gateway:
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
-        limit = self.settings.gateway.max_body_bytes
+        g = self.settings.gateway
+        limit = body_limit(g.max_body_bytes, self.local_models().values(), self.upstream is not None)
         length = _header(scope, b"content-length")
         if length is not None:
             try:
@@ -414,8 +431,8 @@ class Gateway:
             except ValueError:
                 raise ApiError(400, "invalid Content-Length", code="invalid_request") from None
             if declared > limit:
-                raise ApiError(413, f"request body of {declared} bytes exceeds gateway.max_body_bytes = {limit}",
-                               code="request_too_large")  # fmt: skip
+                raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes "
+                               "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -426,7 +443,8 @@ class Gateway:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"request body exceeds gateway.max_body_bytes = {limit}", code="request_too_large")
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes (gateway.max_body_bytes)",
+                               code="request_too_large")  # fmt: skip
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -463,6 +481,7 @@ class Gateway:
         ex.model = read_model(body)
         req = validate(body, endpoint, ex.model)
         ex.stream = req.stream
+        check_lists(req, self.local_models().get(req.model))
         prompt_tokens = await self.tokens.count(req.model, body)
         if self.tokens.exact(req.model):
             req.prompt_tokens = prompt_tokens

@@ -23,6 +23,17 @@ Map:
   restarted engine starts at 0) empties that worker's view before the message is applied, so the view never
   claims a block the engine may have dropped. ``AllBlocksCleared`` empties it too.
 
+Who may speak (docs/reliability.md, Hostile clients and hostile networks): the port is unauthenticated (vLLM
+0.32's publisher has no CURVE, docs/multi-node.md), so it binds ``routing.kv_events_host`` (loopback unless
+configured; a NetworkPolicy guards it on Kubernetes), and the subscriber accepts only the topics its ``allowed``
+callable names (the gateway's: its own and discovered instances'); an unknown topic gets no view, no tracker and
+no metric label of its own. Every frame is at most :data:`MAX_MESSAGE_BYTES` (libzmq drops the connection of a
+larger one) and at most :data:`RCV_HWM` messages wait per publisher. Each view holds at most
+``routing.kv_events_max_blocks`` blocks (more than an engine can hold: the view starts over). A message is
+applied alone: one that cannot be read or applied is counted (``malformed``), logged once and dropped, and its
+worker's view starts over. Should the loop itself fail, it is logged and counted (``subscriber_error``), every
+view reads as absent (the approximate view serves) and the socket is opened again.
+
 The prefix router (:mod:`pdctl.gateway.prefix`) reads the views, for the decision and for the policies' scores
 (:mod:`pdctl.gateway.policy`); a worker with no events yet, or a request whose
 exact token ids are unknown (:meth:`pdctl.gateway.tokens.TokenCounter.prompt_ids`), is judged by the approximate
@@ -31,6 +42,7 @@ view instead.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable, Container, Sequence
@@ -39,6 +51,7 @@ from typing import Any
 
 import msgspec
 
+from pdctl.config.settings import DEFAULT_KV_EVENTS_MAX_BLOCKS
 from pdctl.errors import LaunchError
 from pdctl.vllm.kv_events import (
     AllBlocksCleared,
@@ -55,8 +68,25 @@ __all__ = ["EventsRelay", "ExactIndex", "KvEventSubscriber", "leading", "token_b
 
 log = logging.getLogger("pdctl.gateway")
 
+MAX_MESSAGE_BYTES = 4 << 20
+"""``ZMQ_MAXMSGSIZE`` of the events socket: a batch is one engine step's stored blocks (a step computes at most
+``max_num_batched_tokens`` tokens, a few bytes each in msgpack), so 4 MiB is a 500k-token step with room to spare."""
+RCV_HWM = 64
+"""``ZMQ_RCVHWM``: messages queued per publisher before libzmq drops more (a loss is a gap: the view starts over)."""
+RESTART_S = 1.0
+"""How long the subscriber waits before opening its socket again after a failure."""
 
-def _chain(parent: int, block: Sequence[int], extra: tuple[object, ...] | None = None) -> int:
+
+def _frozen(x: object) -> object:
+    """A hashable form of an ``extra_keys`` entry: msgpack has no tuples, so nested ones arrive as lists."""
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(y) for y in x)
+    if isinstance(x, dict):
+        return tuple((_frozen(k), _frozen(v)) for k, v in x.items())
+    return x
+
+
+def _chain(parent: int, block: Sequence[int], extra: object = None) -> int:
     return hash((parent, tuple(block), extra))
 
 
@@ -83,15 +113,19 @@ def token_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
 class ExactIndex:
     """One worker's prefix cache, as its events describe it (module docstring)."""
 
-    __slots__ = ("_held", "_ours", "block_size", "orphans")
+    __slots__ = ("_held", "_ours", "block_size", "max_blocks", "orphans", "overflows")
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS) -> None:
         self.block_size: int | None = None
-        """The engine's block size, from its first ``BlockStored`` (None: no event yet)."""
+        """The engine's block size, from its latest ``BlockStored`` (None: no event yet)."""
+        self.max_blocks = max_blocks
+        """At most this many blocks are held; one more empties the view (an engine holds fewer: the events lie)."""
         self._ours: dict[BlockHash, int] = {}
         self._held: dict[int, int] = {}
         self.orphans = 0
         """Stored blocks left out because their parent was unknown."""
+        self.overflows = 0
+        """How often the view started over because it would have held more than ``max_blocks``."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -116,10 +150,11 @@ class ExactIndex:
         if ev.group_idx not in (None, 0):  # hybrid models' other KV groups (sliding window): not the prefix's
             return
         bs = ev.block_size
-        if self.block_size is None:
+        if bs < 1:
+            raise ValueError(f"block_size {bs}")
+        if bs != self.block_size:  # the latest size wins: a first message cannot pin a wrong one
+            self.clear()
             self.block_size = bs
-        elif bs != self.block_size:
-            return
         if ev.parent_block_hash is None:
             parent: int | None = 0
         else:
@@ -133,8 +168,12 @@ class ExactIndex:
             if len(block) != bs:
                 return
             extra = extras[i] if i < len(extras) else None
-            parent = _chain(parent, block, tuple(extra) if extra is not None else None)
+            parent = _chain(parent, block, _frozen(extra) if extra is not None else None)
             if eh not in self._ours:
+                if len(self._ours) >= self.max_blocks:
+                    self.clear()
+                    self.overflows += 1
+                    return
                 self._ours[eh] = parent
                 self._held[parent] = self._held.get(parent, 0) + 1
 
@@ -152,51 +191,112 @@ class KvEventSubscriber:
     """The gateway's SUB socket for its workers' KV cache events, and the :class:`ExactIndex` of each topic."""
 
     def __init__(
-        self, endpoint: str, count: Callable[[str, str], None] | None = None, connect: bool = False
+        self, endpoint: str, count: Callable[[str, str], None] | None = None, connect: bool = False,
+        allowed: Callable[[str], bool] | None = None, max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS,
     ) -> None:  # fmt: skip
         """``endpoint``: the address to bind (``tcp://127.0.0.1:5557``), or with ``connect`` the relay's to connect
-        to (:class:`EventsRelay`); ``count(topic, what)``: called per event applied (its type name) and per resync
-        (``gap``, ``restart``) or unreadable message (``malformed``)."""
+        to (:class:`EventsRelay`); ``count(topic, what)``: called per event applied (its type name), per resync
+        (``gap``, ``restart``, ``overflow``), per message dropped (``malformed``; ``unknown_topic``, counted under
+        topic ``-``) and per failure of the loop (``subscriber_error``, under ``-``); ``allowed(topic)``: whether
+        a topic is one of the deployment's workers (None: every topic, for a socket only trusted peers reach);
+        ``max_blocks``: each view's bound (:class:`ExactIndex`)."""
         self.endpoint = endpoint
         self.connect = connect
         self.views: dict[str, ExactIndex] = {}
         self.bound = False
+        self.failed = False
+        """The loop failed and is not listening again yet: every view reads as absent."""
         self._seq: dict[str, SequenceTracker] = {}
         self._count = count or (lambda topic, what: None)
+        self._allowed = allowed
+        self._max_blocks = max_blocks
+        self._logged: set[str] = set()
 
     def view(self, topic: str) -> ExactIndex | None:
-        """The view of the worker publishing on ``topic`` (None: no event from it yet)."""
-        return self.views.get(topic)
+        """The view of the worker publishing on ``topic`` (None: no event from it yet, or the loop is down)."""
+        return None if self.failed else self.views.get(topic)
+
+    def _drop(self, topic: str, what: str, why: object) -> None:
+        self._count(topic, what)
+        if what not in self._logged:  # once per kind: a flood must not flood the log too
+            self._logged.add(what)
+            log.warning("KV events: a message dropped (%s: %s); later ones are only counted", what, why)
+
+    def _view_for(self, topic: str) -> ExactIndex:
+        view = self.views.get(topic)
+        if view is None:
+            if self._allowed is not None:  # workers that left (discovery) give their room back
+                for gone in [t for t in self.views if not self._allowed(t)]:
+                    del self.views[gone]
+                    self._seq.pop(gone, None)
+            view = self.views[topic] = ExactIndex(self._max_blocks)
+        return view
 
     def feed(self, frames: Sequence[bytes]) -> None:
-        """Apply one multipart message (topic, seq, payload)."""
+        """Apply one multipart message (topic, seq, payload); any message, however hostile, is applied whole,
+        dropped or makes its own worker's view start over, and raises nothing."""
         try:
             topic, seq, payload = split_message(frames)
-            check = self._seq.setdefault(topic, SequenceTracker()).observe(seq)
-            batch, _ = decode_batch_skipping_unknown(payload)
-        except (ValueError, msgspec.DecodeError) as exc:
-            self._count("-", "malformed")
-            log.warning("KV events: an unreadable message (%s); ignored", exc)
+        except ValueError as exc:
+            self._drop("-", "malformed", exc)
             return
-        view = self.views.setdefault(topic, ExactIndex())
+        if self._allowed is not None and not self._allowed(topic):
+            self._drop("-", "unknown_topic", f"topic {topic[:64]!r} is none of this deployment's workers")
+            return
+        try:
+            batch, _ = decode_batch_skipping_unknown(payload)
+            check = self._seq.setdefault(topic, SequenceTracker()).observe(seq)
+        except (ValueError, msgspec.DecodeError) as exc:  # not observed: the next seq shows the loss as a gap
+            self._drop(topic, "malformed", exc)
+            return
+        view = self._view_for(topic)
         if check.status in (SeqStatus.GAP, SeqStatus.RESTART):
             self._count(topic, check.status.value)
             log.info("KV events from %s: %s at seq %d (expected %s); its view starts over", topic,
                      check.status.value, seq, check.expected)  # fmt: skip
             view.clear()
-        for ev in batch.events:
-            view.apply(ev)
-            self._count(topic, type(ev).__name__)
+        overflows = view.overflows
+        try:
+            for ev in batch.events:
+                view.apply(ev)
+                self._count(topic, type(ev).__name__)
+        except Exception as exc:  # hostile contents the decoder let through
+            view.clear()
+            self._seq[topic].reset()
+            self._drop(topic, "malformed", repr(exc)[:200])
+            return
+        if view.overflows != overflows:
+            self._count(topic, "overflow")
 
     async def run(self) -> None:
-        """Bind and apply messages until cancelled. A port that cannot be bound is logged and leaves every worker
-        to the approximate view."""
+        """Listen until cancelled, opening the socket again after a failure (logged, counted, views absent
+        meanwhile). A port that cannot be bound is logged and leaves every worker to the approximate view."""
+        while True:
+            try:
+                await self._listen()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop must outlive whatever failed
+                self.failed = True
+                self._count("-", "subscriber_error")
+                log.error("KV events: the subscriber failed (%r); the approximate view serves until it listens "
+                          "again in %.0f s", exc, RESTART_S, exc_info=True)  # fmt: skip
+                for t in self._seq.values():
+                    t.reset()
+                for v in self.views.values():
+                    v.clear()
+                await asyncio.sleep(RESTART_S)
+
+    async def _listen(self) -> None:
         import zmq
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.SUB)
         try:
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.RCVHWM, RCV_HWM)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             try:
                 if self.connect:
@@ -207,6 +307,7 @@ class KvEventSubscriber:
                 log.error("KV events: cannot bind %s (%s); adaptive PD uses the approximate view", self.endpoint, exc)
                 return
             self.bound = True
+            self.failed = False
             log.info("KV events: listening on %s", self.endpoint)
             while True:
                 self.feed(await sock.recv_multipart())
@@ -233,6 +334,8 @@ class EventsRelay:
 
         ctx = self._ctx = zmq.Context()
         front, back = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+        front.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        front.setsockopt(zmq.RCVHWM, RCV_HWM)
         try:
             front.bind(self.bind)
             back.bind(self.endpoint)

@@ -41,7 +41,7 @@ from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.vllm.transport import TransportError
 
-__all__ = ["MIGRATABLE", "Context", "Sent", "eligible", "first_leg_body", "read_sent", "resume"]
+__all__ = ["MIGRATABLE", "Context", "Sent", "eligible", "first_leg_body", "read_sent", "resume", "summary_event"]
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -144,6 +144,26 @@ def read_sent(kept: list[bytes], prompt_ids: list[int] | None) -> Sent:
     for ev in _events(b"".join(kept)):
         _note(sent, ev)
     return sent
+
+
+def summary_event(kept: list[bytes], prompt_ids: list[int] | None) -> bytes:
+    """One event that :func:`read_sent` reads as it reads ``kept`` (:class:`pdctl.gateway.sse.Kept` folds a long
+    stream's older pieces into it, so a migratable stream keeps its token ids, not every event)."""
+    sent = read_sent(kept, prompt_ids)
+    choice: dict[str, Any] = {"index": 0, "token_ids": sent.tokens, "finish_reason": sent.finish_reason}
+    if sent.text_end:
+        choice["logprobs"] = {"text_offset": [sent.text_end], "tokens": [""]}
+    first: dict[str, Any] = {"id": sent.response_id, "created": sent.created, "model": sent.model,
+                             "choices": [choice]}  # fmt: skip
+    if sent.prompt_ids is not None and prompt_ids is None:
+        first["prompt_token_ids"] = sent.prompt_ids
+    events = [first]
+    if not sent.complete:
+        events.append({"choices": [{"index": 0, "text": "?"}]})  # output whose token ids were not sent
+    if sent.usage_sent:
+        events.append({"usage": {"folded": True}, "choices": []})
+    out = b"".join(b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n" for ev in events)
+    return out + (b"data: [DONE]\n\n" if sent.done else b"")
 
 
 def _note(sent: Sent, ev: Any) -> None:

@@ -33,6 +33,7 @@ Dynamo's replay, ``../shared/reference/routing-peers.md`` §4).
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -207,19 +208,31 @@ def kv_aware(cands: Sequence[C], cost: Callable[[C], float], rng: random.Random,
     return Pick(rng.choice(tied), "kv_aware", "cost" if len(tied) == 1 else "random", shown)
 
 
+#: A session id longer than this is kept as its digest: the same session still sticks, and 65,536 of them cost
+#: kilobytes each at most, not what a client chose to send.
+MAX_SESSION_CHARS = 128
+
+
+def _bounded(session: str) -> str:
+    if len(session) <= MAX_SESSION_CHARS:
+        return session
+    return "blake2b:" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def session_hint(body: Mapping[str, Any], header: str | None = None) -> str | None:
     """The request's session, for tie-breaks: the ``x-session-id`` header, else a Responses ``conversation`` (a
-    string or ``{"id": ...}``), else Anthropic's ``metadata.user_id`` (Claude Code puts its session there)."""
+    string or ``{"id": ...}``), else Anthropic's ``metadata.user_id`` (Claude Code puts its session there); one
+    longer than :data:`MAX_SESSION_CHARS` as its digest."""
     if header:
-        return header
+        return _bounded(header)
     conv = body.get("conversation")
     if isinstance(conv, dict):
         conv = conv.get("id")
     if isinstance(conv, str) and conv:
-        return conv
+        return _bounded(conv)
     meta = body.get("metadata")
     user = meta.get("user_id") if isinstance(meta, dict) else None
-    return user if isinstance(user, str) and user else None
+    return _bounded(user) if isinstance(user, str) and user else None
 
 
 class Sessions:

@@ -126,7 +126,7 @@ def events_relay(settings: GatewaySettings) -> EventsRelay | None:
     if not r.reads_kv_events:
         return None
     folder = Path(tempfile.mkdtemp(prefix="pdctl-kv-events-"))
-    relay = EventsRelay(bind_endpoint(settings.gateway.listen_host, r.kv_events_port), folder / "relay.ipc")
+    relay = EventsRelay(bind_endpoint(r.kv_events_host, r.kv_events_port), folder / "relay.ipc")
     try:
         relay.start()
     except LaunchError:

@@ -31,6 +31,13 @@ __all__ = ["END_EVENTS", "Body", "Exchange", "Kept", "RelayResult", "relay"]
 
 ASGISend = Any
 _TAIL = 4096
+#: A partial event held back longer than this goes out as it is: a worker or upstream that never sends a blank
+#: line costs neither unbounded memory nor a rescan of an ever longer buffer per piece.
+MAX_PENDING = 1 << 20
+#: A migratable stream keeps at most this many pieces as received; older ones are folded into one summary event
+#: (:func:`pdctl.gateway.migration.summary_event`: ids, token ids, finish, usage), all a continuation needs.
+KEEP_PIECES = 256
+_KEEP_TAIL = 32
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _PROMPT_IDS = b'"prompt_token_ids":['
@@ -215,6 +222,11 @@ class Kept:
                 if not self.show_prompt_ids:
                     chunk = chunk[:i] + b'"prompt_token_ids":null' + chunk[j + 1 :]
         self.events.append(chunk)
+        if len(self.events) >= KEEP_PIECES:
+            # Imported here: migration reads this module's Exchange, and folding is its knowledge of the events.
+            from pdctl.gateway.migration import summary_event
+
+            self.events[:-_KEEP_TAIL] = [summary_event(self.events[:-_KEEP_TAIL], self.prompt_ids)]
         return chunk if self.show_prompt_ids else _TOKEN_IDS.sub(b"", chunk)
 
 
@@ -266,6 +278,8 @@ class _Stream:
             cut = max(_end_of(chunk, b"\n\n"), _end_of(chunk, b"\r\n\r\n"), _end_of(chunk, b"\r\r"),
                       _end_of(chunk, b"\n\r"))  # fmt: skip
             chunk, self.pending = chunk[:cut], chunk[cut:]
+            if len(self.pending) > MAX_PENDING:
+                chunk, self.pending = chunk + self.pending, b""
         if self.keep is not None and chunk:
             chunk = self.keep.add(chunk)
         if self.copy is not None and chunk:

@@ -40,7 +40,8 @@ from pdctl import __version__
 from pdctl.check import Finding, Severity
 from pdctl.config import Deployment, WorkerConfig
 from pdctl.config.schema import parse_endpoint
-from pdctl.render.k8s import K8sOptions, dump_yaml, image_argv, uses_gpu
+from pdctl.render.k8s import K8sOptions, image_argv, uses_gpu
+from pdctl.render.yamltext import dump_yaml
 from pdctl.runtime.plan import GATEWAY_HOLD_ENV, IPC_ENV, ProcessSpec, VllmInstall, build_plan, kv_transfer_config
 from pdctl.sim.server import VLLM_VERSION
 from pdctl.vllm.protocol import connector_kind

@@ -16,7 +16,8 @@ Map::
       namespace.yaml      Namespace
       configmap.yaml      ConfigMap: config.toml as written, settings.json with workers as headless Services
       <worker>.yaml       per [[prefill]]/[[decode]] group: headless Service + StatefulSet (replicas)
-      gateway.yaml        Deployment running `pdctl gateway` + its Service
+      gateway.yaml        Deployment running `pdctl gateway` + its Service (+ the NetworkPolicy of its KV events
+                          port, :mod:`pdctl.render.netpol`)
       kustomization.yaml  the files above (`kubectl apply -k DIR`)
       verify/             Job running `pdctl verify` against the gateway, with its own kustomization.yaml
     findings(dep)         what cannot render (errors) or runs differently in pods (warnings, infos)
@@ -34,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pdctl import __version__
 from pdctl.check import Finding, Severity
 from pdctl.config import Deployment, WorkerConfig
+from pdctl.render.netpol import gateway_policy
+from pdctl.render.yamltext import dump_yaml
 from pdctl.runtime.plan import GATEWAY_HOLD_ENV, IPC_ENV, ProcessSpec, VllmInstall, build_plan
 from pdctl.vllm.kv_events import connect_endpoint
 from pdctl.vllm.protocol import connector_kind
@@ -200,12 +201,15 @@ def service_url(w: WorkerConfig) -> str:
 
 
 def cluster_settings(dep: Deployment) -> str:
-    """settings.json for the pods: each worker endpoint names its group's headless Service, nothing else changes."""
+    """settings.json for the pods: each worker endpoint names its group's headless Service, and the KV events port
+    listens on the pod IP (:mod:`pdctl.render.netpol` admits only the worker pods); nothing else changes."""
     data: dict[str, Any] = json.loads(Path(dep.settings_path).read_text(encoding="utf-8"))
     routing = data.setdefault("routing", {})
     for role, workers in (("prefill", dep.prefill), ("decode", dep.decode)):
         urls = [service_url(w) for w in workers]
         routing[f"{role}_endpoint"] = urls[0] if len(urls) == 1 else urls
+    if dep.routing.prefix_view == "exact":  # the worker pods dial the pod IP; the NetworkPolicy admits only them
+        routing["kv_events_host"] = "0.0.0.0"
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -502,7 +506,8 @@ def _gateway_objects(dep: Deployment, spec: ProcessSpec, ns: str, opts: K8sOptio
             ],
         },
     }
-    return [deployment, service]
+    policy = gateway_policy(dep, ns, _labels(dep, **labels), select)
+    return [deployment, service] + ([policy] if policy is not None else [])
 
 
 def _gateway_ports(dep: Deployment) -> list[dict[str, Any]]:
@@ -565,25 +570,6 @@ def _verify_job(dep: Deployment, ns: str, opts: K8sOptions) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- output
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style for multi-line strings (the ConfigMap's files, hook scripts), so they stay readable."""
-
-
-def _str_presenter(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in data and not data.endswith((" ", "\t")) else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
-
-
-_Dumper.add_representer(str, _str_presenter)
-
-
-def dump_yaml(docs: Iterable[Mapping[str, Any]]) -> str:
-    """Objects as one multi-document YAML text (``kubectl apply -f -``)."""
-    return yaml.dump_all(
-        [dict(d) for d in docs], Dumper=_Dumper, sort_keys=False, explicit_start=True, allow_unicode=True, width=120
-    )
-
-
 def write(rendered: Rendered, folder: Path) -> list[Path]:
     """Write each file under ``folder`` (created); returns the paths written."""
     out: list[Path] = []
@@ -595,18 +581,14 @@ def write(rendered: Rendered, folder: Path) -> list[Path]:
     return out
 
 
-def _secret_command(dep: Deployment, rendered: Rendered, opts: K8sOptions) -> str:
-    literals = " ".join(f'--from-literal={n}="${n}"' for n in _key_names(dep))
-    return f"kubectl -n {rendered.namespace} create secret generic {opts.secret} {literals}"
-
-
 def next_steps(dep: Deployment, rendered: Rendered, folder: str, options: K8sOptions | None = None) -> list[str]:
     """The commands that deploy and verify what was rendered (printed by the CLI, shown in the docs)."""
     opts = options or K8sOptions()
     ns = rendered.namespace
+    literals = " ".join(f'--from-literal={n}="${n}"' for n in _key_names(dep))
     steps = [
         f"kubectl apply -f {folder}/namespace.yaml",
-        _secret_command(dep, rendered, opts),
+        f"kubectl -n {ns} create secret generic {opts.secret} {literals}",
         f"kubectl apply -k {folder}",
     ]
     steps += [f"kubectl -n {ns} rollout status statefulset/{w.name} --timeout=30m" for w in dep.workers]

@@ -311,6 +311,16 @@ def alerts(dep: Deployment) -> tuple[Alert, ...]:
             "max_concurrency is reached, or admission predicts an SLO miss (pdctl_rejected_total reasons "
             f"{CAPACITY_REASONS}).",
         ),
+        Alert(
+            "PdctlKvEventsRejected",
+            f"sum by (deployment, event) (increase(pdctl_kv_events_total{{{d},event=~\"subscriber_error|malformed\"}}"
+            "[10m])) > 0",
+            "0s", "warning",
+            "The gateway drops KV cache events ({{ $labels.event }})",
+            "The gateway's KV events subscriber failed (subscriber_error: it listens again a second later, the "
+            "approximate view routes meanwhile) or dropped messages it could not read or apply (malformed): a "
+            "worker publishes what pdctl does not know, or someone else reaches the events port.",
+        ),
     )  # fmt: skip
 
 

@@ -314,7 +314,7 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         flags += ["--sim-link", dep.kv_transfer.link]
     r = dep.routing
     if r.prefix_view == "exact" and r.strategy == "pd_disagg":  # pd_mode "always": for another gateway (PD034)
-        events = publisher_config(connect_endpoint(dep.gateway.listen_host, r.kv_events_port), w.name)
+        events = publisher_config(connect_endpoint(r.kv_events_host, r.kv_events_port), w.name)
         flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     traces = dep.logging.otlp_traces_endpoint
     if w.engine == "vllm" and traces:  # the simulator makes no spans

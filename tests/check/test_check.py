@@ -567,3 +567,17 @@ def test_the_prefill_queue_on_the_exact_view_is_not_warned_about_in_several_proc
     spath.write_text(json.dumps(settings))
     (pd038,) = codes(cpath, spath)["PD038"]
     assert "decode_policy = 'cache_aware'" in pd038.message and "prefill_policy" not in pd038.message
+
+
+def test_workers_on_other_hosts_cannot_reach_a_loopback_events_port(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    exact = '"routing": {\n    "pd_mode": "adaptive",\n    "prefix_view": "exact",'
+    here = recipe_files({}, {'"routing": {': exact})
+    assert not [f for f in codes(*here).get("PD034", []) if f.key == "routing.kv_events_host"]
+    far = recipe_files({"gpu_ids = [1]": 'gpu_ids = [1]\nhost = "10.0.0.2"'}, {'"routing": {': exact})
+    (finding,) = [f for f in codes(*far)["PD034"] if f.key == "routing.kv_events_host"]
+    assert finding.severity == "error" and "10.0.0.2" in finding.message and "127.0.0.1" in finding.message
+    moved = {
+        '"routing": {': exact + '\n    "kv_events_host": "10.0.0.1",',
+        '"http://127.0.0.1:8200"': '"http://10.0.0.2:8200"',
+    }
+    assert not [f for f in codes(*recipe_files({}, moved)).get("PD034", []) if f.key == "routing.kv_events_host"]

@@ -79,7 +79,7 @@ def test_validate_names_the_bad_field(body: dict[str, Any], endpoint: str, param
 def test_validate_reads_the_fields_and_estimates_prompt_tokens() -> None:
     chat = validate({"messages": [{"role": "user", "content": "x" * 60}], "stream": True, "max_tokens": 7},
                     CHAT_PATH, "m")  # fmt: skip
-    assert chat == CompletionRequest("m", True, 10, 7, chat=True, multi_prompt=False)
+    assert chat == CompletionRequest("m", True, 10, 7, chat=True, multi_prompt=False, items=1)
     batch = validate({"prompt": ["a", "b"], "max_completion_tokens": 3}, COMPLETIONS, "m")
     assert (batch.multi_prompt, batch.max_tokens, batch.prompt_tokens) == (True, 3, 1)
     ids = validate({"prompt": [1, 2, 3]}, COMPLETIONS, "m")  # token ids: one prompt, not a batch

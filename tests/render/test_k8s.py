@@ -369,3 +369,44 @@ def test_the_yaml_stream_keeps_findings_off_stdout(cli: Any) -> None:
     assert result.exit_code == 0
     assert "K8S004" in result.stderr and "K8S004" not in result.stdout
     assert [d["kind"] for d in yaml.safe_load_all(result.stdout)][:2] == ["Namespace", "ConfigMap"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes' label selector semantics (matchLabels and In expressions, the two the policy uses)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    return all(
+        labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In"
+    )
+
+
+def test_a_network_policy_lets_only_the_worker_pods_reach_the_kv_events_port() -> None:
+    dep = load("2p2d")
+    dep = dataclasses.replace(dep, routing=dataclasses.replace(dep.routing, pd_mode="adaptive", prefix_view="exact",
+                                                               kv_events_port=5557))  # fmt: skip
+    rendered = render(dep)
+    docs = objects(rendered)
+    policy = find(docs, "NetworkPolicy", "gateway-kv-events")
+    for version in (KUBERNETES_VERSION, NEWEST):
+        assert kubernetes_validate.validate(policy, version, strict=True) == version
+    every = [d for docs_ in rendered.files.values() for d in docs_]  # the verify Job too
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in every if d["kind"] in ("StatefulSet", "Deployment", "Job")}  # fmt: skip
+    spec = policy["spec"]
+    assert [n for n, labels in pods.items() if _selects(spec["podSelector"], labels)] == ["gateway"]
+    assert spec["policyTypes"] == ["Ingress"]
+    http, events = spec["ingress"]
+    assert http == {"ports": [{"protocol": "TCP", "port": dep.gateway.listen_port}]}  # every client, as before
+    assert events["ports"] == [{"protocol": "TCP", "port": 5557}]
+    (peer,) = events["from"]
+    assert set(peer) == {"podSelector"}  # this namespace's pods only, and of those the workers
+    admitted = sorted(n for n, labels in pods.items() if _selects(peer["podSelector"], labels))
+    assert admitted == sorted(w.name for w in dep.workers) and "pdctl-verify" in pods
+    settings = json.loads(find(docs, "ConfigMap", "pdctl-config")["data"]["settings.json"])
+    assert settings["routing"]["kv_events_host"] == "0.0.0.0"  # the pod IP, behind the policy
+    # No events port, no policy, and the settings keep the loopback default.
+    plain = objects(render(load("2p2d")))
+    assert not [d for d in plain if d["kind"] == "NetworkPolicy"]
+    assert (
+        "kv_events_host" not in json.loads(find(plain, "ConfigMap", "pdctl-config")["data"]["settings.json"])["routing"]
+    )

@@ -246,6 +246,13 @@ ALERT_CASES: dict[str, tuple[tuple[Series, str, dict[str, str]], tuple[Series, s
          {"instance": "prefill"}),
         ([(f'vllm:num_requests_waiting{{{_W},role="prefill",instance="prefill"}}', "10x30")], "20m"),
     ),
+    "PdctlKvEventsRejected": (
+        ([(f'pdctl_kv_events_total{{{_D},instance="-",event="subscriber_error"}}', "0 0 1x10")], "5m",
+         {"event": "subscriber_error"}),
+        # Events applied and junk topics are not an alert.
+        ([(f'pdctl_kv_events_total{{{_D},instance="-",event="unknown_topic"}}', "0+5x10"),
+          (f'pdctl_kv_events_total{{{_D},instance="decode",event="BlockStored"}}', "0+5x10")], "5m"),
+    ),
     "PdctlCapacityRejections": (
         ([(f'pdctl_rejected_total{{{_D},reason="server_overloaded"}}', "0+2x20"),
           (f"pdctl_accepted_total{{{_D}}}", "0+10x20")], "12m", {}),
