@@ -333,7 +333,7 @@ async def _leg1(
         )
     finally:
         ex.in_leg1 = False
-        if plan is not None and ctx.prefix is not None:  # the prefill's views learn the prompt, its room frees
+        if plan is not None and ctx.prefix is not None:  # the prefill's views learn the prompt; leg 1 ends once
             if leg is not None and leg.reply is not None:
                 ctx.prefix.record(inst, plan)
             if ctx.queue is not None:

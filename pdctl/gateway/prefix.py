@@ -232,9 +232,9 @@ class PrefixRouter:
         return ev if ev is not None and ev.block_size is not None else None
 
     def record(self, inst: Instance, plan: Decision) -> None:
-        """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now."""
+        """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now. A leg 1's
+        end is the caller's to say, once (:meth:`leg1_done`)."""
         self.view(inst).insert(plan.hashes)
-        self.leg1_done(inst, plan)
 
     def leg1_done(self, inst: Instance, plan: Decision) -> None:
         """``plan``'s leg 1 on ``inst`` ended, however: its tokens no longer count as ``inst``'s to compute."""

@@ -59,6 +59,20 @@ def test_the_queue_is_off_by_default_and_needs_the_per_request_router() -> None:
     assert gw.legs.prefix is not None and gw.legs.queue is not None and gw.legs.queue.limit == 1000
 
 
+def test_a_leg_1_ends_once_where_its_caller_says_so_not_when_its_prompt_is_recorded() -> None:
+    """The view learning a prompt (``record``) and the leg 1 ending (``leg1_done``, or the queue's ``release``) are
+    two facts, said once each: recording the prompt leaves the leg's tokens counted until the caller ends it."""
+    gw = _gateway(prefill_queue_tokens=500)
+    router, queue, p0, _ = _parts(gw)
+    plan = _plan(router, gw, A, "computing")
+    assert router.pick(gw.pool, "prefill", plan, among=[p0]) is p0 and router.prefilling_tokens(p0) == 600
+    router.record(p0, plan)
+    assert router.prefilling_tokens(p0) == 600  # still in leg 1: its room is not free yet
+    assert router.cached(p0, _plan(router, gw, A, "later")) > 0  # but the view holds the prompt
+    queue.release(gw.pool, p0, plan)
+    assert router.prefilling_tokens(p0) == 0
+
+
 def test_a_prefill_with_room_takes_the_waiting_request_it_holds_not_the_oldest() -> None:
     gw = _gateway(prefill_queue_tokens=500)
     router, queue, p0, p1 = _parts(gw)
