@@ -491,7 +491,8 @@ class Gateway:
             prefill = self.pool.least_loaded(("prefill",))
             tokens, ahead = prompt_tokens, prefill.in_flight_tokens if prefill is not None else 0
             if self.legs.queue is not None and len(self.legs.queue):  # waiting in the gateway: ahead of it too
-                ahead += self.legs.queue.waiting_tokens() // max(1, len(self.pool.by_role("prefill")))
+                serving = sum(i.available() for i in self.pool.by_role("prefill"))  # (those down take none)
+                ahead += self.legs.queue.waiting_tokens() // max(1, serving)
             concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
         decision = self.admission.decide(tokens, ahead, concurrency)
         if decision.admit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -228,3 +229,33 @@ def test_the_slo_predictor_counts_the_requests_waiting_in_the_queue_as_ahead() -
     assert [first.status, second.status, third.status] == [200, 200, 200]
     assert refused.status == 503 and "time to first token" in refused.json()["error"]["message"]
     assert app.metrics.registry.get_sample_value("pdctl_rejected_total", {"reason": "slo_ttft"}) == 1
+
+
+def test_the_slo_predictor_shares_the_waiting_prompts_among_the_prefills_in_the_pool_only() -> None:
+    """Two prefills, one with its breaker open: the prompts waiting in the gateway all wait for the one left, so
+    a new request's predicted TTFT counts all of them, not half (over-admitting exactly when capacity is down)."""
+    slo = SLOConfig(ttft_ms=900, tpot_ms=10_000, p90=False, admission=True)
+    settings = make_settings(["http://p0.invalid", "http://p1.invalid"], ["http://d0.invalid"], slo=slo,
+                             models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
+    settings = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, prefill_queue_tokens=100))
+    gw = create_app(settings, KEY, clients=MemoryWorkers())
+    router, queue, p0, p1 = _parts(gw)
+    replies: list[Any] = []
+
+    async def test(gw: Gateway) -> None:
+        p1.open_until = time.monotonic() + 600.0  # down: out of the pool
+        gw.admission.sec_per_token.add(0.001)  # measured earlier: 1 ms a prompt token
+        busy = _plan(router, gw, C, "busy")
+        assert router.pick(gw.pool, "prefill", busy, among=[p0]) is p0  # p0 has no room
+        waiting = [asyncio.create_task(queue.pick(gw.pool, _plan(router, gw, B, f"w{n}"), 30.0)) for n in range(2)]
+        await asyncio.sleep(0.01)
+        assert len(queue) == 2 and queue.waiting_tokens() == 1200  # 1.2 s ahead on p0; 0.6 s if shared by two
+        reply = asyncio.wait_for(asgi_request(gw, "/v1/completions", _body("Hi?", ""), request_id="new"), 3.0)
+        replies.append(await reply)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    run_app(gw, test)
+    [refused] = replies
+    assert refused.status == 503 and "time to first token" in refused.json()["error"]["message"]
