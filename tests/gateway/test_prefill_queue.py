@@ -259,3 +259,110 @@ def test_the_slo_predictor_shares_the_waiting_prompts_among_the_prefills_in_the_
     run_app(gw, test)
     [refused] = replies
     assert refused.status == 503 and "time to first token" in refused.json()["error"]["message"]
+
+
+def test_a_release_that_binds_many_waiting_requests_looks_each_up_once() -> None:
+    """64 requests of one prefix wait while its first prompt is computed on one of 8 prefills; the end of that
+    leg 1 binds all 64 there in one dispatch, which looks each waiting prompt up in the 8 views once (it used
+    to rebuild the window x prefills matrix for every bind: about 12,000 lookups, 62 ms on the event loop)."""
+    gw = _gateway(n_prefill=8, prefill_queue_tokens=1_000_000)
+    router, queue = gw.legs.prefix, gw.legs.queue
+    assert router is not None and queue is not None
+
+    async def test(gw: Gateway) -> None:
+        leader = _plan(router, gw, A, "first")
+        at = await queue.pick(gw.pool, leader, 1.0)
+        assert at is not None
+        busy = [_plan(router, gw, C, f"busy {n}") for n in range(7)]  # (held: their tokens count while they live)
+        for plan, other in zip(busy, [i for i in _role(gw.pool, "prefill") if i is not at], strict=True):
+            assert router.pick(gw.pool, "prefill", plan, among=[other]) is other  # none idle
+        followers = [_plan(router, gw, A, f"follower {n}") for n in range(64)]
+        waiting = [asyncio.create_task(queue.pick(gw.pool, plan, 5.0)) for plan in followers]
+        await asyncio.sleep(0.01)
+        assert len(queue) == 64  # each waits for the leader's prompt to be computed
+        router.record(at, leader)
+        before = queue.lookups
+        queue.release(gw.pool, at, leader)
+        assert queue.lookups - before <= 64 * 8
+        assert await asyncio.gather(*waiting) == [at] * 64
+        assert {plan.picks[-1].partition(":")[0] for plan in followers} == {"prefill_queue=match"}
+
+    _run(gw, test)
+
+
+def _queue_gateway(workers: MemoryWorkers, tokens: int, **gateway: Any) -> Gateway:
+    """One prefill with room for ``tokens`` uncached prompt tokens, one decode, over ``workers``."""
+    settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"],
+                             models=(LocalModel("tiny", 4096, engine="sim"),), **gateway)  # fmt: skip
+    routing = dataclasses.replace(settings.routing, prefill_queue_tokens=tokens)
+    return create_app(dataclasses.replace(settings, routing=routing), KEY, clients=workers)
+
+
+def test_a_failed_leg_1_gives_its_room_back() -> None:
+    """The prefill's first answer is an error: that leg 1's tokens stop counting against its room at once (not
+    when the request ends), so its retry is bound again rather than waiting out its deadline behind itself."""
+    workers = MemoryWorkers()
+    workers["prefill"].script(MemoryReply.json({"error": {"message": "boom"}}, status=500))
+    workers["prefill"].default = _prefill()
+    workers["decode"].default = _decoded()
+    app = _queue_gateway(workers, 1, request_timeout_s=3.0, max_retries=1)
+    replies: list[Any] = []
+
+    async def test(app: Gateway) -> None:
+        for n in range(2):
+            replies.append(await asgi_request(app, "/v1/completions", _body(f"Q{n}?", A), request_id=f"r{n}"))
+
+    run_app(app, test)
+    assert [r.status for r in replies] == [200, 200]
+    assert [c.request_id for c in workers["prefill"].completions()] == ["r0", "r0-retry1", "r1"]
+    router = app.legs.prefix
+    assert router is not None and router.prefilling_tokens(app.pool.by_role("prefill")[0]) == 0
+
+
+def test_a_request_that_waits_past_its_deadline_gets_a_503_with_retry_after_through_the_gateway() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].default = _prefill()
+    workers["decode"].default = _decoded()
+    app = _queue_gateway(workers, 100, request_timeout_s=0.3)
+    replies: list[Any] = []
+
+    async def test(app: Gateway) -> None:
+        router, [prefill] = app.legs.prefix, app.pool.by_role("prefill")
+        assert router is not None
+        busy = _plan(router, app, C, "busy")  # computing on the one prefill for the whole test: no room
+        assert router.pick(app.pool, "prefill", busy) is prefill
+        replies.append(await asgi_request(app, "/v1/completions", _body("Late?", A), request_id="late"))
+        assert app.legs.queue is not None and len(app.legs.queue) == 0 and _waiting(app) == 0
+
+    run_app(app, test)
+    [late] = replies
+    assert late.status == 503 and late.json()["error"]["code"] == "server_overloaded"
+    assert "routing.prefill_queue_tokens" in late.json()["error"]["message"]
+    assert int(late.headers["retry-after"]) >= 1
+    assert not workers["prefill"].completions()
+
+
+def test_a_client_that_leaves_as_its_request_is_bound_gives_the_room_back() -> None:
+    """The request is bound to a prefill and its client's cancel lands before it resumes: the room it was
+    bound with goes back and the next waiting request takes it."""
+    gw = _gateway(prefill_queue_tokens=500)
+    router, queue, p0, p1 = _parts(gw)
+
+    async def test(gw: Gateway) -> None:
+        busy = [_plan(router, gw, C, f"busy {n}") for n in range(2)]
+        for plan, inst in zip(busy, (p0, p1), strict=True):
+            assert router.pick(gw.pool, "prefill", plan, among=[inst]) is inst  # no room anywhere
+        leaving, later = _plan(router, gw, A, "leaves"), _plan(router, gw, B, "later")
+        gone = asyncio.create_task(queue.pick(gw.pool, leaving, 5.0))
+        await asyncio.sleep(0.01)
+        stays = asyncio.create_task(queue.pick(gw.pool, later, 5.0))
+        await asyncio.sleep(0.01)
+        queue.release(gw.pool, p0, busy[0])  # p0 has room for one: the older request is bound ...
+        assert len(queue) == 1 and router.prefilling_tokens(p0) == 600
+        gone.cancel()  # ... and its client leaves before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert await stays is p0  # the room went back and the next one took it
+        assert len(queue) == 0 and _waiting(gw) == 0
+
+    _run(gw, test)
