@@ -495,9 +495,7 @@ async def _decode_call(
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
             if stream:
-                stall = getattr(resp, "stall_timeout", None)
-                if stall is not None:
-                    stall(ctx.settings.gateway.stall_timeout_s)
+                resp.stall_timeout(ctx.settings.gateway.stall_timeout_s)
             result = await relay(
                 ex,
                 resp,
