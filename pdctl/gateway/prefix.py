@@ -23,7 +23,8 @@ decision also counts what the approximate view would have said (``pdctl_pd_view_
 ``pdctl_pd_view_disagreements_total``), the drift between the two.
 
 **The decision** (:meth:`PrefixRouter.decide`), following llm-d's ``prefix-based-pd-decider`` and Dynamo's
-conditional disaggregation (``../shared/reference/routing-peers.md`` §1):
+conditional disaggregation (llm-d/llm-d PR #2109; ai-dynamo/dynamo
+``docs/components/router/router-disaggregated-serving.md``):
 
 1. the decode first, by ``routing.decode_policy`` (:mod:`pdctl.gateway.policy`; its default ``least_loaded`` takes
    the instance with most cached blocks, ties to the least loaded, and the least loaded outright when the pool is

@@ -4,7 +4,8 @@ As vLLM does (``AnthropicServingMessages`` translates to an internal chat reques
 request for the engine (:func:`chat_request`); the output is written back in the route's own shape: a whole JSON
 answer (:func:`responses_reply`, :func:`messages_reply`, both with ``kv_transfer_params``) or its event stream
 (:class:`AgentStream`; no ``kv_transfer_params`` in a stream, as vLLM). Event order and fields follow
-``../shared/reference/vllm-agent-apis.md`` §5-§6.
+vLLM 0.32's (vllm-project/vllm ``vllm/entrypoints/``), OpenAI's Responses streaming reference and Anthropic's
+Messages streaming reference.
 
 Tool calls are faked when the request forces one (Anthropic ``tool_choice`` ``{"type": "tool", "name": ...}``
 or ``{"type": "any"}``; Responses ``{"type": "function", "name": ...}`` or ``"required"``): the generated text
