@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,10 +42,13 @@ LOCAL_MAX = 256
 
 @pytest.fixture
 def collector() -> Iterator[_Receiver | None]:
-    """An OTLP/HTTP receiver for the deployment's spans (None without the OpenTelemetry packages)."""
+    """An OTLP/HTTP receiver for the deployment's spans (None without the OpenTelemetry packages; under
+    ``PDCTL_REQUIRE_REAL`` their absence fails the test, as a missing engine does)."""
     try:
         r = _Receiver()
-    except ImportError:
+    except ImportError as exc:
+        if os.environ.get("PDCTL_REQUIRE_REAL"):
+            pytest.fail(f"PDCTL_REQUIRE_REAL is set but OpenTelemetry is not importable ({exc}): the span checks")
         yield None
         return
     yield r

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pdctl.config import SLOConfig
 
-__all__ = ["Admission", "Decision", "Ewma"]
+__all__ = ["Admission", "AdmissionVerdict", "Ewma"]
 
 _P90_Z = 1.28
 
@@ -49,7 +49,7 @@ class Ewma:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class AdmissionVerdict:
     """The predictor's verdict for one request."""
 
     admit: bool
@@ -97,21 +97,21 @@ class Admission:
         slope = max(0.0, sum((c - mx) * (v - my) for c, v in pts) / sxx) if sxx else 0.0
         return max(min(v for _, v in pts), my + slope * (concurrency - mx))
 
-    def decide(self, prompt_tokens: int, tokens_ahead: int, decode_concurrency: int) -> Decision:
+    def decide(self, prompt_tokens: int, tokens_ahead: int, decode_concurrency: int) -> AdmissionVerdict:
         """Predict TTFT/TPOT for a request of ``prompt_tokens`` and compare with the SLO."""
         if not self.slo.admission:
-            return Decision(True, "disabled", None, None, 0.0)
+            return AdmissionVerdict(True, "disabled", None, None, 0.0)
         if tokens_ahead == 0 and decode_concurrency == 0:
-            return Decision(True, "idle", None, None, 0.0)
+            return AdmissionVerdict(True, "idle", None, None, 0.0)
         spt = self.sec_per_token.value(self.slo.p90)
         handoff = self.handoff.value(self.slo.p90) or 0.0
         ttft = None if spt is None else (tokens_ahead + prompt_tokens) * spt + handoff
         tpot = self.predict_tpot(decode_concurrency + 1)
         if ttft is None and tpot is None:
-            return Decision(True, "cold", None, None, 0.0)
+            return AdmissionVerdict(True, "cold", None, None, 0.0)
         if ttft is not None and ttft * 1000.0 > self.slo.ttft_ms:
             drain = tokens_ahead * (spt or 0.0)
-            return Decision(False, "ttft", ttft, tpot, max(1.0, drain))
+            return AdmissionVerdict(False, "ttft", ttft, tpot, max(1.0, drain))
         if tpot is not None and tpot * 1000.0 > self.slo.tpot_ms:
-            return Decision(False, "tpot", ttft, tpot, 1.0)
-        return Decision(True, "ok", ttft, tpot, 0.0)
+            return AdmissionVerdict(False, "tpot", ttft, tpot, 1.0)
+        return AdmissionVerdict(True, "ok", ttft, tpot, 0.0)

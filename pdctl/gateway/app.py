@@ -510,21 +510,22 @@ class Gateway:
             prefill = self.pool.least_loaded(("prefill",))
             tokens, ahead = prompt_tokens, prefill.in_flight_tokens if prefill is not None else 0
             if self.legs.queue is not None and len(self.legs.queue):  # waiting in the gateway: ahead of it too
-                ahead += self.legs.queue.waiting_tokens() // max(1, len(self.pool.by_role("prefill")))
+                serving = sum(i.available() for i in self.pool.by_role("prefill"))  # (those down take none)
+                ahead += self.legs.queue.waiting_tokens() // max(1, serving)
             concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
-        decision = self.admission.decide(tokens, ahead, concurrency)
-        if decision.admit:
+        verdict = self.admission.decide(tokens, ahead, concurrency)
+        if verdict.admit:
             return "local"
         if self.settings.slo.overflow == "upstream" and self.upstream is not None and may_overflow:
-            self.metrics.rejected.labels(f"slo_{decision.reason}_overflow").inc()
-            log.info("request %s: SLO predictor (%s) sends it upstream", ex.request_id, decision.reason)
+            self.metrics.rejected.labels(f"slo_{verdict.reason}_overflow").inc()
+            log.info("request %s: SLO predictor (%s) sends it upstream", ex.request_id, verdict.reason)
             return "upstream"
         ex.path = "rejected"
-        what = "time to first token" if decision.reason == "ttft" else "time per output token"
+        what = "time to first token" if verdict.reason == "ttft" else "time per output token"
         raise ApiError(
             503, f"server overloaded: predicted {what} would miss the SLO; retry later",
-            type="server_error", code="server_overloaded", retry_after_s=decision.retry_after_s,
-            should_retry=False, reason=f"slo_{decision.reason}",
+            type="server_error", code="server_overloaded", retry_after_s=verdict.retry_after_s,
+            should_retry=False, reason=f"slo_{verdict.reason}",
         )  # fmt: skip
 
 

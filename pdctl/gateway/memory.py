@@ -89,6 +89,15 @@ class MemoryResponse:
         self.ended = False
         self.closed_early: bool | None = None
         """None while open; True when closed before its end (the client of this call left)."""
+        self.stall_s: float | None = None
+        """:meth:`stall_timeout`'s bound, once a piece was returned (a longer pause then fails as a ``timeout``)."""
+        self._stall: float | None = None
+        self._started = False
+
+    def stall_timeout(self, read_s: float) -> None:
+        self._stall = read_s
+        if self._started:
+            self.stall_s = read_s
 
     async def chunk(self) -> bytes:
         while self._parts:
@@ -96,9 +105,14 @@ class MemoryResponse:
             if isinstance(part, TransportError):
                 raise part
             if isinstance(part, float):
+                if self.stall_s is not None and part >= self.stall_s:
+                    await asyncio.sleep(self.stall_s)
+                    raise TransportError("timeout", f"no data for {self.stall_s:.3g} s (stall timeout)")
                 await asyncio.sleep(part)
                 continue
             if part:
+                self._started = True
+                self.stall_s = self._stall
                 return part
         self.ended = True
         return b""

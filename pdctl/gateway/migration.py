@@ -402,9 +402,7 @@ async def _call(
                 payload = b""
             ctx.pool.record_failure(inst)
             raise translate_worker_error(resp.status, payload[:65536], ctx.secrets)
-        stall = getattr(resp, "stall_timeout", None)
-        if stall is not None:
-            stall(ctx.settings.gateway.stall_timeout_s)
+        resp.stall_timeout(ctx.settings.gateway.stall_timeout_s)
         await _relay_continuation(ctx, ex, inst, resp, rw)
     finally:
         resp.close()

@@ -333,7 +333,7 @@ async def _leg1(
         )
     finally:
         ex.in_leg1 = False
-        if plan is not None and ctx.prefix is not None:  # the prefill's views learn the prompt, its room frees
+        if plan is not None and ctx.prefix is not None:  # the prefill's views learn the prompt; leg 1 ends once
             if leg is not None and leg.reply is not None:
                 ctx.prefix.record(inst, plan)
             if ctx.queue is not None:
@@ -495,9 +495,7 @@ async def _decode_call(
                     raise _DecodeFailed(err.status, f"{what} {inst.name}: {err.message}", code="decode_failed")
                 raise err
             if stream:
-                stall = getattr(resp, "stall_timeout", None)
-                if stall is not None:
-                    stall(ctx.settings.gateway.stall_timeout_s)
+                resp.stall_timeout(ctx.settings.gateway.stall_timeout_s)
             result = await relay(
                 ex,
                 resp,

@@ -28,7 +28,7 @@ kv_aware        exact view (events), in-flight tokens        the least Dynamo co
 A session hint (:func:`session_hint`: ``x-session-id``, a Responses ``conversation``, Anthropic's
 ``metadata.user_id``) only breaks ties, in favour of the instance that served the session last
 (:class:`Sessions`); it never overrides a score (sticky sessions measured worse than KV-aware routing in
-Dynamo's replay, ``../shared/reference/routing-peers.md`` §4).
+Dynamo's replay, ai-dynamo/dynamo ``docs/benchmarks/aiperf-session-routing-replay/README.md``).
 """
 
 from __future__ import annotations

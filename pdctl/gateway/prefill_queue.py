@@ -65,6 +65,8 @@ class PrefillQueue:
         self.limit = limit
         """``routing.prefill_queue_tokens``."""
         self.metrics = metrics
+        self.lookups = 0
+        """View lookups made (one waiting prompt against one prefill's view): what the dispatches cost."""
         self._waiting: list[_Waiter] = []
 
     def __len__(self) -> int:
@@ -84,16 +86,15 @@ class PrefillQueue:
         self.metrics.prefill_queue_waiting.inc()
         self._dispatch(pool)
         if not w.bound.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(w.bound), timeout_s)
-            except (TimeoutError, asyncio.CancelledError) as err:
+            try:  # (asyncio.wait, not wait_for: a deadline is a result here, the same on every Python)
+                await asyncio.wait((w.bound,), timeout=timeout_s)
+            except asyncio.CancelledError:  # the client left; if it was bound meanwhile, the room goes back
                 self._forget(w)
                 if w.bound.done() and not w.bound.cancelled() and (inst := w.bound.result()) is not None:
-                    if isinstance(err, TimeoutError):  # bound as the deadline passed: take it
-                        return self._bound(w, inst)
                     self.release(pool, inst, plan)
-                if isinstance(err, asyncio.CancelledError):
-                    raise
+                raise
+            if not w.bound.done():
+                self._forget(w)
                 raise ApiError(
                     503, f"no prefill had room for this request within {timeout_s:.3g} s (the gateway's prefill "
                     "queue, routing.prefill_queue_tokens); retry later", code="server_overloaded",
@@ -127,7 +128,9 @@ class PrefillQueue:
         w.bound.set_result(self.router.pick(pool, "prefill", w.plan, among=among))
 
     def _dispatch(self, pool: Pool) -> None:
-        """Bind what can be bound now (module docstring)."""
+        """Bind what can be bound now (module docstring). Binding changes which prefill computes what, never what a
+        view holds, so each waiting prompt is looked up in the views once a dispatch, however many it binds."""
+        shares: dict[_Waiter, dict[Instance, float]] = {}
         while self._waiting:
             prefills = self._prefills(pool)
             if not prefills:  # none available: each waiting request gets the caller's "no prefill" error
@@ -137,18 +140,26 @@ class PrefillQueue:
                 return
             busy = {i: self.router.prefilling_tokens(i) for i in prefills}
             room = sorted((i for i in prefills if busy[i] < self.limit), key=lambda i: busy[i])
-            if not room or not self._bind_one(pool, prefills, room, busy):
+            if not room or not self._bind_one(pool, prefills, room, busy, shares):
                 return
 
-    def _bind_one(self, pool: Pool, prefills: list[Instance], room: list[Instance], busy: dict[Instance, int]) -> bool:
+    def _bind_one(
+        self, pool: Pool, prefills: list[Instance], room: list[Instance], busy: dict[Instance, int],
+        shares: dict[_Waiter, dict[Instance, float]],
+    ) -> bool:  # fmt: skip
         window = self._waiting[:WINDOW]
         threshold = self.router.routing.cache_threshold
         router = self.router
 
-        def share(w: _Waiter, i: Instance) -> float:
-            return router.cached(i, w.plan, w.memo) / max(1, w.plan.cached_tokens + w.plan.uncached_tokens)
+        def row(w: _Waiter) -> dict[Instance, float]:  # the share of w's prompt each prefill holds
+            got = shares.get(w)
+            if got is None:
+                total = max(1, w.plan.cached_tokens + w.plan.uncached_tokens)
+                got = shares[w] = {i: router.cached(i, w.plan, w.memo) / total for i in prefills}
+                self.lookups += len(prefills)
+            return got
 
-        cached = {w: {i: share(w, i) for i in prefills} for w in window}
+        cached = {w: row(w) for w in window}
         top = {w: max(cached[w].values()) for w in window}
         for inst in room:  # 1. match: of the requests this prefill holds most of, the one it holds the most of
             mine = [w for w in window if cached[w][inst] == top[w] > threshold]

@@ -23,7 +23,8 @@ decision also counts what the approximate view would have said (``pdctl_pd_view_
 ``pdctl_pd_view_disagreements_total``), the drift between the two.
 
 **The decision** (:meth:`PrefixRouter.decide`), following llm-d's ``prefix-based-pd-decider`` and Dynamo's
-conditional disaggregation (``../shared/reference/routing-peers.md`` §1):
+conditional disaggregation (llm-d/llm-d PR #2109; ai-dynamo/dynamo
+``docs/components/router/router-disaggregated-serving.md``):
 
 1. the decode first, by ``routing.decode_policy`` (:mod:`pdctl.gateway.policy`; its default ``least_loaded`` takes
    the instance with most cached blocks, ties to the least loaded, and the least loaded outright when the pool is
@@ -232,9 +233,9 @@ class PrefixRouter:
         return ev if ev is not None and ev.block_size is not None else None
 
     def record(self, inst: Instance, plan: Decision) -> None:
-        """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now."""
+        """``inst`` computed (or pulled) ``plan``'s prompt: the approximate view holds its blocks now. A leg 1's
+        end is the caller's to say, once (:meth:`leg1_done`)."""
         self.view(inst).insert(plan.hashes)
-        self.leg1_done(inst, plan)
 
     def leg1_done(self, inst: Instance, plan: Decision) -> None:
         """``plan``'s leg 1 on ``inst`` ended, however: its tokens no longer count as ``inst``'s to compute."""

@@ -46,6 +46,10 @@ class WorkerResponse(Protocol):
 
     async def chunk(self) -> bytes: ...
 
+    def stall_timeout(self, read_s: float) -> None:
+        """From the body's first piece on, bound each wait for the next piece by ``read_s`` when shorter than the
+        call's read timeout (:meth:`pdctl.vllm.transport.Response.stall_timeout`)."""
+
     def close(self) -> None: ...
 
 

@@ -4,7 +4,8 @@ As vLLM does (``AnthropicServingMessages`` translates to an internal chat reques
 request for the engine (:func:`chat_request`); the output is written back in the route's own shape: a whole JSON
 answer (:func:`responses_reply`, :func:`messages_reply`, both with ``kv_transfer_params``) or its event stream
 (:class:`AgentStream`; no ``kv_transfer_params`` in a stream, as vLLM). Event order and fields follow vLLM's
-``vllm/entrypoints/openai/responses/`` and ``vllm/entrypoints/anthropic/``. A Responses reply cut by
+(vllm-project/vllm ``vllm/entrypoints/openai/responses/`` and ``vllm/entrypoints/anthropic/``), OpenAI's Responses
+streaming reference and Anthropic's Messages streaming reference. A Responses reply cut by
 ``max_output_tokens`` is as vLLM 0.33 writes it: the output item's and the response's ``status`` are
 ``"incomplete"`` (``incomplete_details.reason`` ``"max_output_tokens"``) and a stream ends with
 ``response.incomplete`` (0.32 ended every stream with ``response.completed`` and its items ``"completed"``).

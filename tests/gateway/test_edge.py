@@ -34,6 +34,9 @@ def _gateway(workers: tuple[FakeProc, FakeProc], limits: EdgeLimits) -> GatewayT
     p, d = workers
     g = GatewayThread(make_settings([p.url], [d.url]))
     attach_limits(g.server.config, limits)  # read by each connection as it opens
+    g.server.config.timeout_keep_alive = (
+        3600  # uvicorn's own, far above the limits': only theirs can close a connection
+    )
     return g
 
 

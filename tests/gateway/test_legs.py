@@ -7,6 +7,7 @@ The whole gateway app runs in the test's event loop behind the ASGI interface; i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -133,6 +134,27 @@ def test_failure_after_the_first_byte_is_not_retried() -> None:
     assert _metric(app, "pdctl_retries_total", leg="decode") == 0
     assert _metric(app, "pdctl_stream_errors_total", reason="upstream_error") == 1
     assert _metric(app, "pdctl_requests_total", path="disagg", status="stream_error") == 1
+
+
+def test_a_decode_silent_past_the_stall_timeout_after_its_first_token_ends_the_stream() -> None:
+    """``gateway.stall_timeout_s`` reaches the worker response through its protocol (in-memory workers too): a
+    first token slower than it is waited for, a later silence as long ends the stream in a timeout event."""
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill())
+    workers["decode"].script(MemoryReply.sse([0.4, _event("a"), 5.0, _event("b"), DONE]))
+    replies: list[AsgiReply] = []
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asgi_request(app, CHAT, STREAM))
+
+    settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"])
+    gateway = dataclasses.replace(settings.gateway, stall_timeout_s=0.2, migration_limit=0)
+    app = run_app(create_app(dataclasses.replace(settings, gateway=gateway), KEY, clients=workers), test)
+    (reply,) = replies
+    events = [e for e in reply.body.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == _event("a") and len(events) == 2
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "upstream_timeout"
+    assert _metric(app, "pdctl_stream_errors_total", reason="upstream_timeout") == 1
 
 
 def test_fallback_when_prefill_returns_no_kv_params() -> None:

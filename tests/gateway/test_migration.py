@@ -16,6 +16,7 @@ import pytest
 from pdctl.gateway.migration import Sent, _Rewriter, continuation_body, eligible, read_sent
 from pdctl.gateway.sse import Kept
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.promtext import metric_value, samples
 from tests.fakes.gateway_harness import GatewayThread, make_settings, wait_for
 
 ARGS = ["--max-model-len", "1024", "--sim-profile", "fast"]
@@ -292,7 +293,6 @@ def test_the_clients_copy_has_token_ids_only_when_it_asked_and_the_kept_events_a
 
 def _kill_mid_request(g: GatewayThread, victim: SimProcess, n: int = 1) -> list[httpx.Response]:
     import threading
-    import time
 
     body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     out: list[httpx.Response] = []
@@ -301,15 +301,21 @@ def _kill_mid_request(g: GatewayThread, victim: SimProcess, n: int = 1) -> list[
         with g.client() as c:
             out.append(c.post("/v1/completions", json=body, timeout=30))
 
+    def in_engine() -> float:  # the victim's engine holds a request (its gauges move as one is added)
+        body = httpx.get(victim.url + "/metrics", timeout=5).text
+        parsed = samples(body, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        return sum(
+            metric_value(parsed, name) or 0.0 for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        )
+
     threads = [threading.Thread(target=one) for _ in range(n)]
-    started = time.monotonic()
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    assert wait_for(lambda: in_engine() >= 1, timeout=20), "no request reached the victim"
     victim.proc.kill()
     for t in threads:
         t.join(30)
-    assert time.monotonic() - started < 15, "a request hung"
+    assert not any(t.is_alive() for t in threads), "a request hung"
     assert len(out) == n
     return out
 

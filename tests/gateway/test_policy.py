@@ -128,7 +128,8 @@ def test_cache_aware_prefill_escapes_to_an_idle_instance_rather_than_queue() -> 
     warm = router.decide(gw.pool, _body("Q1"), 600)
     a = router.pick(gw.pool, "prefill", warm)
     assert a is not None
-    router.record(a, warm)  # leg 1 done: `a` holds PREFIX (8 blocks in its view), nothing queued
+    router.record(a, warm)  # `a` computed PREFIX (8 blocks in its view)
+    router.leg1_done(a, warm)  # its leg 1 ended: nothing queued
     short = "Translate: " * 30  # a 1-block prefix: `b`'s view stays the smaller
     first = router.decide(gw.pool, _body("Q2", prefix=short), 600)
     b = router.pick(gw.pool, "prefill", first)
@@ -213,7 +214,8 @@ def test_kv_aware_counts_what_it_routed_a_moment_ago_and_what_prefills_still_com
     other = p[1] if a is p[0] else p[0]
     again = router.decide(gw.pool, {"prompt": ids}, len(ids), ids)
     assert router.pick(gw.pool, "prefill", again) is other  # `a` is still computing the whole prompt: busier
-    router.record(a, first)  # leg 1 done; no event from `a` yet
+    router.record(a, first)  # `a` computed the prompt; no event from `a` yet
+    router.leg1_done(a, first)
     assert router.prefilling_tokens(a) == 0
     follow = router.decide(gw.pool, {"prompt": [*ids, 1, 2, 3]}, len(ids) + 3, [*ids, 1, 2, 3])
     assert router.pick(gw.pool, "prefill", follow) is a  # held by the routed index; `other` still computes

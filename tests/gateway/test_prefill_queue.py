@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -57,6 +58,20 @@ def test_the_queue_is_off_by_default_and_needs_the_per_request_router() -> None:
     assert _gateway().legs.queue is None
     gw = _gateway(prefill_queue_tokens=1000)
     assert gw.legs.prefix is not None and gw.legs.queue is not None and gw.legs.queue.limit == 1000
+
+
+def test_a_leg_1_ends_once_where_its_caller_says_so_not_when_its_prompt_is_recorded() -> None:
+    """The view learning a prompt (``record``) and the leg 1 ending (``leg1_done``, or the queue's ``release``) are
+    two facts, said once each: recording the prompt leaves the leg's tokens counted until the caller ends it."""
+    gw = _gateway(prefill_queue_tokens=500)
+    router, queue, p0, _ = _parts(gw)
+    plan = _plan(router, gw, A, "computing")
+    assert router.pick(gw.pool, "prefill", plan, among=[p0]) is p0 and router.prefilling_tokens(p0) == 600
+    router.record(p0, plan)
+    assert router.prefilling_tokens(p0) == 600  # still in leg 1: its room is not free yet
+    assert router.cached(p0, _plan(router, gw, A, "later")) > 0  # but the view holds the prompt
+    queue.release(gw.pool, p0, plan)
+    assert router.prefilling_tokens(p0) == 0
 
 
 def test_a_prefill_with_room_takes_the_waiting_request_it_holds_not_the_oldest() -> None:
@@ -214,3 +229,140 @@ def test_the_slo_predictor_counts_the_requests_waiting_in_the_queue_as_ahead() -
     assert [first.status, second.status, third.status] == [200, 200, 200]
     assert refused.status == 503 and "time to first token" in refused.json()["error"]["message"]
     assert app.metrics.registry.get_sample_value("pdctl_rejected_total", {"reason": "slo_ttft"}) == 1
+
+
+def test_the_slo_predictor_shares_the_waiting_prompts_among_the_prefills_in_the_pool_only() -> None:
+    """Two prefills, one with its breaker open: the prompts waiting in the gateway all wait for the one left, so
+    a new request's predicted TTFT counts all of them, not half (over-admitting exactly when capacity is down)."""
+    slo = SLOConfig(ttft_ms=900, tpot_ms=10_000, p90=False, admission=True)
+    settings = make_settings(["http://p0.invalid", "http://p1.invalid"], ["http://d0.invalid"], slo=slo,
+                             models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
+    settings = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, prefill_queue_tokens=100))
+    gw = create_app(settings, KEY, clients=MemoryWorkers())
+    router, queue, p0, p1 = _parts(gw)
+    replies: list[Any] = []
+
+    async def test(gw: Gateway) -> None:
+        p1.open_until = time.monotonic() + 600.0  # down: out of the pool
+        gw.admission.sec_per_token.add(0.001)  # measured earlier: 1 ms a prompt token
+        busy = _plan(router, gw, C, "busy")
+        assert router.pick(gw.pool, "prefill", busy, among=[p0]) is p0  # p0 has no room
+        waiting = [asyncio.create_task(queue.pick(gw.pool, _plan(router, gw, B, f"w{n}"), 30.0)) for n in range(2)]
+        await asyncio.sleep(0.01)
+        assert len(queue) == 2 and queue.waiting_tokens() == 1200  # 1.2 s ahead on p0; 0.6 s if shared by two
+        reply = asyncio.wait_for(asgi_request(gw, "/v1/completions", _body("Hi?", ""), request_id="new"), 3.0)
+        replies.append(await reply)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    run_app(gw, test)
+    [refused] = replies
+    assert refused.status == 503 and "time to first token" in refused.json()["error"]["message"]
+
+
+def test_a_release_that_binds_many_waiting_requests_looks_each_up_once() -> None:
+    """64 requests of one prefix wait while its first prompt is computed on one of 8 prefills; the end of that
+    leg 1 binds all 64 there in one dispatch, which looks each waiting prompt up in the 8 views once (it used
+    to rebuild the window x prefills matrix for every bind: about 12,000 lookups, 62 ms on the event loop)."""
+    gw = _gateway(n_prefill=8, prefill_queue_tokens=1_000_000)
+    router, queue = gw.legs.prefix, gw.legs.queue
+    assert router is not None and queue is not None
+
+    async def test(gw: Gateway) -> None:
+        leader = _plan(router, gw, A, "first")
+        at = await queue.pick(gw.pool, leader, 1.0)
+        assert at is not None
+        busy = [_plan(router, gw, C, f"busy {n}") for n in range(7)]  # (held: their tokens count while they live)
+        for plan, other in zip(busy, [i for i in _role(gw.pool, "prefill") if i is not at], strict=True):
+            assert router.pick(gw.pool, "prefill", plan, among=[other]) is other  # none idle
+        followers = [_plan(router, gw, A, f"follower {n}") for n in range(64)]
+        waiting = [asyncio.create_task(queue.pick(gw.pool, plan, 5.0)) for plan in followers]
+        await asyncio.sleep(0.01)
+        assert len(queue) == 64  # each waits for the leader's prompt to be computed
+        router.record(at, leader)
+        before = queue.lookups
+        queue.release(gw.pool, at, leader)
+        assert queue.lookups - before <= 64 * 8
+        assert await asyncio.gather(*waiting) == [at] * 64
+        assert {plan.picks[-1].partition(":")[0] for plan in followers} == {"prefill_queue=match"}
+
+    _run(gw, test)
+
+
+def _queue_gateway(workers: MemoryWorkers, tokens: int, **gateway: Any) -> Gateway:
+    """One prefill with room for ``tokens`` uncached prompt tokens, one decode, over ``workers``."""
+    settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"],
+                             models=(LocalModel("tiny", 4096, engine="sim"),), **gateway)  # fmt: skip
+    routing = dataclasses.replace(settings.routing, prefill_queue_tokens=tokens)
+    return create_app(dataclasses.replace(settings, routing=routing), KEY, clients=workers)
+
+
+def test_a_failed_leg_1_gives_its_room_back() -> None:
+    """The prefill's first answer is an error: that leg 1's tokens stop counting against its room at once (not
+    when the request ends), so its retry is bound again rather than waiting out its deadline behind itself."""
+    workers = MemoryWorkers()
+    workers["prefill"].script(MemoryReply.json({"error": {"message": "boom"}}, status=500))
+    workers["prefill"].default = _prefill()
+    workers["decode"].default = _decoded()
+    app = _queue_gateway(workers, 1, request_timeout_s=3.0, max_retries=1)
+    replies: list[Any] = []
+
+    async def test(app: Gateway) -> None:
+        for n in range(2):
+            replies.append(await asgi_request(app, "/v1/completions", _body(f"Q{n}?", A), request_id=f"r{n}"))
+
+    run_app(app, test)
+    assert [r.status for r in replies] == [200, 200]
+    assert [c.request_id for c in workers["prefill"].completions()] == ["r0", "r0-retry1", "r1"]
+    router = app.legs.prefix
+    assert router is not None and router.prefilling_tokens(app.pool.by_role("prefill")[0]) == 0
+
+
+def test_a_request_that_waits_past_its_deadline_gets_a_503_with_retry_after_through_the_gateway() -> None:
+    workers = MemoryWorkers()
+    workers["prefill"].default = _prefill()
+    workers["decode"].default = _decoded()
+    app = _queue_gateway(workers, 100, request_timeout_s=0.3)
+    replies: list[Any] = []
+
+    async def test(app: Gateway) -> None:
+        router, [prefill] = app.legs.prefix, app.pool.by_role("prefill")
+        assert router is not None
+        busy = _plan(router, app, C, "busy")  # computing on the one prefill for the whole test: no room
+        assert router.pick(app.pool, "prefill", busy) is prefill
+        replies.append(await asgi_request(app, "/v1/completions", _body("Late?", A), request_id="late"))
+        assert app.legs.queue is not None and len(app.legs.queue) == 0 and _waiting(app) == 0
+
+    run_app(app, test)
+    [late] = replies
+    assert late.status == 503 and late.json()["error"]["code"] == "server_overloaded"
+    assert "routing.prefill_queue_tokens" in late.json()["error"]["message"]
+    assert int(late.headers["retry-after"]) >= 1
+    assert not workers["prefill"].completions()
+
+
+def test_a_client_that_leaves_as_its_request_is_bound_gives_the_room_back() -> None:
+    """The request is bound to a prefill and its client's cancel lands before it resumes: the room it was
+    bound with goes back and the next waiting request takes it."""
+    gw = _gateway(prefill_queue_tokens=500)
+    router, queue, p0, p1 = _parts(gw)
+
+    async def test(gw: Gateway) -> None:
+        busy = [_plan(router, gw, C, f"busy {n}") for n in range(2)]
+        for plan, inst in zip(busy, (p0, p1), strict=True):
+            assert router.pick(gw.pool, "prefill", plan, among=[inst]) is inst  # no room anywhere
+        leaving, later = _plan(router, gw, A, "leaves"), _plan(router, gw, B, "later")
+        gone = asyncio.create_task(queue.pick(gw.pool, leaving, 5.0))
+        await asyncio.sleep(0.01)
+        stays = asyncio.create_task(queue.pick(gw.pool, later, 5.0))
+        await asyncio.sleep(0.01)
+        queue.release(gw.pool, p0, busy[0])  # p0 has room for one: the older request is bound ...
+        assert len(queue) == 1 and router.prefilling_tokens(p0) == 600
+        gone.cancel()  # ... and its client leaves before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert await stays is p0  # the room went back and the next one took it
+        assert len(queue) == 0 and _waiting(gw) == 0
+
+    _run(gw, test)

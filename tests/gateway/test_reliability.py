@@ -1,6 +1,7 @@
 """Reliability cases G1-G8 and the PD routing corner cases: fallback detection, colocated, xPyD.
 
-Each test names the reliability case (../shared/reference/reliability-cases.md) and the invariants it checks.
+Each test names the reliability case (docs/gateway.md, "Reliability cases covered by tests") and the invariants it
+checks.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ pass the same strict offline schema validation as tests/render/test_k8s.py's."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,8 +18,18 @@ import yaml
 from pdctl.render.k8s import KUBERNETES_VERSION, K8sOptions, render, write
 from tests.render.test_k8s import CONFIGS, load
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) is not "
-                                "installed; the same objects are schema-checked without it in test_k8s.py")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None and os.environ.get("CI") != "true",  # .ci/run installs it: there, missing fails
+    reason="kubectl (its built-in kustomize) is not installed; the same objects are schema-checked without it in "
+    "test_k8s.py",
+)
+
+
+def kustomize_major() -> int:
+    """The major version of kubectl's built-in kustomize (kubectl before 1.21 does not say it: kustomize 2)."""
+    proc = subprocess.run(["kubectl", "version", "--client"], capture_output=True, text=True, timeout=60, check=False)
+    found = re.search(r"Kustomize Version: v(\d+)", proc.stdout)
+    return int(found.group(1)) if found else 2
 
 
 def build(path: Path) -> list[dict[str, Any]]:
@@ -46,6 +58,8 @@ def test_kustomize_builds_every_rendered_folder_into_valid_objects(name: str, tm
 
 
 def test_an_overlay_changes_replicas_and_images_and_stays_valid(tmp_path: Path) -> None:
+    if kustomize_major() < 4:  # Debian 12's kubectl (1.20) carries kustomize 2: no `replicas:`, no folder resources
+        pytest.skip("kubectl's kustomize is older than 4 (the overlay's `replicas:` and folder resources)")
     base = tmp_path / "k8s"
     write(render(load("2p2d"), K8sOptions(pdctl_image="pdctl:0.1.0")), base)
     overlay = tmp_path / "prod"

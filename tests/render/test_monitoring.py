@@ -4,7 +4,7 @@
 * ``promtool check config`` / ``check rules`` on every rendered file, static targets and file_sd;
 * ``promtool test rules``: every alert fires on the series it is about, and stays quiet on a near miss;
 * every dashboard query parses (as a recording rule ``promtool`` checks, and on a live Prometheus) and names only
-  metrics that exist: in vLLM 0.32's real ``/metrics`` (``../shared/fixtures``, or ``tests/fixtures``), in the
+  metrics that exist: in vLLM 0.32's real ``/metrics`` (``tests/fixtures/vllm-cpu``), in the
   gateway's registry, or in the rendered recording rules;
 * end to end: a real Prometheus scrapes a simulator deployment started with ``pdctl up -d``; the recording rules
   return series, then prefill's ``--sim-fault no-kv-params@after=N`` makes the gateway fall back silently and
@@ -50,8 +50,8 @@ needs_prometheus = pytest.mark.skipif(
 NAME = "mon-test"
 KEY_VAR = "PDCTL_MON_TEST_KEY"
 KEY = "monitoring-test-key-not-secret"
-#: Real vLLM 0.32 CPU /metrics bodies (tests/fixtures/vllm-cpu is a copy of ../shared/fixtures/vllm-cpu).
-FIXTURE_DIRS = (REPO.parent / "shared" / "fixtures" / "vllm-cpu", REPO / "tests" / "fixtures" / "vllm-cpu")
+#: Real vLLM 0.32 CPU /metrics bodies.
+FIXTURE_DIRS = (REPO / "tests" / "fixtures" / "vllm-cpu",)
 
 
 def write_deployment(d: Path, prefill_extra: tuple[str, ...] = ()) -> Path:
@@ -583,6 +583,6 @@ def test_real_prometheus_scrapes_a_deployment_and_the_silent_fallback_alert_fire
     assert alert["labels"]["deployment"] == NAME and alert["labels"]["severity"] == "warning"
     assert alert["annotations"]["runbook"] == "docs/troubleshooting.md#pdctlsilentfallback"
     assert pending[0]["labels"]["reason"] == alert["labels"]["reason"]
-    assert t_firing >= t_pending
+    assert alert["activeAt"] == pending[0]["activeAt"]  # the alert that was pending is the one firing now
     print(f"PdctlSilentFallback: pending {t_pending:.1f} s, firing {t_firing:.1f} s after the first fallback")
     assert next(a for a in alerts(dep) if a.name == "PdctlSilentFallback").for_ == "5m"  # shipped rules keep 5m

@@ -82,7 +82,13 @@ def _sse_noting_peers(peers: set[int]) -> Handler:
 
 
 async def _server(handler: Handler) -> tuple[asyncio.Server, str]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handler(reader, writer)
+        finally:  # the server's end of each connection, whatever its handler did (no unclosed transport)
+            writer.close()
+
+    server = await asyncio.start_server(closing, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     return server, f"http://127.0.0.1:{port}"
 
@@ -388,7 +394,7 @@ def test_reset_mid_body_is_broken_and_the_next_call_reconnects(run: Callable[[Aw
             await asyncio.sleep(0.05)
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()  # RST, not FIN
+            writer.close()  # RST, not FIN
             return
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         await writer.drain()
@@ -438,6 +444,42 @@ def test_stalls_end_in_timeouts(run: Callable[[Awaitable[None]], None]) -> None:
                     got += piece
             assert info.value.kind == "timeout"
             assert len(got) >= 3  # pieces 50 ms apart passed the 300 ms read timeout until the total ran out
+            r.close()
+
+    run(main())
+
+
+def test_a_stall_timeout_bounds_the_waits_from_the_first_piece_on(run: Callable[[Awaitable[None]], None]) -> None:
+    """``Response.stall_timeout``: a stream's token deadline, shorter than the read timeout, bounds each wait once
+    the first piece is in (a first piece slower than it still arrives); a longer one changes nothing."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            await writer.drain()
+            await asyncio.sleep(0.6)  # the first piece: slower than the stall timeout
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(30)  # then nothing
+        except ConnectionError:
+            pass
+
+    async def main() -> None:
+        async with _client_of(handler, read_timeout_s=20.0) as client:
+            r = await client.request("POST", "/stream", body=b"{}")
+            r.stall_timeout(0.2)
+            assert await r.chunk() == b"x"
+            with pytest.raises(TransportError) as info:  # (wait_for: without the stall timeout, 20 s would pass)
+                await asyncio.wait_for(r.chunk(), 10.0)
+            assert info.value.kind == "timeout"
+            r.close()
+        async with _client_of(handler, read_timeout_s=0.3) as client:
+            r = await client.request("POST", "/stream", body=b"{}")
+            r.stall_timeout(30.0)  # longer than the read timeout: the read timeout still bounds the first wait
+            with pytest.raises(TransportError) as info:
+                await asyncio.wait_for(r.chunk(), 10.0)
+            assert info.value.kind == "timeout"
             r.close()
 
     run(main())
