@@ -112,12 +112,17 @@ def test_the_chat_template_renders_as_transformers_does_and_declines_what_vllm_r
         rendered, _ = render_jinja_template([[{**msgs[0]}, {"role": "user", "content": "Hi"}]], chat_template=CHATML,
                                             add_generation_prompt=True)  # fmt: skip
         assert rendered == [text]
+    # vLLM's rewrites, followed (pdctl.gateway.prompt_view): text parts joined with a newline for a template that
+    # takes a string, a developer message as system for a template that lacks the role, tools passed to the template
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert tpl.render(parts) == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+    assert tpl.render({"messages": [{"role": "developer", "content": "x"}]}) == (
+        "<|im_start|>system\nx<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tpl.render({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}) == text
     declined: list[dict[str, Any]] = [
-        {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]},
         {"messages": [*msgs, {"role": "assistant", "content": "He"}], "continue_final_message": True},
-        {"messages": [{"role": "developer", "content": "x"}]},
-        {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": []},
     ]
     assert [tpl.render(b) for b in declined] == [None] * len(declined)
@@ -135,7 +140,13 @@ def test_prompt_ids_are_the_simulators_own_for_its_models() -> None:
     assert ids == Tokenizer().encode(apply_chat_template(body["messages"]))
     assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": "a b c"})) == Tokenizer().encode("a b c")
     assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": [5, 6, 7]})) == [5, 6, 7]
-    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", body)) is None  # vLLM renders the agent routes itself
+    claude = {"model": "tiny", "max_tokens": 8, "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+              {"type": "text", "text": "Be brief."}], "messages": body["messages"][1:]}  # fmt: skip
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", claude)) == Tokenizer().encode(
+        apply_chat_template([{"role": "system", "content": "Be brief."}, *body["messages"][1:]])
+    )  # the simulator drops the billing block, as vLLM 0.32
+    no_max = {k: v for k, v in claude.items() if k != "max_tokens"}
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", no_max)) is None  # the simulator's 400
     assert asyncio.run(tc.prompt_ids("other", "/v1/chat/completions", body)) is None  # no tokenizer: not exact
     assert asyncio.run(tc.prompt_ids("other", "/v1/completions", {"prompt": [9, 8]})) == [9, 8]  # ids: any model
 
