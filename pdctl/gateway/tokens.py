@@ -16,6 +16,7 @@ template (:mod:`pdctl.gateway.chat_template`) and encoded without them, as vLLM 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -50,10 +51,16 @@ def estimate_tokens(texts: Iterable[str], ids: int = 0) -> int:
 
 
 def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
-    """The prompt's text pieces and its count of token ids, from ``messages`` or ``prompt``."""
+    """The prompt's text pieces and its count of token ids: ``messages`` or ``prompt``, and the agent routes'
+    ``system`` (Anthropic), ``instructions`` and ``input`` (Responses) and ``tools`` (their JSON: an agent's tool
+    definitions are often most of its prompt)."""
     texts: list[str] = []
     ids = 0
-    stack: list[Any] = [body.get("messages"), body.get("prompt")]
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        texts.append(json.dumps(tools, ensure_ascii=False))
+    stack: list[Any] = [body.get("messages"), body.get("prompt"), body.get("system"), body.get("instructions"),
+                        body.get("input")]  # fmt: skip
     while stack:
         v = stack.pop()
         if isinstance(v, str):
@@ -65,7 +72,7 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
         elif isinstance(v, list):
             stack.extend(v)
         elif isinstance(v, dict):
-            stack.extend(x for k, x in v.items() if k in ("content", "text", "prompt", "arguments"))
+            stack.extend(x for k, x in v.items() if k in ("content", "text", "prompt", "arguments", "output"))
     return texts, ids
 
 

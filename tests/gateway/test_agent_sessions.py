@@ -100,7 +100,7 @@ def test_claude_code_turns_go_local_and_the_log_says_where_the_cache_broke(caplo
     """Turn 2 of a Claude Code session (a new billing line) is judged cached on turn 1's decode; a turn whose system
     prompt changed is logged and counted as a break at ``system``."""
     workers = MemoryWorkers()
-    workers["prefill"].script(_prefill(), _prefill())
+    workers["prefill"].script(_prefill(), _prefill(), _prefill())
     for i in range(2):
         workers[f"decode-{i}"].default = _anthropic()
     replies: list[AsgiReply] = []
@@ -114,7 +114,7 @@ def test_claude_code_turns_go_local_and_the_log_says_where_the_cache_broke(caplo
             replies.append(await asgi_request(app, MESSAGES, body, request_id=f"t{i}",
                                               extra_headers={"x-claude-code-session-id": "cc-session-1"}))  # fmt: skip
 
-    app = _run(workers, 2, test, local_max_uncached_tokens=30, local_max_uncached_share=0.5)
+    app = _run(workers, 2, test, local_max_uncached_tokens=150, local_max_uncached_share=0.5)
     assert [r.status for r in replies] == [200, 200, 200], [r.body for r in replies]
     assert [r.headers["x-pd-path"] for r in replies[:2]] == ["disagg", "local"]
     assert replies[1].headers["x-pd-decode"] == replies[0].headers["x-pd-decode"]

@@ -114,3 +114,17 @@ def test_the_template_sees_what_vllm_hands_it(tmp_path: Path) -> None:
                          "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{% endfor %}",
                          {})  # fmt: skip
     assert first.merge_system
+
+
+def test_agent_prompts_are_counted_whole() -> None:
+    """An agent's system blocks, tool definitions, instructions and tool outputs are prompt tokens too (adaptive PD
+    and the limits count them)."""
+    from pdctl.gateway.tokens import prompt_parts
+
+    claude = claude_code(2, seed=8)[1]
+    texts, _ = prompt_parts(claude)
+    joined = "".join(texts)
+    assert "You are Claude Code" in joined and "Executes a given bash command" in joined and "FAILED" in joined
+    texts, _ = prompt_parts(codex(2, seed=8)[1])
+    joined = "".join(texts)
+    assert "You are Codex" in joined and "exit 0 (1)" in joined and "Runs a shell command" in joined
