@@ -29,8 +29,9 @@ def billing(rng: random.Random) -> str:
     return f"x-anthropic-billing-header: cc_version=2.1.177.{rng.randrange(16**3):03x}; cc_entrypoint=cli; cch={rng.randrange(16**5):05x};"
 
 
-def claude_code(turns: int, seed: int, trailing_system: bool = True) -> list[dict[str, Any]]:
-    """``turns`` requests of one Claude Code session, in order."""
+def claude_code(turns: int, seed: int, trailing_system: bool = True, context_words: int = 0) -> list[dict[str, Any]]:
+    """``turns`` requests of one Claude Code session, in order (``context_words``: a file's worth of words read into
+    the first user turn)."""
     rng = random.Random(seed)
     history: list[dict[str, Any]] = []
     out = []
@@ -40,6 +41,11 @@ def claude_code(turns: int, seed: int, trailing_system: bool = True) -> list[dic
             user.append({"type": "text", "text": "<system-reminder>\nAs you answer, use the context below.\n"
                                                  "# claudeMd\nRun the tests with pytest.\n</system-reminder>"})  # fmt: skip
             user.append({"type": "text", "text": f"Fix the failing test number {seed}."})
+            if context_words:
+                words = " ".join(
+                    rng.choice(("def", "return", "self", "value", "import", "test")) for _ in range(context_words)
+                )
+                user.append({"type": "text", "text": f"<file path='src/app_{seed}.py'>\n{words}\n</file>"})
         else:
             user.append({"type": "tool_result", "tool_use_id": f"toolu_{seed}_{t - 1}",
                          "content": [{"type": "text", "text": f"exit 1\nFAILED tests/test_{t}.py::test_x"}]})  # fmt: skip
