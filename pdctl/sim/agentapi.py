@@ -74,9 +74,12 @@ def chat_request(body: Mapping[str, Any], route: str) -> tuple[list[dict[str, An
         if not isinstance(raw, list) or not raw:
             raise ValueError("messages: Field required (a non-empty list)")
         for m in raw:
-            if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-                raise ValueError("messages: each message needs a role of user or assistant")
-            messages.append({"role": m["role"], "content": _block_text(m.get("content"))})
+            if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant", "system"):
+                raise ValueError("messages: each message needs a role of user, assistant or system")
+            text = _block_text(m.get("content"))
+            if m["role"] == "system" and (not text or text.startswith(BILLING_HEADER)):
+                continue  # vLLM 0.32 keeps a system message in place (Claude Code's trailing one), without the line
+            messages.append({"role": m["role"], "content": text})
         if "max_tokens" not in body and route == MESSAGES:
             raise ValueError("max_tokens: Field required")
         choice = body.get("tool_choice")

@@ -128,3 +128,12 @@ def test_agent_prompts_are_counted_whole() -> None:
     texts, _ = prompt_parts(codex(2, seed=8)[1])
     joined = "".join(texts)
     assert "You are Codex" in joined and "exit 0 (1)" in joined and "Runs a shell command" in joined
+
+
+def test_the_simulator_keeps_a_trailing_system_turn_in_place_as_vllm() -> None:
+    from pdctl.sim.agentapi import chat_request as sim_chat
+
+    body = claude_code(3, seed=9, trailing_system=True)[2]
+    messages, _, _ = sim_chat(body, "/v1/messages")
+    assert messages[0]["role"] == "system" and "billing" not in messages[0]["content"]
+    assert messages[-1] == {"role": "system", "content": "Token budget: 98000 tokens left."}
