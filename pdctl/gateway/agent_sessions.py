@@ -22,13 +22,10 @@ fixed (:data:`LOCATIONS`), so it can label a metric.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-
-from pdctl.gateway import prompt_view
 
 __all__ = ["LOCATIONS", "MAX_ID", "SESSION_HEADERS", "Break", "CacheBreaks", "Identity", "cap_id", "identify"]
 
@@ -107,22 +104,19 @@ class Break:
         return f"cache_break={self.where} reused_tokens={self.reused_tokens}"
 
 
-def _parts(req: prompt_view.ChatRequest) -> list[tuple[str, Location, int, int]]:
-    """The chat's parts: (name, location, hash, characters), in the order a template renders them."""
-    conv = prompt_view.conversation(req.messages, "string") or []
+def _parts(parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, Location, int, int]]:
+    """(name, location, hash, characters) of :func:`pdctl.gateway.prompt_view.prompt_parts`' parts."""
+    last_other = max((i for i, p in enumerate(parts) if p[1] not in ("system", "tools")), default=-1)
     out: list[tuple[str, Location, int, int]] = []
-    if req.tools:
-        text = json.dumps(req.tools, sort_keys=True)
-        out.append(("tools", "tools", hash(text), len(text)))
-    last_other = max((i for i, m in enumerate(conv) if m["role"] != "system"), default=-1)
-    for i, m in enumerate(conv):
-        text = json.dumps(m, sort_keys=True, ensure_ascii=False)
-        if m["role"] == "system" and i == 0:
-            out.append(("system", "system", hash(text), len(text)))
-        elif m["role"] == "system" and i > last_other:
-            out.append((f"message[{i}]", "trailing_system", hash(text), len(text)))
-        else:
-            out.append((f"message[{i}]", "message", hash(text), len(text)))
+    for i, (name, role, text) in enumerate(parts):
+        location: Location = "message"
+        if role == "tools":
+            location = "tools"
+        elif role == "system" and name == "message[0]":
+            location = "system"
+        elif role == "system" and i > last_other:
+            location = "trailing_system"
+        out.append((name if location != "system" else "system", location, hash(text), len(text)))
     return out
 
 
@@ -143,15 +137,12 @@ class CacheBreaks:
         return len(self._last)
 
     def observe(
-        self, session: str, endpoint: str, body: Mapping[str, Any], prompt_tokens: int,
+        self, session: str, prompt: Sequence[tuple[str, str, str]], prompt_tokens: int,
         ids: Sequence[int] | None = None,
     ) -> Break | None:  # fmt: skip
-        """Compare this turn with ``session``'s previous one (None: its first turn here, or a prompt that is not a
-        chat), then remember this one."""
-        req = prompt_view.chat_request(endpoint, body)
-        if req is None:
-            return None
-        parts = _parts(req)
+        """Compare this turn (its :func:`pdctl.gateway.prompt_view.prompt_parts`) with ``session``'s previous one
+        (None: its first turn here), then remember this one."""
+        parts = _parts(prompt)
         turn = _Turn(parts, tuple(ids) if ids is not None else None)
         prev = self._last.pop(session, None)
         self._last[session] = turn

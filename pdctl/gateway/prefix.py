@@ -404,7 +404,11 @@ class PrefixRouter:
         (its id then breaks ties, and the turn is compared with the session's previous one,
         :class:`~pdctl.gateway.agent_sessions.CacheBreaks`). Under
         ``pd_mode = "always"`` nothing is chosen yet (``decision=always``; :meth:`pick` chooses per leg)."""
-        text = prompt_text(body, endpoint) if self._indexed else ""
+        chat = prompt_view.chat_request(endpoint, body) if endpoint is not None else None
+        parts = prompt_view.prompt_parts(chat) if chat is not None else None
+        text = ""
+        if self._indexed:
+            text = "\x1f".join(t for _, _, t in parts) if parts is not None else prompt_text(body)
         hashes = tuple(block_hashes(text))
         ids = tuple(token_ids) if token_ids is not None and self.events is not None else None
         if ids is not None:
@@ -412,8 +416,8 @@ class PrefixRouter:
         chars = len(text)
         session = identity.session if identity is not None else policy.session_hint(body, session)
         brk = None
-        if identity is not None and endpoint is not None:
-            brk = self.breaks.observe(identity.session, endpoint, body, prompt_tokens, token_ids)
+        if identity is not None and parts is not None:
+            brk = self.breaks.observe(identity.session, parts, prompt_tokens, token_ids)
         if self.routing.pd_mode != "adaptive":
             return Decision(False, "always", None, 0, prompt_tokens, hashes, token_ids=ids, chars=chars,
                             session=session, identity=identity, cache_break=brk)  # fmt: skip

@@ -57,6 +57,7 @@ __all__ = [
     "content_format",
     "conversation",
     "merge_inline_system",
+    "prompt_parts",
     "strip_billing",
 ]
 
@@ -506,22 +507,31 @@ def merge_inline_system(render: Any) -> bool:
     return False
 
 
-def canonical_text(req: ChatRequest) -> str | None:
-    """The approximate view's string for ``req``: the tools, then each message's role, text, tool calls and tool
-    results in order, fields separated (None: a message whose content is not known exactly)."""
+def prompt_parts(req: ChatRequest) -> list[tuple[str, str, str]] | None:
+    """``req``'s prompt as parts in the order a template renders them, each ``(name, role, text)``: ``("tools",
+    "tools", their JSON)``, then ``("message[i]", role, its role, reasoning, text, tool calls and tool-call id,
+    fields separated)`` (None: a message whose content is not known exactly)."""
     conv = conversation(req.messages, "string")
     if conv is None:
         return None
-    out: list[str] = []
+    out: list[tuple[str, str, str]] = []
     if req.tools:
-        out.append(json.dumps(req.tools, ensure_ascii=False, sort_keys=True))
-    for m in conv:
-        out.append(m["role"])
+        out.append(("tools", "tools", json.dumps(req.tools, ensure_ascii=False, sort_keys=True)))
+    for i, m in enumerate(conv):
+        fields = [m["role"]]
         if m.get("reasoning") is not None:
-            out.append(str(m["reasoning"]))
-        out.append(m["content"])
+            fields.append(str(m["reasoning"]))
+        fields.append(m["content"])
         for call in m.get("tool_calls", ()):
-            out.append(json.dumps(call.get("function"), ensure_ascii=False, sort_keys=True))
+            fields.append(json.dumps(call.get("function"), ensure_ascii=False, sort_keys=True))
         if m.get("tool_call_id") is not None:
-            out.append(str(m["tool_call_id"]))
-    return "\x1f".join(out)
+            fields.append(str(m["tool_call_id"]))
+        out.append((f"message[{i}]", m["role"], "\x1f".join(fields)))
+    return out
+
+
+def canonical_text(req: ChatRequest) -> str | None:
+    """The approximate view's string for ``req``: its :func:`prompt_parts`' texts in order, separated (None: a
+    message whose content is not known exactly)."""
+    parts = prompt_parts(req)
+    return None if parts is None else "\x1f".join(text for _, _, text in parts)

@@ -13,11 +13,19 @@ from prometheus_client import generate_latest
 from pdctl.gateway.agent_sessions import MAX_ID, CacheBreaks, Identity, cap_id, identify
 from pdctl.gateway.app import Gateway
 from pdctl.gateway.memory import MemoryWorkers
+from pdctl.gateway.prompt_view import chat_request, prompt_parts
 from tests.agent_corpus import claude_code, codex
 from tests.fakes.gateway_harness import AsgiReply, asgi_request
 from tests.gateway.test_adaptive import _prefill, _run
 
 MESSAGES = "/v1/messages"
+
+
+def _p(body: dict[str, Any], endpoint: str = MESSAGES) -> list[tuple[str, str, str]]:
+    req = chat_request(endpoint, body)
+    parts = prompt_parts(req) if req is not None else None
+    assert parts is not None
+    return parts
 
 
 def _headers(**h: str) -> Any:
@@ -50,11 +58,11 @@ def test_the_agents_own_headers_name_the_session() -> None:
 def test_a_sessions_turns_extend_its_prompt_whatever_the_billing_line_says() -> None:
     breaks = CacheBreaks()
     turns = claude_code(4, seed=1, trailing_system=False)
-    seen = [breaks.observe("s", MESSAGES, t, 1000) for t in turns]
+    seen = [breaks.observe("s", _p(t), 1000) for t in turns]
     assert seen[0] is None and [b.location if b else None for b in seen[1:]] == ["none"] * 3
     assert all(b is not None and b.reused_tokens > 0 and b.log_fields().startswith("cache_break=- ") for b in seen[1:])
     for t in codex(3, seed=1):
-        last = breaks.observe("codex", "/v1/responses", t, 500)
+        last = breaks.observe("codex", _p(t, "/v1/responses"), 500)
     assert last is not None and last.location == "none"
 
 
@@ -67,26 +75,26 @@ def test_the_first_part_that_differs_is_where_the_cache_breaks() -> None:
     ]
     for location, where, edit in edits:
         breaks = CacheBreaks()
-        breaks.observe("s", MESSAGES, base[1], 1000)
+        breaks.observe("s", _p(base[1]), 1000)
         nxt = json.loads(json.dumps(base[2]))
         edit(nxt)
-        got = breaks.observe("s", MESSAGES, nxt, 1000)
+        got = breaks.observe("s", _p(nxt), 1000)
         assert got is not None and (got.location, got.where) == (location, where)
         assert got.reused_tokens < 1000
     trailing = claude_code(4, seed=2, trailing_system=True)
     breaks = CacheBreaks()
     got = None
     for t in trailing[2:]:
-        got = breaks.observe("s", MESSAGES, t, 1000)
+        got = breaks.observe("s", _p(t), 1000)
     assert got is not None and got.location == "trailing_system"  # the previous turn's reminder is history no more
 
 
 def test_the_session_map_is_bounded() -> None:
     breaks = CacheBreaks(capacity=2)
     for s in ("a", "b", "c"):
-        breaks.observe(s, MESSAGES, claude_code(1, seed=3)[0], 100)
+        breaks.observe(s, _p(claude_code(1, seed=3)[0]), 100)
     assert len(breaks) == 2
-    assert breaks.observe("a", MESSAGES, claude_code(2, seed=3)[1], 100) is None  # "a" was forgotten
+    assert breaks.observe("a", _p(claude_code(2, seed=3)[1]), 100) is None  # "a" was forgotten
 
 
 def _anthropic() -> Any:
