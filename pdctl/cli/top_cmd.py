@@ -87,6 +87,14 @@ def _worker_cells(r: WorkerRow) -> list[Text]:
     ]  # fmt: skip
 
 
+def _breaks(breaks: dict[str, float]) -> str:
+    """Agent sessions' cache breaks in the window, with where (``pdctl.gateway.agent_sessions``)."""
+    seen = {k: v for k, v in sorted(breaks.items()) if v > 0}
+    if not seen:
+        return "  cache breaks 0"
+    return f"  cache breaks {_num(sum(seen.values()))} (" + ", ".join(f"{k} {_num(v)}" for k, v in seen.items()) + ")"
+
+
 def _gateway_part(gw: GatewayView, slo_ms: tuple[float, float], key_var: str) -> RenderableType:
     if gw.down is not None:
         hint = f": set ${key_var}" if gw.down in ("HTTP 401", "HTTP 403") else ""
@@ -94,7 +102,7 @@ def _gateway_part(gw: GatewayView, slo_ms: tuple[float, float], key_var: str) ->
         return Text.assemble(("gateway ", "bold"), gw.url, "  ", (state, "bold red"))
     head = Text.assemble(
         ("gateway ", "bold"), gw.url, "  ", ("up", "green"), f"  in flight {_num(gw.in_flight)}",
-        f"  last {gw.window_s:.0f} s: fallbacks {_num(gw.fallbacks)}",
+        f"  last {gw.window_s:.0f} s: fallbacks {_num(gw.fallbacks)}", _breaks(gw.cache_breaks),
     )  # fmt: skip
     table = Table(box=None, pad_edge=False, header_style="bold")
     quantiles = [f"p{q * 100:g}" for q in (gw.total.ttft if gw.total is not None else {})]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import ConfigError
+from pdctl.gateway import agent_sessions
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
@@ -355,9 +356,8 @@ class Gateway:
             plan = None
             if pd and self.legs.prefix is not None:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
-                session = _header(scope, b"x-session-id")
-                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids,
-                                               session.decode("latin-1") if session else None)  # fmt: skip
+                who = agent_sessions.identify(lambda name: _header(scope, name), body)
+                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids, None, endpoint, who)
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":

@@ -15,13 +15,12 @@ Map:
   or ``tokenizer_config.json``'s ``chat_template``, with its special tokens; :meth:`ChatTemplate.render` -> the
   prompt text, or None for a request it cannot render as vLLM would.
 
-What :meth:`~ChatTemplate.render` declines (None; the caller falls back to its approximate view), because vLLM
-rewrites it before rendering and matching every rewrite is not worth the risk of a wrong "exact" answer:
-``tools`` (vLLM passes pydantic dumps with defaults filled), ``continue_final_message``, ``documents``, the
-``developer`` role, messages with fields other than ``role``, ``content`` and ``name``, and content given as a
-list of more than one part (vLLM joins text parts with a newline for a template that expects a string, and
-keeps them for one that loops over parts). A template that raises, or that does not compile here (a
-transformers-only extension such as ``{% generation %}``), is declined too.
+The request is first rewritten as vLLM rewrites it (:mod:`pdctl.gateway.prompt_view`: the agent routes' conversion
+to chat, Claude Code's billing line, tools as vLLM dumps them, text parts joined or kept by the template's content
+format, ``developer`` as ``system`` where the template lacks the role). What :meth:`~ChatTemplate.render` declines
+(None; the caller falls back to its approximate view): a request :func:`~pdctl.gateway.prompt_view.chat_request`
+does not know exactly (images, unknown blocks, ``continue_final_message``, ``documents``), and a template that
+raises or does not compile here (a transformers-only extension such as ``{% generation %}``).
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pdctl.gateway import prompt_view
+
 __all__ = ["ChatTemplate"]
 
-_MESSAGE_KEYS = frozenset(("role", "content", "name"))
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -62,25 +62,6 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _message(m: Any) -> dict[str, Any] | None:
-    """One message as vLLM hands it to the template, or None when vLLM would rewrite it."""
-    if not isinstance(m, Mapping) or not set(m) <= _MESSAGE_KEYS or not isinstance(m.get("role"), str):
-        return None
-    if m["role"] == "developer":  # vLLM turns it into "system" for templates that lack the role
-        return None
-    content = m.get("content")
-    if isinstance(content, list):
-        if len(content) != 1:
-            return None
-        part = content[0]
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            return None
-        content = part["text"]
-    elif content is not None and not isinstance(content, str):
-        return None
-    return {**m, "content": content}
-
-
 class ChatTemplate:
     """One model's chat template, compiled once."""
 
@@ -95,6 +76,11 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self._template = env.from_string(source)
+        self.content_format = prompt_view.content_format(source)
+        """``string`` or ``openai``: how the template reads a message's content."""
+        self.merge_system = prompt_view.merge_inline_system(self._template)
+        """Whether ``/v1/messages`` merges inline system messages into the leading one for this template."""
+        self.developer_role = '"developer"' in source or "'developer'" in source
 
     @classmethod
     def load(cls, folder: Path) -> ChatTemplate | None:
@@ -117,27 +103,22 @@ class ChatTemplate:
         except Exception:  # a template jinja2 alone cannot compile (transformers' extensions): no exact view
             return None
 
-    def render(self, body: Mapping[str, Any]) -> str | None:
-        """The prompt text vLLM renders for the chat request ``body`` (None: declined, module docstring)."""
-        if body.get("tools") or body.get("documents") or body.get("continue_final_message"):
+    def render(self, body: Mapping[str, Any], endpoint: str = prompt_view.CHAT) -> str | None:
+        """The prompt text vLLM renders for ``body`` sent to ``endpoint`` (None: declined, module docstring)."""
+        req = prompt_view.chat_request(endpoint, body, self.merge_system)
+        if req is None or not req.messages:
             return None
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            return None
-        messages = [_message(m) for m in raw]
-        if any(m is None for m in messages):
-            return None
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, Mapping):
+        messages = prompt_view.conversation(req.messages, self.content_format, self.developer_role)
+        if messages is None:
             return None
         try:
             return str(self._template.render(**{
                 **self.special_tokens,
-                **kwargs,
+                **req.template_kwargs,
                 "messages": messages,
-                "tools": None,
+                "tools": req.tools,
                 "documents": None,
-                "add_generation_prompt": bool(body.get("add_generation_prompt", True)),
+                "add_generation_prompt": req.add_generation_prompt,
             }))  # fmt: skip
         except Exception:  # the template rejected the request (raise_exception) or failed: vLLM answers 400 itself
             return None

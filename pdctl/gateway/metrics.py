@@ -67,6 +67,11 @@ class GatewayMetrics:
             "pdctl_pd_view_disagreements", "routing.prefix_view = exact: decisions the approximate view would have "
             "made the other way, by the exact view's path.", ["path"], registry=r,
         )  # fmt: skip
+        self.cache_breaks = Counter(
+            "pdctl_session_cache_breaks", "Agent sessions' turns whose prompt does not begin with the session's "
+            "previous prompt, by where it first differs (system, tools, message, trailing_system); the session is in "
+            "the access log, never a label.", ["at"], registry=r,
+        )  # fmt: skip
         self.prefill_queue_waiting = Gauge(
             "pdctl_prefill_queue_waiting", "routing.prefill_queue_tokens: requests waiting in the gateway for a "
             "prefill with room.", registry=r, multiprocess_mode="livesum",

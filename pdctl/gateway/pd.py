@@ -218,6 +218,8 @@ async def serve_pd(
             m.child(m.view_cached_tokens, "approx").inc(plan.approx_cached_tokens)
             if plan.approx_local != plan.local:
                 m.child(m.view_disagreements, "local" if plan.local else "disagg").inc()
+        if plan.cache_break is not None and plan.cache_break.location != "none":
+            ctx.metrics.child(ctx.metrics.cache_breaks, plan.cache_break.location).inc()
         if plan.local:  # counted once, as local, even when it ends on the two legs (pdctl_retries_total{leg=local})
             if await _serve_local(ctx, ex, endpoint, body, prompt_tokens, plan):
                 return

@@ -2,8 +2,9 @@
 
 **The view.** Per instance the gateway keeps an LRU set of *block hashes* of the prompts it sent there: the
 approximate view of llm-d's ``approx-prefix-cache-producer`` and SGLang's ``cache_aware``, built from the gateway's
-own traffic with no engine feedback. A request's prompt becomes one canonical string (:func:`prompt_text`: every
-message's fields and text in order, a completion's prompt, token ids as numbers), cut into blocks of
+own traffic with no engine feedback. A request's prompt becomes one canonical string (:func:`prompt_text`: the chat
+vLLM renders, after its own rewrites such as dropping Claude Code's billing line (:mod:`pdctl.gateway.prompt_view`),
+every message's fields and text in order, a completion's prompt, token ids as numbers), cut into blocks of
 :data:`BLOCK_CHARS` characters, each block's hash chained to the previous one's, so a block matches only when
 everything before it matches too. Turn k+1 of a conversation begins with turn k's prompt, so its first blocks
 match on the instance that served turn k, until that instance is seen down (a restarted engine starts with an
@@ -17,7 +18,7 @@ decode holds after a turn: the decision errs towards the prefill leg.
 **The exact view** (``routing.prefix_view = "exact"``, :mod:`pdctl.gateway.kv_view`): each worker's own KV cache
 events, matched against the prompt's exact token ids (:meth:`pdctl.gateway.tokens.TokenCounter.prompt_ids`) in
 the engine's blocks. It sees what the engine really holds: the answers' blocks, evictions, a cache reset. A
-request whose ids are not known exactly (an agent route, tools, a model without a local tokenizer) and a worker
+request whose ids are not known exactly (images, an unknown block type, a model without a local tokenizer) and a worker
 that has published nothing yet are judged by the approximate view, which is kept in either mode; each exact
 decision also counts what the approximate view would have said (``pdctl_pd_view_cached_tokens_total``,
 ``pdctl_pd_view_disagreements_total``), the drift between the two.
@@ -56,7 +57,7 @@ from typing import Any, Literal
 
 from pdctl.config import RoutingConfig
 from pdctl.errors import ConfigError
-from pdctl.gateway import policy
+from pdctl.gateway import agent_sessions, policy, prompt_view
 from pdctl.gateway.kv_view import ExactIndex, KvEventSubscriber, leading, token_block_hashes
 from pdctl.gateway.routing import Instance, Pool, Role
 
@@ -89,8 +90,16 @@ def _walk(value: Any, out: list[str]) -> None:
         out.append(value if isinstance(value, str) else str(value))
 
 
-def prompt_text(body: Mapping[str, Any]) -> str:
-    """The prompt of a request body as one string, the same for the same history (order kept, fields separated)."""
+def prompt_text(body: Mapping[str, Any], endpoint: str | None = None) -> str:
+    """The prompt of a request body as one string, the same for the same history (order kept, fields separated):
+    for a chat, Messages or Responses request, the chat vLLM renders for it (:mod:`pdctl.gateway.prompt_view`:
+    Claude Code's billing line dropped, ``cache_control`` ignored, agent routes converted to chat), else (another
+    ``endpoint``, None, or a rewrite not known exactly) every prompt field of the raw body in order."""
+    if endpoint is not None:
+        req = prompt_view.chat_request(endpoint, body)
+        text = prompt_view.canonical_text(req) if req is not None else None
+        if text is not None:
+            return text
     out: list[str] = []
     for name in _PROMPT_FIELDS:
         value = body.get(name)
@@ -167,6 +176,10 @@ class Decision:
     """The request's session hint (:func:`pdctl.gateway.policy.session_hint`), for tie-breaks."""
     picks: list[str] = field(default_factory=list, compare=False, hash=False)
     """Each pick's access-log fields so far (:meth:`pdctl.gateway.policy.Pick.log_fields`), in order."""
+    identity: agent_sessions.Identity | None = None
+    """The request's agent session (:func:`pdctl.gateway.agent_sessions.identify`)."""
+    cache_break: agent_sessions.Break | None = None
+    """How the prompt compares with its session's previous turn (None: no session, or its first turn)."""
 
     def log_fields(self) -> str:
         """The decision as access-log fields, with every pick made so far and its candidates' scores."""
@@ -176,6 +189,10 @@ class Decision:
             fields = f"decision={self.reason} cached_tokens={self.cached_tokens} uncached_tokens={self.uncached_tokens}"
         if self.view == "exact":
             fields += f" view=exact approx_cached_tokens={self.approx_cached_tokens}"
+        if self.identity is not None:
+            fields += " " + self.identity.log_fields()
+        if self.cache_break is not None:
+            fields += " " + self.cache_break.log_fields()
         return " ".join([fields, *self.picks])
 
 
@@ -199,6 +216,8 @@ class PrefixRouter:
         self.sec_per_token = sec_per_token
         """The prefill seconds per prompt token measured so far (None: not yet), for ``local_max_stall_ms``."""
         self.sessions = policy.Sessions()
+        self.breaks = agent_sessions.CacheBreaks()
+        """Per agent session, where its prompt cache breaks from turn to turn."""
         self._indexed = (
             routing.pd_mode == "adaptive" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
             or routing.prefill_queue_tokens is not None
@@ -377,22 +396,32 @@ class PrefixRouter:
 
     def decide(
         self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int, token_ids: Sequence[int] | None = None,
-        session: str | None = None,
+        session: str | None = None, endpoint: str | None = None, identity: agent_sessions.Identity | None = None,
     ) -> Decision:  # fmt: skip
         """Choose the decode, count the prompt's uncached tokens on it, and decide local or P→D. ``token_ids``: the
         prompt's exact ids (the exact view is used where the decode has published events); ``session``: the
-        ``x-session-id`` header (else the body's session, :func:`~pdctl.gateway.policy.session_hint`). Under
+        ``x-session-id`` header (else the body's session, :func:`~pdctl.gateway.policy.session_hint`); ``endpoint``: the
+        route, for the prompt as vLLM renders it (:func:`prompt_text`); ``identity``: the request's agent session
+        (its id then breaks ties, and the turn is compared with the session's previous one,
+        :class:`~pdctl.gateway.agent_sessions.CacheBreaks`). Under
         ``pd_mode = "always"`` nothing is chosen yet (``decision=always``; :meth:`pick` chooses per leg)."""
-        text = prompt_text(body) if self._indexed else ""
+        chat = prompt_view.chat_request(endpoint, body) if endpoint is not None else None
+        parts = prompt_view.prompt_parts(chat) if chat is not None else None
+        text = ""
+        if self._indexed:
+            text = "\x1f".join(t for _, _, t in parts) if parts is not None else prompt_text(body)
         hashes = tuple(block_hashes(text))
         ids = tuple(token_ids) if token_ids is not None and self.events is not None else None
         if ids is not None:
             prompt_tokens = len(ids)
         chars = len(text)
-        session = policy.session_hint(body, session)
+        session = identity.session if identity is not None else policy.session_hint(body, session)
+        brk = None
+        if identity is not None and parts is not None:
+            brk = self.breaks.observe(identity.session, parts, prompt_tokens, token_ids)
         if self.routing.pd_mode != "adaptive":
             return Decision(False, "always", None, 0, prompt_tokens, hashes, token_ids=ids, chars=chars,
-                            session=session)  # fmt: skip
+                            session=session, identity=identity, cache_break=brk)  # fmt: skip
         pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session)
         decode = pick.instance
         cached = self._cached(decode, hashes, ids, prompt_tokens, chars)[0] if decode is not None else 0
@@ -410,7 +439,7 @@ class PrefixRouter:
         exact_ids = ids if view == "exact" else None
         return Decision(reason == "cached" and decode is not None, reason, decode, cached, prompt_tokens - cached,
                         hashes, view, exact_ids, approx, chars, approx_local, session,
-                        [pick.log_fields("decode")])  # fmt: skip
+                        [pick.log_fields("decode")], identity, brk)  # fmt: skip
 
     def _reason(self, decode: Instance | None, uncached: int, prompt_tokens: int) -> Reason:
         r = self.routing

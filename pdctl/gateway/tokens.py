@@ -7,25 +7,29 @@ Without a tokenizer, :func:`estimate_tokens` counts each CJK character as a toke
 as one, so Chinese prompts are not under-counted (one token is about 1-1.5 Chinese characters).
 
 :meth:`TokenCounter.prompt_ids` gives a request's exact prompt token ids, as the engine computes them (adaptive PD's
-exact view): a completion's prompt encoded with the tokenizer's special tokens, a chat rendered with the model's
-chat template (:mod:`pdctl.gateway.chat_template`) and encoded without them, as vLLM does; the simulator's models
+exact view): a completion's prompt encoded with the tokenizer's special tokens, a chat, an Anthropic Messages or a
+Responses request rewritten as vLLM rewrites it (:mod:`pdctl.gateway.prompt_view`), rendered with the model's chat
+template (:mod:`pdctl.gateway.chat_template`) and encoded without them, as vLLM does; the simulator's models
 (``engine = "sim"``) with the simulator's own tokenizer and template. None where that cannot be known exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from pdctl.gateway.chat_template import ChatTemplate
+from pdctl.vllm.protocol import MESSAGES_PATH, RESPONSES_PATH
 
 __all__ = ["TokenCounter", "estimate_tokens", "find_tokenizer", "prompt_parts"]
 
-#: The endpoints whose prompt :meth:`TokenCounter.prompt_ids` knows (vLLM renders the agent routes' own way).
+#: The endpoints whose prompt :meth:`TokenCounter.prompt_ids` knows.
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+AGENT_ROUTES = (MESSAGES_PATH, RESPONSES_PATH)
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -47,10 +51,16 @@ def estimate_tokens(texts: Iterable[str], ids: int = 0) -> int:
 
 
 def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
-    """The prompt's text pieces and its count of token ids, from ``messages`` or ``prompt``."""
+    """The prompt's text pieces and its count of token ids: ``messages`` or ``prompt``, and the agent routes'
+    ``system`` (Anthropic), ``instructions`` and ``input`` (Responses) and ``tools`` (their JSON: an agent's tool
+    definitions are often most of its prompt)."""
     texts: list[str] = []
     ids = 0
-    stack: list[Any] = [body.get("messages"), body.get("prompt")]
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        texts.append(json.dumps(tools, ensure_ascii=False))
+    stack: list[Any] = [body.get("messages"), body.get("prompt"), body.get("system"), body.get("instructions"),
+                        body.get("input")]  # fmt: skip
     while stack:
         v = stack.pop()
         if isinstance(v, str):
@@ -62,7 +72,7 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
         elif isinstance(v, list):
             stack.extend(v)
         elif isinstance(v, dict):
-            stack.extend(x for k, x in v.items() if k in ("content", "text", "prompt", "arguments"))
+            stack.extend(x for k, x in v.items() if k in ("content", "text", "prompt", "arguments", "output"))
     return texts, ids
 
 
@@ -148,15 +158,22 @@ class TokenCounter:
             tok, template = sim
             if endpoint == CHAT and isinstance(body.get("messages"), list):
                 return list(tok.encode(template(body["messages"], bool(body.get("add_generation_prompt", True)))))
+            if endpoint in AGENT_ROUTES:  # the simulator renders the agent routes as vLLM does, its own way
+                from pdctl.sim.agentapi import chat_request
+
+                try:
+                    return list(tok.encode(template(chat_request(body, endpoint)[0])))
+                except ValueError:  # the simulator answers it 400
+                    return None
             if endpoint == COMPLETIONS and isinstance(prompt, str):
                 return list(tok.encode(prompt))
         else:
             tok = self._tok.get(model)
             if tok is None:
                 return None
-            if endpoint == CHAT:
+            if endpoint == CHAT or endpoint in AGENT_ROUTES:
                 template = self._templates.get(model)
-                text = template.render(body) if template is not None else None
+                text = template.render(body, endpoint) if template is not None else None
                 return None if text is None else list(tok.encode(text, add_special_tokens=False).ids)
             if endpoint == COMPLETIONS and isinstance(prompt, str):
                 return list(tok.encode(prompt, add_special_tokens=True).ids)

@@ -68,7 +68,8 @@ _WORKER_NAMES = (_RUNNING, _WAITING, _KV_USAGE, *_WORKER_COUNTERS.values())
 _GW_REQUESTS, _GW_FALLBACKS = "pdctl_requests_total", "pdctl_pd_fallback_total"
 _GW_IN_FLIGHT = "pdctl_gateway_in_flight"
 _GW_TTFT, _GW_TPOT = "pdctl_ttft_seconds_bucket", "pdctl_tpot_seconds_bucket"
-_GATEWAY_NAMES = (_GW_REQUESTS, _GW_FALLBACKS, _GW_IN_FLIGHT, _GW_TTFT, _GW_TPOT)
+_GW_BREAKS = "pdctl_session_cache_breaks_total"  # agent sessions' turns that broke their prompt cache, by where
+_GATEWAY_NAMES = (_GW_REQUESTS, _GW_FALLBACKS, _GW_IN_FLIGHT, _GW_TTFT, _GW_TPOT, _GW_BREAKS)
 # pdctl_requests_total's status for a client that left: not the deployment's error.
 _CLIENT_LEFT = "499"
 
@@ -115,6 +116,7 @@ class GatewaySample:
     tpot: Buckets
     fallbacks: float
     in_flight: float | None
+    cache_breaks: dict[str, float] = field(default_factory=dict)  # where -> agent-session turns that broke there
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,9 @@ class GatewayView:
     total: PathRow | None = None
     fallbacks: float | None = None
     in_flight: float | None = None
+    cache_breaks: dict[str, float] = field(default_factory=dict)
+    """Agent sessions' prompt-cache breaks in the window, by where the prompt first differed
+    (``pdctl.gateway.agent_sessions``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,16 +215,20 @@ def parse_gateway(text: str) -> GatewaySample:
     """The gateway's ``/metrics`` body -> :class:`GatewaySample`."""
     parsed = samples(text, _GATEWAY_NAMES)
     requests: dict[tuple[str, str], float] = {}
+    breaks: dict[str, float] = {}
     for n, labels, v in parsed:
         if n == _GW_REQUESTS:
             key = (labels.get("path", "?"), labels.get("status", "?"))
             requests[key] = requests.get(key, 0.0) + v
+        elif n == _GW_BREAKS:
+            breaks[labels.get("at", "?")] = breaks.get(labels.get("at", "?"), 0.0) + v
     return GatewaySample(
         requests=requests,
         ttft=_buckets(parsed, _GW_TTFT),
         tpot=_buckets(parsed, _GW_TPOT),
         fallbacks=metric_value(parsed, _GW_FALLBACKS) or 0.0,
         in_flight=metric_value(parsed, _GW_IN_FLIGHT),
+        cache_breaks=breaks,
     )
 
 
@@ -394,6 +403,7 @@ class Watch:
         ttft: Buckets = {}
         tpot: Buckets = {}
         fallbacks, seconds = 0.0, 0.0
+        breaks: dict[str, float] = {}
         for a, b in self._pairs(self.keep_s):
             ga, gb = a.gateway, b.gateway
             if isinstance(ga, GatewaySample) and isinstance(gb, GatewaySample):
@@ -401,12 +411,13 @@ class Watch:
                 _add(ttft, counter_delta(ga.ttft, gb.ttft))
                 _add(tpot, counter_delta(ga.tpot, gb.tpot))
                 fallbacks += counter_delta({"": ga.fallbacks}, {"": gb.fallbacks})[""]
+                _add(breaks, counter_delta(ga.cache_breaks, gb.cache_breaks))
                 seconds += b.at - a.at
         paths = sorted({p for p, _ in requests} | {p for p, _ in ttft}, key=lambda p: (-_total(requests, p), p))
         rows = [self._path_row(p, requests, ttft, tpot) for p in paths]
         rows = [r for r in rows if r.requests > 0 or any(v is not None for v in r.ttft.values())]
         total = self._path_row(None, requests, ttft, tpot)
-        return GatewayView(url, None, seconds, rows, total, fallbacks, now.in_flight)
+        return GatewayView(url, None, seconds, rows, total, fallbacks, now.in_flight, breaks)
 
     def _path_row(
         self, path: str | None, requests: Mapping[tuple[str, str], float], ttft: Buckets, tpot: Buckets

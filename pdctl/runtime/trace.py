@@ -100,6 +100,9 @@ class Trace:
             "tokens": _num(acc.get("tokens")),
             "decision": acc.get("decision"),
             "cached_tokens": _num(acc.get("cached_tokens")),
+            "session": acc.get("session"),
+            "cache_break": acc.get("cache_break"),
+            "reused_tokens": _num(acc.get("reused_tokens")),
             "access": self.access,
             "access_lines": self.access_lines,
             "worker_request_ids": self.worker_ids,
@@ -316,6 +319,11 @@ def _gateway_rows(
             decision += f"; {role} by {a[f'{role}_pick']} scores {a.get(f'{role}_scores', '-')}"
     if "fallback" in a:
         decision += f"; fallback={a['fallback']}"
+    if "session" in a:  # an agent session (pdctl.gateway.agent_sessions): where its prompt cache broke since last turn
+        decision += f"; session={a['session']}" + "".join(f" {k}={a[k]}" for k in ("agent", "parent") if k in a)
+        if "cache_break" in a:
+            where = "none (the previous turn's prompt is all reused)" if a["cache_break"] == "-" else a["cache_break"]
+            decision += f"; cache break at {where}, reused_tokens={a.get('reused_tokens', '-')}"
     rows.append(TraceRow("decision", "decision", g, decision, 0.0, True))
     if prefill is not None:
         rows.append(TraceRow("prefill", "prefill start", g, f"leg 1 on {prefill}, prompt_tokens={prompt}", 0.0))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.sim.text import content_text
-from pdctl.vllm.protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
+from pdctl.vllm.protocol import BILLING_HEADER, COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
 
 __all__ = ["COUNT_TOKENS", "MESSAGES", "RESPONSES", "AgentStream", "ForcedTool", "chat_request", "messages_reply",
            "responses_reply"]  # fmt: skip
@@ -68,15 +68,22 @@ def chat_request(body: Mapping[str, Any], route: str) -> tuple[list[dict[str, An
     messages: list[dict[str, Any]] = []
     if route in (MESSAGES, COUNT_TOKENS):  # count_tokens: a Messages body without max_tokens
         system = body.get("system")
-        if system is not None:
+        if isinstance(system, list):  # vLLM 0.32 drops Claude Code's per-request billing block before rendering
+            system = [
+                b for b in system if not (isinstance(b, Mapping) and str(b.get("text", "")).startswith(BILLING_HEADER))
+            ]
+        if system is not None and system != []:
             messages.append({"role": "system", "content": _block_text(system)})
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise ValueError("messages: Field required (a non-empty list)")
         for m in raw:
-            if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant"):
-                raise ValueError("messages: each message needs a role of user or assistant")
-            messages.append({"role": m["role"], "content": _block_text(m.get("content"))})
+            if not isinstance(m, Mapping) or m.get("role") not in ("user", "assistant", "system"):
+                raise ValueError("messages: each message needs a role of user, assistant or system")
+            text = _block_text(m.get("content"))
+            if m["role"] == "system" and (not text or text.startswith(BILLING_HEADER)):
+                continue  # vLLM 0.32 keeps a system message in place (Claude Code's trailing one), without the line
+            messages.append({"role": m["role"], "content": text})
         if "max_tokens" not in body and route == MESSAGES:
             raise ValueError("max_tokens: Field required")
         choice = body.get("tool_choice")

@@ -12,6 +12,9 @@ Checks, in order (each a :class:`CheckResult`; ``ok`` is ``None`` when skipped),
     adaptive.py, under routing.pd_mode = "adaptive":
       adaptive_decision       a short fresh probe served by decode alone, a long one on both legs, both
                               token-identical to the colocated reference
+    agent.py, under routing.strategy = "pd_disagg":
+      agent_session           two turns of a Claude-Code-shaped /v1/messages session (a new billing line each):
+                              turn 2 local on turn 1's decode (adaptive), the decode's prefix-cache hits rise
     link.py, per prefill->decode pair, with unique short / typical / long probe prompts:
       identity[p->d]          same model id and root, max_model_len, vLLM version, connector, /tokenize
       kv_params[p->d]         leg 1 returned usable kv_transfer_params (connectors that return them)
@@ -41,6 +44,7 @@ from pdctl.config import Deployment
 from pdctl.verify import gateway_checks as gw
 from pdctl.verify import link
 from pdctl.verify.adaptive import check_adaptive
+from pdctl.verify.agent import check_agent
 from pdctl.verify.gateway_checks import CHAT_PROMPT, STREAM_PROMPT, Target
 from pdctl.verify.report import CheckResult, Timer, VerifyReport
 from pdctl.verify.wire import Http, metric_total
@@ -153,6 +157,8 @@ def run_verify(
         results.append(gw.check_gateway_path(dep.routing, headers_seen))
         if gateway_up and dep.routing.pd_mode == "adaptive" and dep.routing.strategy == "pd_disagg":
             results.append(check_adaptive(t))
+        if gateway_up and dep.routing.strategy == "pd_disagg":
+            results.append(check_agent(t))
         results += _check_pairs(t, worker_up, tail, uuid.uuid4().hex[:8], probes)
         if compare_colocated:
             results.append(gw.check_compare_colocated(t, stream_ttft, bool(worker_up.get(dep.decode[0].name))))

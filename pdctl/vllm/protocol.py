@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "BILLING_HEADER",
     "COUNT_TOKENS_PATH",
     "MESSAGES_PATH",
     "NIXL_CONNECTORS",
@@ -83,6 +84,10 @@ def connector_kind(connector: str | None) -> ConnectorKind:
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+#: Claude Code's per-request attribution line, a system block vLLM 0.32 drops before rendering (its ``cch=`` value
+#: changes every request: anthropics/claude-code#40652); ``vllm/renderers/chat_utils.py``'s
+#: ``_CLAUDE_CODE_BILLING_HEADER``.
+BILLING_HEADER = "x-anthropic-billing-header"
 """vLLM 0.32's Anthropic token count: a Messages body in, ``{"input_tokens": N, ...}`` out."""
 
 

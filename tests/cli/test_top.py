@@ -184,6 +184,25 @@ def test_gateway_paths_errors_and_quantiles_over_the_last_minute() -> None:
     assert len(w.frames) <= 8
 
 
+def test_agent_sessions_cache_breaks_in_the_window_by_where() -> None:
+    from rich.console import Console
+
+    from pdctl.cli.top_cmd import _gateway_part
+
+    m = GatewayMetrics()
+    m.cache_breaks.labels("system").inc()  # before top started: not in the window
+    w = Watch(WORKERS, GATEWAY)
+    w.add(frame(0.0, Unreachable("down"), gateway_body(m)))
+    m.cache_breaks.labels("system").inc(2)
+    m.cache_breaks.labels("trailing_system").inc()
+    w.add(frame(10.0, Unreachable("down"), gateway_body(m)))
+    gw = w.view().gateway
+    assert gw.cache_breaks == {"system": 2.0, "trailing_system": 1.0}
+    console = Console(width=200, record=True)
+    console.print(_gateway_part(gw, (400.0, 40.0), "PDCTL_API_KEY"))
+    assert "cache breaks 3 (system 2, trailing_system 1)" in console.export_text()
+
+
 # ---- scraping ------------------------------------------------------------------------------------------------------
 
 

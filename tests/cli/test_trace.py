@@ -181,3 +181,17 @@ def test_trace_on_a_simulator_deployment(deploy_dir: Path) -> None:
             for p in state(d)["processes"]:
                 with contextlib.suppress(OSError):
                     os.killpg(p["pid"], signal.SIGKILL)
+
+
+def test_an_agent_sessions_cache_break_is_traced() -> None:
+    """The access log's session fields (pdctl.gateway.agent_sessions) in the decision row and the JSON."""
+    gw = lines("gateway", [
+        "14:00:01 INFO pdctl.gateway.access request_id=cc-2 model=tiny path=disagg prefill=prefill decode=decode "
+        "status=200 ttft_ms=35.2 prefill_ms=20.0 prompt_tokens=1500 tokens=4 duration_ms=80.0 "
+        "decision=uncached_tokens cached_tokens=200 uncached_tokens=1300 session=cc-1 agent=sub-1 "
+        "cache_break=system reused_tokens=190",
+    ])  # fmt: skip
+    t = build_trace("cc-2", gw, slo_ttft_ms=400, slo_tpot_ms=40)
+    assert "session=cc-1 agent=sub-1; cache break at system, reused_tokens=190" in t.rows[1].detail
+    doc = t.to_json()
+    assert (doc["session"], doc["cache_break"], doc["reused_tokens"]) == ("cc-1", "system", 190)

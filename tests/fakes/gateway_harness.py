@@ -229,6 +229,7 @@ async def asgi_request(
     request_id: str | None = None,
     disconnect_after_chunks: int | None = None,
     disconnect_after_s: float | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> AsgiReply:
     """POST ``body`` to the ASGI ``app`` in this event loop (no server, no socket); the client may leave after
     ``disconnect_after_chunks`` non-empty body messages or ``disconnect_after_s`` seconds."""
@@ -237,6 +238,7 @@ async def asgi_request(
                (b"content-length", str(len(raw)).encode())]  # fmt: skip
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra_headers or {}).items()]
     scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
     out = AsgiReply()
     gone = asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,12 +115,17 @@ def test_the_chat_template_renders_as_transformers_does_and_declines_what_vllm_r
         rendered, _ = render_jinja_template([[{**msgs[0]}, {"role": "user", "content": "Hi"}]], chat_template=CHATML,
                                             add_generation_prompt=True)  # fmt: skip
         assert rendered == [text]
+    # vLLM's rewrites, followed (pdctl.gateway.prompt_view): text parts joined with a newline for a template that
+    # takes a string, a developer message as system for a template that lacks the role, tools passed to the template
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert tpl.render(parts) == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+    assert tpl.render({"messages": [{"role": "developer", "content": "x"}]}) == (
+        "<|im_start|>system\nx<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tpl.render({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}) == text
     declined: list[dict[str, Any]] = [
-        {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]},
         {"messages": [*msgs, {"role": "assistant", "content": "He"}], "continue_final_message": True},
-        {"messages": [{"role": "developer", "content": "x"}]},
-        {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": []},
     ]
     assert [tpl.render(b) for b in declined] == [None] * len(declined)
@@ -137,7 +143,13 @@ def test_prompt_ids_are_the_simulators_own_for_its_models() -> None:
     assert ids == Tokenizer().encode(apply_chat_template(body["messages"]))
     assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": "a b c"})) == Tokenizer().encode("a b c")
     assert asyncio.run(tc.prompt_ids("tiny", "/v1/completions", {"prompt": [5, 6, 7]})) == [5, 6, 7]
-    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", body)) is None  # vLLM renders the agent routes itself
+    claude = {"model": "tiny", "max_tokens": 8, "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1;"},
+              {"type": "text", "text": "Be brief."}], "messages": body["messages"][1:]}  # fmt: skip
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", claude)) == Tokenizer().encode(
+        apply_chat_template([{"role": "system", "content": "Be brief."}, *body["messages"][1:]])
+    )  # the simulator drops the billing block, as vLLM 0.32
+    no_max = {k: v for k, v in claude.items() if k != "max_tokens"}
+    assert asyncio.run(tc.prompt_ids("tiny", "/v1/messages", no_max)) is None  # the simulator's 400
     assert asyncio.run(tc.prompt_ids("other", "/v1/chat/completions", body)) is None  # no tokenizer: not exact
     assert asyncio.run(tc.prompt_ids("other", "/v1/completions", {"prompt": [9, 8]})) == [9, 8]  # ids: any model
 
@@ -264,3 +276,54 @@ def test_the_relay_gives_every_gateway_process_every_event(tmp_path: Path) -> No
     finally:
         held.close(linger=0)
         blocker.term()
+
+
+def test_an_agent_route_is_judged_by_the_exact_view_whatever_its_billing_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Claude Code /v1/messages turn (billing line, tools, tool_use/tool_result) is rendered as the engine renders
+    it, so the decode's own events say it is held: local, ``view=exact``, though its billing line is new."""
+    from pdctl.sim.agentapi import chat_request as sim_chat
+    from tests.agent_corpus import claude_code
+
+    port = _free_port()
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill())
+    for i in range(2):
+        workers[f"decode-{i}"].default = _decoded()
+    turn = {**claude_code(2, seed=5, trailing_system=False)[1], "model": "tiny", "stream": False}
+    other = json.loads(json.dumps(turn))
+    other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.999; cc_entrypoint=cli; cch=00000;"
+    ids = Tokenizer().encode(apply_chat_template(sim_chat(other, "/v1/messages")[0]))  # the engine's, another line
+    full = len(ids) // BS * BS
+    caplog.set_level("INFO", logger="pdctl.gateway.access")
+
+    async def test(app: Gateway) -> None:
+        assert app.kv_events is not None
+        for _ in range(200):
+            if app.kv_events.bound:
+                break
+            await asyncio.sleep(0.01)
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            await _until(app, pub, "decode-1", _frames("decode-1", 0, _stored(ids[:full], range(1, full // BS + 1))))
+            reply = await asgi_request(app, "/v1/messages", turn)
+            assert reply.status == 200 and reply.headers["x-pd-path"] == "local", reply.body
+            assert reply.headers["x-pd-decode"] == "decode-1"
+        finally:
+            pub.close(linger=0)
+            ctx.term()
+
+    settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"],
+                             models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
+    settings = dataclasses.replace(
+        settings,
+        routing=dataclasses.replace(
+            settings.routing, pd_mode="adaptive", prefix_view="exact", kv_events_port=port, local_max_uncached_tokens=64
+        ),
+    )
+    run_app(create_app(settings, KEY, clients=workers), test)
+    line = next(r.getMessage() for r in caplog.records if "path=local" in r.getMessage())
+    assert "view=exact" in line and f"cached_tokens={full}" in line, line

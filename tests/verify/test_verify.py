@@ -225,6 +225,8 @@ def test_healthy_pair_passes_everything(cluster: Callable[..., Cluster]) -> None
     assert checks["stream"].data["ttft_ms"] > 0
     assert checks["gateway_pd_path"].detail.startswith("x-pd-path chat: disagg")
     assert checks["compare_colocated"].ok is True
+    agent = checks["agent_session"].detail  # pd_mode always: both turns on both legs, the decode's own cache hits
+    assert "turn 2 (new billing line): x-pd-path disagg, decode prefix-cache hits +" in agent, agent
     assert set(report.to_json()) == {"ok", "checks"}
     assert {"name", "ok", "detail", "duration_ms"} <= set(report.to_json()["checks"][0])
 
@@ -239,19 +241,23 @@ def test_adaptive_pd_shows_its_decision_and_still_proves_the_link(cluster: Calla
     detail = checks["adaptive_decision"].detail
     assert "short" in detail and "x-pd-path local (expected local), identical" in detail
     assert "long" in detail and "x-pd-path disagg (expected disagg), identical" in detail
+    agent = checks["agent_session"]  # turn 2 of a Claude Code session (a new billing line) judged cached: local
+    assert agent.ok is True and "turn 1 (" in agent.detail and "x-pd-path disagg;" in agent.detail
+    assert "turn 2 (new billing line): x-pd-path local" in agent.detail, agent.detail
     for name in LINK:
         assert checks[name + PAIR].ok is True, checks[name + PAIR]
 
 
 def test_adaptive_decision_fails_when_the_gateway_always_takes_both_legs(cluster: Callable[..., Cluster]) -> None:
     # the gateway runs with pd_mode "always"; verify is told the deployment is adaptive
-    c = cluster()
+    c = cluster(routing={"local_max_uncached_tokens": 256})
     c.dep = replace(c.dep, routing=replace(c.dep.routing, pd_mode="adaptive"))
     report = c.verify()
     check = _by_name(report)["adaptive_decision"]
     assert check.ok is False and "x-pd-path disagg (expected local)" in check.detail
     assert "decision=" in (check.next_step or "")
-    assert _failed(report) == {"adaptive_decision"}
+    assert _failed(report) == {"adaptive_decision", "agent_session"}
+    assert "cache_break=" in (_by_name(report)["agent_session"].next_step or "")
 
 
 def test_healthy_example_connector_pair(cluster: Callable[..., Cluster]) -> None:
