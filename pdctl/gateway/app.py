@@ -31,6 +31,7 @@ from typing import Any
 
 from pdctl.errors import ConfigError
 from pdctl.gateway.admission import Admission
+from pdctl.gateway.autopilot import Autopilot, Choice
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError, Wire
@@ -146,6 +147,12 @@ class Gateway:
         queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
                               self.secrets, self.spawn, self.upstream, prefix, queue)  # fmt: skip
+        self.autopilot = (
+            Autopilot(settings.slo, prefix, self.metrics, queue)
+            if prefix is not None and settings.routing.pd_mode == "auto"
+            else None
+        )
+        """``routing.pd_mode = "auto"``: each request's path from the SLO and the learned costs."""
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -304,6 +311,7 @@ class Gateway:
         key_limiter: RateLimiter | None = None
         key_name = "-"
         watcher: asyncio.Task[None] | None = None
+        choice: Choice | None = None
         try:
             if self.draining:
                 raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
@@ -342,6 +350,9 @@ class Gateway:
                 session = _header(scope, b"x-session-id")
                 plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids,
                                                session.decode("latin-1") if session else None)  # fmt: skip
+                if self.autopilot is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
+                    choice = self.autopilot.choose(self.pool, plan)
+                    plan = choice.plan if choice is not None else plan
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":
@@ -382,6 +393,8 @@ class Gateway:
                 self.limiter.release()
             self.in_flight -= 1
             self.metrics.gateway_in_flight.dec()
+            if choice is not None and self.autopilot is not None:
+                self.autopilot.finish(choice, ex)
             self._finish(ex, key_name)
 
     async def _fail(self, ex: Exchange, err: ApiError) -> None:

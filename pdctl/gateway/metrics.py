@@ -22,6 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -66,6 +67,11 @@ class GatewayMetrics:
         self.view_disagreements = Counter(
             "pdctl_pd_view_disagreements", "routing.prefix_view = exact: decisions the approximate view would have "
             "made the other way, by the exact view's path.", ["path"], registry=r,
+        )  # fmt: skip
+        self.autopilot_ttft_ratio = Histogram(
+            "pdctl_autopilot_ttft_ratio", "routing.pd_mode = auto: observed / predicted TTFT of each streamed "
+            "request, by the path taken (local, whole, disagg): the predictor's error.", ["path"],
+            buckets=_RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         self.prefill_queue_waiting = Gauge(
             "pdctl_prefill_queue_waiting", "routing.prefill_queue_tokens: requests waiting in the gateway for a "
