@@ -20,7 +20,8 @@ A ``whole`` request is served like a ``local`` one (:func:`pdctl.gateway.pd.serv
 set to the prefill engine; ``x-pd-path: colocated``). After the request :meth:`Autopilot.finish` teaches the cost
 model what it saw (leg 1's time, TTFT, the mean TPOT, the output length) and observes the predictor's error:
 ``pdctl_autopilot_ttft_ratio`` (observed / predicted TTFT, by path). Each candidate's prediction goes to the
-access log, with the chosen path: ``auto=<path> auto_local=<ttft ms>/<tpot ms>/<others' tpot ms> ...``.
+access log, with the chosen path (:func:`log_fields`): ``auto=whole auto_local=decode-0:<ttft ms>/<tpot ms>/<others'
+tpot ms> auto_whole=prefill-0:... auto_disagg=prefill-0:...``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.routing import Instance, Pool
 from pdctl.gateway.sse import Exchange
 
-__all__ = ["RANK", "Autopilot", "Candidate", "Choice", "Kind"]
+__all__ = ["RANK", "Autopilot", "Candidate", "Choice", "Kind", "log_fields"]
 
 Kind = Literal["local", "whole", "disagg"]
 #: What each path uses, least first: the tie-break among paths that meet the SLOs.
@@ -55,12 +56,22 @@ class Candidate:
     path: Path
     prediction: Prediction
 
-    def log_field(self) -> str:
-        """``auto_<kind>[@engine]=<ttft ms>/<tpot ms>/<others' tpot ms or ->``."""
+    def shown(self) -> str:
+        """``<engine>:<ttft ms>/<tpot ms>/<others' tpot ms, or - with no stream running there>``; the engine is
+        the prefill for ``disagg``."""
         p = self.prediction
         others = f"{p.others_tpot_s * 1000:.1f}" if p.others_tpot_s is not None else "-"
-        where = f"@{self.prefill.name}" if self.kind != "local" else ""
-        return f"auto_{self.kind}{where}={p.ttft_s * 1000:.1f}/{p.tpot_s * 1000:.1f}/{others}"
+        return f"{self.prefill.name}:{p.ttft_s * 1000:.1f}/{p.tpot_s * 1000:.1f}/{others}"
+
+
+def log_fields(best: Candidate, cands: list[Candidate]) -> str:
+    """``auto=<kind> auto_local=... auto_whole=...,... auto_disagg=...``: the choice and each candidate."""
+    fields = [f"auto={best.kind}"]
+    for kind in RANK:
+        shown = [c.shown() for c in cands if c.kind == kind]
+        if shown:
+            fields.append(f"auto_{kind}={','.join(shown)}")
+    return " ".join(fields)
 
 
 @dataclass(slots=True)
@@ -102,7 +113,8 @@ class Autopilot:
         queued = self.queue.waiting_tokens() // max(1, len(prefills)) if self.queue is not None else 0
 
         def add(kind: Kind, p: Instance, dec: Instance, ahead: int, uncached: int, kv: int) -> None:
-            path = Path(kind, p.name, dec.name, ahead, uncached, kv, self.streams(dec))
+            there = self.streams(p) if p is not dec else 0
+            path = Path(kind, p.name, dec.name, ahead, uncached, kv, self.streams(dec), prefill_streams=there)
             self._epochs(p, dec)
             out.append(Candidate(kind, p, dec, path, self.model.predict(path, now)))
 
@@ -138,7 +150,7 @@ class Autopilot:
         local = best.kind != "disagg"
         chosen = dataclasses.replace(plan, local=local, decode=best.decode if local else plan.decode,
                                      reason="auto", picks=plan.picks)  # fmt: skip
-        chosen.picks.append(" ".join([f"auto={best.kind}", *(c.log_field() for c in cands)]))
+        chosen.picks.append(log_fields(best, cands))
         if best.kind == "whole":
             self._streams[best.decode.name] = self._streams.get(best.decode.name, 0) + 1
         return Choice(chosen, best, cands, now)

@@ -24,13 +24,14 @@ the first observation replaces the seed, so the model follows a change of load w
                   + kv_tokens · kv_s_per_token[decode engine] + step_s[decode engine](streams + 1)
     own TPOT    = step_s[decode engine](streams + 1) / (1 - busy[decode engine])
     others TPOT = (step_s(streams + 1) + stall / output_tokens) / (1 - busy)      with streams already running
-                  stall = the prefill this path computes on the decode engine itself (0 when another engine does)
+                  stall = the prefill this path computes on the decode engine itself (0 when another engine does);
+                  on a P→D path, the same for the streams of whole requests on the prefill engine (the worse)
 
 A stream's TPOT is a mean over its output: a prefill on its engine adds its whole duration to one gap, that is
 ``stall / output_tokens`` to the mean; prefills that keep arriving on an engine (``busy``) stretch every step.
 
-**Seeds** (:class:`Seed`): used until an engine's first observation of each kind; :func:`seed_for` gives the
-defaults, which err slow (so the first requests take the cheap path and teach the model).
+**Seeds** (:class:`Seed`): used until an engine's first observation of each kind (a caller that knows the hardware,
+say from a simulator profile, passes its own). The defaults are a small GPU's; the first requests replace them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 from pdctl.gateway.admission import Ewma
 
-__all__ = ["BUSY_WINDOW_S", "WINDOW", "CostModel", "EngineCosts", "Path", "Prediction", "Seed", "seed_for"]
+__all__ = ["BUSY_WINDOW_S", "WINDOW", "CostModel", "EngineCosts", "Path", "Prediction", "Seed"]
 
 #: Stream samples the step-time regression keeps per engine: a few seconds of traffic under load.
 WINDOW = 32
@@ -62,18 +63,6 @@ class Seed:
     output_tokens: float = 128.0
 
 
-def seed_for(prefill_tokens_per_s: float | None = None, step_s: float | None = None) -> Seed:
-    """A seed from a known prefill throughput and idle step time (e.g. a simulator profile's), else the defaults."""
-    base = Seed()
-    return Seed(
-        prefill_s_per_token=1.0 / prefill_tokens_per_s if prefill_tokens_per_s else base.prefill_s_per_token,
-        step_s=step_s if step_s is not None else base.step_s,
-        step_s_per_stream=base.step_s_per_stream,
-        kv_s_per_token=base.kv_s_per_token,
-        output_tokens=base.output_tokens,
-    )
-
-
 @dataclass(slots=True)
 class EngineCosts:
     """One engine's learned costs (since its last restart)."""
@@ -93,7 +82,8 @@ class Path:
     ``prefill``/``decode``: the engines that compute the prompt and the output (the same one for a whole request);
     ``ahead``: prompt tokens queued before this one on ``prefill``; ``uncached``: prompt tokens ``prefill`` must
     compute; ``kv_tokens``: tokens moved into ``decode`` (0 on one engine); ``streams``: streams running on
-    ``decode``; ``queue_wait_s``: seconds in the gateway's prefill queue."""
+    ``decode``; ``queue_wait_s``: seconds in the gateway's prefill queue; ``prefill_streams``: streams running on
+    ``prefill`` when it is another engine (whole requests there, which its prefill stalls)."""
 
     kind: str
     prefill: str
@@ -103,6 +93,7 @@ class Path:
     kv_tokens: int
     streams: int
     queue_wait_s: float = 0.0
+    prefill_streams: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,4 +222,10 @@ class CostModel:
         if path.streams > 0:
             stall = path.uncached * self.prefill_s_per_token(path.decode) if path.prefill == path.decode else 0.0
             others = (step + stall / max(1.0, self.output_tokens())) * slow
+        if path.prefill != path.decode and path.prefill_streams > 0:
+            p = path.prefill
+            stall = path.uncached * self.prefill_s_per_token(p)
+            there = self.step_s(p, path.prefill_streams) + stall / max(1.0, self.output_tokens())
+            there /= 1.0 - self.busy(p, now)
+            others = max(others or 0.0, there)
         return Prediction(ttft, step * slow, others)
