@@ -51,7 +51,8 @@ class GatewayMetrics:
             ["to", "reason"], registry=r,
         )  # fmt: skip
         self.pd_decisions = Counter(
-            "pdctl_pd_decisions", "routing.pd_mode = adaptive: requests by path (local, disagg) and reason.",
+            "pdctl_pd_decisions",
+            "routing.pd_mode = adaptive or auto: requests by path (local, whole, disagg) and reason.",
             ["path", "reason"], registry=r,
         )  # fmt: skip
         self.kv_events = Counter(
