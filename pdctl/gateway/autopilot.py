@@ -12,8 +12,10 @@ The choice, in order:
 
 1. *safety*: a path whose prediction breaks the TPOT SLO of streams already running (the stall of its prefill on
    them, or one stream too many) is left out, unless every path does;
-2. of the paths predicted to meet both SLOs for this request and the others, the one that uses least: ``local``,
-   then ``whole``, then ``disagg`` (a prefill leg and KV moved); ties between engines to the smallest share;
+2. of the paths predicted to meet both SLOs for this request and the others, the one that uses least: ``local``
+   (no prefill leg, no KV moved), then ``disagg`` (the prefill engine for the prefill only), then ``whole`` (the
+   prefill engine for the whole stream, which every later leg 1 there stalls: taken when the decode cannot meet
+   the SLOs); ties between engines to the smallest share;
 3. when none meets them, the path with the smallest share of its worst SLO (:meth:`Prediction.worst`).
 
 A ``whole`` request is served like a ``local`` one (:func:`pdctl.gateway.pd.serve_pd` with the decision's decode
@@ -42,8 +44,9 @@ from pdctl.gateway.sse import Exchange
 __all__ = ["RANK", "Autopilot", "Candidate", "Choice", "Kind", "log_fields"]
 
 Kind = Literal["local", "whole", "disagg"]
-#: What each path uses, least first: the tie-break among paths that meet the SLOs.
-RANK: dict[Kind, int] = {"local": 0, "whole": 1, "disagg": 2}
+#: What each path uses, least first: the tie-break among paths that meet the SLOs. A whole request holds a prefill
+#: engine for its whole stream, and every later leg 1 there stalls it; a P→D request holds it for its prefill only.
+RANK: dict[Kind, int] = {"local": 0, "disagg": 1, "whole": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,7 @@ class Candidate:
 def log_fields(best: Candidate, cands: list[Candidate]) -> str:
     """``auto=<kind> auto_local=... auto_whole=...,... auto_disagg=...``: the choice and each candidate."""
     fields = [f"auto={best.kind}"]
-    for kind in RANK:
+    for kind in ("local", "whole", "disagg"):
         shown = [c.shown() for c in cands if c.kind == kind]
         if shown:
             fields.append(f"auto_{kind}={','.join(shown)}")
