@@ -5,7 +5,8 @@ errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
 
     draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
       -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
-      -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs)
+      -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs; ``"auto"``:
+         the SLO autopilot's, :mod:`pdctl.gateway.autopilot`: local, whole on a prefill engine, or both legs)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A client that leaves cancels the handler, and with it the worker calls (vLLM aborts the request when the
