@@ -25,12 +25,13 @@ from pdctl.config.schema import (
 )
 
 Strategy = Literal["pd_disagg", "colocated"]
-PdMode = Literal["always", "adaptive"]
+PdMode = Literal["always", "adaptive", "auto"]
 PrefixView = Literal["approx", "exact"]
 """``routing.prefix_view``: what adaptive PD believes each worker holds: the blocks of the prompts the gateway sent
 there, or the workers' own KV cache events (:mod:`pdctl.gateway.kv_view`)."""
 """``routing.pd_mode``: every request takes both legs, or the gateway decides per request from what the chosen
-decode already holds (:mod:`pdctl.gateway.prefix`)."""
+decode already holds (:mod:`pdctl.gateway.prefix`), or from the SLO and the learned costs of each path
+(:mod:`pdctl.gateway.autopilot`)."""
 Policy = Literal["least_loaded", "power_of_two", "round_robin", "cache_aware", "kv_aware"]
 """``routing.prefill_policy`` / ``decode_policy``: how one pool's instance is chosen (:mod:`pdctl.gateway.policy`)."""
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -203,10 +204,12 @@ class RoutingConfig:
         doc="must equal config.toml's connector (PD001)",
     )
     pd_mode: PdMode = key(
-        "always", as_choice("always", "adaptive"), "always or adaptive", use="gateway",
-        type="`always` \\| `adaptive`",
+        "always", as_choice("always", "adaptive", "auto"), "always, adaptive or auto", use="gateway",
+        type="`always` \\| `adaptive` \\| `auto`",
         doc="*extension*: `adaptive` serves a request on the chosen decode alone (no prefill leg, `x-pd-path: local`) "
-        "when little of its prompt is uncached there (docs/gateway.md, Adaptive PD)",
+        "when little of its prompt is uncached there (docs/gateway.md, Adaptive PD); `auto` predicts each path's "
+        "TTFT and TPOT from learned costs and takes the one that meets `slo.ttft_ms` / `slo.tpot_ms` with least "
+        "(decode alone, the whole request on a prefill engine, or both legs; docs/gateway.md, The SLO autopilot)",
     )
     local_max_uncached_tokens: int = key(
         512, as_int(0), "an integer >= 0", use="gateway", type="integer",
@@ -301,7 +304,7 @@ class RoutingConfig:
         """Whether the gateway builds a per-request routing decision (:class:`pdctl.gateway.prefix.PrefixRouter`):
         adaptive PD, a policy other than ``least_loaded`` on the two legs, or the prefill queue."""
         return self.strategy == "pd_disagg" and (
-            self.pd_mode == "adaptive"
+            self.pd_mode != "always"
             or any(p != "least_loaded" for p in self.policies)
             or self.prefill_queue_tokens is not None
         )
@@ -312,7 +315,7 @@ class RoutingConfig:
         the prefill queue."""
         return (
             self.prefix_view == "exact" and self.strategy == "pd_disagg"
-            and (self.pd_mode == "adaptive" or "kv_aware" in self.policies or self.prefill_queue_tokens is not None)
+            and (self.pd_mode != "always" or "kv_aware" in self.policies or self.prefill_queue_tokens is not None)
         )  # fmt: skip
 
 

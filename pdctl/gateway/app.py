@@ -5,7 +5,8 @@ errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
 
     draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
       -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
-      -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs)
+      -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs; ``"auto"``:
+         the SLO autopilot's, :mod:`pdctl.gateway.autopilot`: local, whole on a prefill engine, or both legs)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A client that leaves cancels the handler, and with it the worker calls (vLLM aborts the request when the
@@ -32,6 +33,7 @@ from typing import Any
 from pdctl.errors import ConfigError
 from pdctl.gateway import agent_sessions
 from pdctl.gateway.admission import Admission
+from pdctl.gateway.autopilot import Autopilot, Choice
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError, Wire
@@ -156,6 +158,12 @@ class Gateway:
         queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
         self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
                               self.secrets, self.spawn, self.upstream, prefix, queue)  # fmt: skip
+        self.autopilot = (
+            Autopilot(settings.slo, prefix, self.metrics, queue)
+            if prefix is not None and settings.routing.pd_mode == "auto"
+            else None
+        )
+        """``routing.pd_mode = "auto"``: each request's path from the SLO and the learned costs."""
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -318,6 +326,7 @@ class Gateway:
         key_limiter: RateLimiter | None = None
         key_name = "-"
         watcher: asyncio.Task[None] | None = None
+        choice: Choice | None = None
         try:
             if self.draining:
                 raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
@@ -358,6 +367,9 @@ class Gateway:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
                 who = agent_sessions.identify(lambda name: _header(scope, name), body)
                 plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids, None, endpoint, who)
+                if self.autopilot is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
+                    choice = self.autopilot.choose(self.pool, plan)
+                    plan = choice.plan if choice is not None else plan
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":
@@ -398,6 +410,8 @@ class Gateway:
                 self.limiter.release()
             self.in_flight -= 1
             self.metrics.gateway_in_flight.dec()
+            if choice is not None and self.autopilot is not None:
+                self.autopilot.finish(choice, ex)
             self._finish(ex, key_name)
 
     async def _fail(self, ex: Exchange, err: ApiError) -> None:

@@ -22,6 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -50,7 +51,8 @@ class GatewayMetrics:
             ["to", "reason"], registry=r,
         )  # fmt: skip
         self.pd_decisions = Counter(
-            "pdctl_pd_decisions", "routing.pd_mode = adaptive: requests by path (local, disagg) and reason.",
+            "pdctl_pd_decisions",
+            "routing.pd_mode = adaptive or auto: requests by path (local, whole, disagg) and reason.",
             ["path", "reason"], registry=r,
         )  # fmt: skip
         self.kv_events = Counter(
@@ -71,6 +73,11 @@ class GatewayMetrics:
             "pdctl_session_cache_breaks", "Agent sessions' turns whose prompt does not begin with the session's "
             "previous prompt, by where it first differs (system, tools, message, trailing_system); the session is in "
             "the access log, never a label.", ["at"], registry=r,
+        )  # fmt: skip
+        self.autopilot_ttft_ratio = Histogram(
+            "pdctl_autopilot_ttft_ratio", "routing.pd_mode = auto: observed / predicted TTFT of each streamed "
+            "request, by the path taken (local, whole, disagg): the predictor's error.", ["path"],
+            buckets=_RATIO_BUCKETS, registry=r,
         )  # fmt: skip
         self.prefill_queue_waiting = Gauge(
             "pdctl_prefill_queue_waiting", "routing.prefill_queue_tokens: requests waiting in the gateway for a "

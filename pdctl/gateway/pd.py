@@ -266,11 +266,13 @@ async def _serve_local(
     """The whole request on the decode ``plan`` chose, no prefill leg. False when that decode failed before any
     byte reached the client (the caller then takes the two legs)."""
     assert ctx.prefix is not None
-    ctx.metrics.child(ctx.metrics.pd_decisions, "local", plan.reason).inc()
-    ex.path = "local"
+    # The SLO autopilot's whole request on a prefill engine (pdctl.gateway.autopilot) is colocated's path.
+    whole = plan.decode is not None and plan.decode.role == "prefill"
+    ctx.metrics.child(ctx.metrics.pd_decisions, "whole" if whole else "local", plan.reason).inc()
+    ex.path = "colocated" if whole else "local"
     try:
-        await _decode(ctx, ex, endpoint, build_decode_body(body, None), ex.request_id, prompt_tokens, ("decode",),
-                      "decode", plan=plan)  # fmt: skip
+        await _decode(ctx, ex, endpoint, build_decode_body(body, None), ex.request_id, prompt_tokens,
+                      ("prefill",) if whole else ("decode",), "decode", plan=plan)  # fmt: skip
     except _DecodeFailed as err:
         if ex.headers_sent or ex.remaining() <= 0.05:
             raise ApiError(err.status, err.message, code=err.code) from None
@@ -418,6 +420,7 @@ async def _decode(
     the KV this request pulls; ``plan``: the adaptive decision, whose decode is taken while it is available and
     whose prompt blocks that decode then holds."""
     inst = plan.decode if plan is not None and plan.decode is not None and plan.decode.available() else None
+    inst = inst if inst is not None and inst.role in roles else None
     if inst is None and plan is not None and ctx.prefix is not None:  # routing.decode_policy, with the request
         inst = ctx.prefix.pick(ctx.pool, "decode", plan)
         ex.decision = plan.log_fields()

@@ -73,8 +73,9 @@ ROUTED_TTL_S = 2.0
 #: The body's fields that make up the prompt, in the order a chat template renders them.
 _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "prompt")
 
-Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy", "decode_stall", "always"]
-"""Why a request goes local (``cached``) or over both legs; ``always``: ``pd_mode = "always"``, no decision."""
+Reason = Literal["cached", "uncached_tokens", "uncached_share", "decode_busy", "decode_stall", "always", "auto"]
+"""Why a request goes local (``cached``) or over both legs; ``always``: ``pd_mode = "always"``, no decision;
+``auto``: the SLO autopilot chose (:mod:`pdctl.gateway.autopilot`)."""
 View = Literal["approx", "exact"]
 
 
@@ -219,7 +220,7 @@ class PrefixRouter:
         self.breaks = agent_sessions.CacheBreaks()
         """Per agent session, where its prompt cache breaks from turn to turn."""
         self._indexed = (
-            routing.pd_mode == "adaptive" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
+            routing.pd_mode != "always" or any(p in ("cache_aware", "kv_aware") for p in routing.policies)
             or routing.prefill_queue_tokens is not None
         )  # fmt: skip
         self._views: weakref.WeakKeyDictionary[Instance, tuple[int, PrefixIndex]] = weakref.WeakKeyDictionary()
@@ -339,7 +340,7 @@ class PrefixRouter:
         def cached(i: Instance) -> float:
             return self._cached(i, hashes, ids, prompt_tokens, chars, memo)[0]
 
-        if name == "least_loaded" and r.pd_mode == "adaptive":
+        if name == "least_loaded" and r.pd_mode != "always":
             pick = policy.prefix_first(cands, cached, r, turn, sticky)
         elif name in policy.LOAD_POLICIES:
             pick = policy.by_load(name, cands, turn, pool.rng, sticky)
@@ -419,7 +420,7 @@ class PrefixRouter:
         brk = None
         if identity is not None and parts is not None:
             brk = self.breaks.observe(identity.session, parts, prompt_tokens, token_ids)
-        if self.routing.pd_mode != "adaptive":
+        if self.routing.pd_mode == "always":
             return Decision(False, "always", None, 0, prompt_tokens, hashes, token_ids=ids, chars=chars,
                             session=session, identity=identity, cache_break=brk)  # fmt: skip
         pick = self._choose(pool, "decode", hashes, ids, prompt_tokens, chars, session)

@@ -317,6 +317,9 @@ def _gateway_rows(
     for role in ("decode", "prefill"):  # routing policies (pdctl.gateway.policy): policy:rule, then name:score
         if f"{role}_pick" in a:
             decision += f"; {role} by {a[f'{role}_pick']} scores {a.get(f'{role}_scores', '-')}"
+    if "auto" in a:  # the SLO autopilot (pdctl.gateway.autopilot): each path's predicted TTFT/TPOT/others' TPOT
+        shown = [f"{k} {a[f'auto_{k}']}" for k in ("local", "whole", "disagg") if f"auto_{k}" in a]
+        decision += f"; auto chose {a['auto']} (predicted ttft/tpot/others' tpot ms: {'; '.join(shown)})"
     if "fallback" in a:
         decision += f"; fallback={a['fallback']}"
     if "session" in a:  # an agent session (pdctl.gateway.agent_sessions): where its prompt cache broke since last turn

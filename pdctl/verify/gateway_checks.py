@@ -221,7 +221,8 @@ def check_auth(t: Target) -> CheckResult:
 
 def check_gateway_path(routing: RoutingConfig, headers_seen: list[tuple[str, Mapping[str, str]]]) -> CheckResult:
     """``gateway_pd_path``: the successful requests ran both legs (``x-pd-path: disagg`` under pd_disagg; ``local``
-    too under ``pd_mode = "adaptive"``, where short requests go to decode alone)."""
+    too under ``pd_mode = "adaptive"``, where short requests go to decode alone; ``local`` or ``colocated`` too under
+    ``"auto"``, whose requests may run whole on one engine). The KV proof calls the workers itself, P → D."""
     timer = Timer()
     name = "gateway_pd_path"
     if not headers_seen:
@@ -230,7 +231,9 @@ def check_gateway_path(routing: RoutingConfig, headers_seen: list[tuple[str, Map
     if all(v is None for v in paths.values()):
         return CheckResult(name, None, "skipped: the gateway sends no x-pd-path header", timer.ms)
     want = "disagg" if routing.strategy == "pd_disagg" else "colocated"
-    allowed = {want, "local"} if want == "disagg" and routing.pd_mode == "adaptive" else {want}
+    allowed = {want}
+    if want == "disagg" and routing.pd_mode != "always":  # adaptive: decode alone; auto: or a whole request
+        allowed |= {"local", "colocated"} if routing.pd_mode == "auto" else {"local"}
     wrong = {k: v for k, v in paths.items() if v not in allowed}
     shown = ", ".join(f"{k}: {v}" for k, v in paths.items())
     legs = [

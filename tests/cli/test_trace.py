@@ -108,6 +108,21 @@ def test_local_adaptive_request() -> None:
     assert "not recorded" in t.rows[4].detail
 
 
+def test_autopilot_request_shows_each_path_predicted() -> None:
+    gw = lines("gateway", [
+        "14:00:01 INFO pdctl.gateway.access request_id=auto-3 model=tiny path=colocated prefill=- decode=prefill "
+        "status=200 ttft_ms=35.2 prefill_ms=- prompt_tokens=300 tokens=4 duration_ms=80.0 "
+        "decision=auto cached_tokens=0 uncached_tokens=300 auto=whole auto_local=decode:40.1/31.0/30.2 "
+        "auto_whole=prefill:38.0/12.0/- auto_disagg=prefill:41.5/31.0/30.0",
+    ])  # fmt: skip
+    t = build_trace("auto-3", gw, slo_ttft_ms=400, slo_tpot_ms=25)
+    detail = t.rows[1].detail
+    assert "x-pd-path: colocated; decision=auto" in detail
+    assert "auto chose whole (predicted ttft/tpot/others' tpot ms: local decode:40.1/31.0/30.2; whole " in detail
+    assert "disagg prefill:41.5/31.0/30.0)" in detail
+    assert t.rows[2].event == "no prefill leg"
+
+
 def test_failed_request_shows_the_kv_failure() -> None:
     gw = lines("gateway", [
         "13:01:25 WARNING pdctl.gateway request r0: decode failed before any output (KV load failure); ...",

@@ -248,6 +248,20 @@ def test_adaptive_pd_shows_its_decision_and_still_proves_the_link(cluster: Calla
         assert checks[name + PAIR].ok is True, checks[name + PAIR]
 
 
+def test_the_slo_autopilot_passes_verify_and_the_pair_probes_still_take_both_legs(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c = cluster(routing={"pd_mode": "auto"})
+    report = c.verify()
+    assert report.ok, [c.to_json() for c in report.checks if c.ok is not True]
+    checks = _by_name(report)
+    # an idle decode serves the recipe's short requests alone; the probes call the workers, prefill then decode
+    assert checks["gateway_pd_path"].detail.startswith("x-pd-path chat: local")
+    assert "adaptive_decision" not in checks
+    for name in LINK:
+        assert checks[name + PAIR].ok is True, checks[name + PAIR]
+
+
 def test_adaptive_decision_fails_when_the_gateway_always_takes_both_legs(cluster: Callable[..., Cluster]) -> None:
     # the gateway runs with pd_mode "always"; verify is told the deployment is adaptive
     c = cluster(routing={"local_max_uncached_tokens": 256})
