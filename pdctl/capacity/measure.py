@@ -6,15 +6,19 @@
   ``ignore_eos``, the prefill leg read from the gateway's ``x-pd-prefill-ms`` header.
 
 The schedule (:class:`Schedule`): each prompt length ``repeats`` times, one at a time, one output token (prefill
-and KV points); then for each decode context, ``n`` concurrent streams for each ``n`` in ``running`` (decode points:
-the median of the streams' inter-token times after their first ``skip_itl``, while all ``n`` run). Every prompt
-starts with a fresh random tag, so no probe hits the prefix cache.
+and KV points); then for each decode context, ``n`` concurrent streams for each ``n`` in ``running``, each long
+enough to outlast the prefill of all ``n`` prompts (up to ``max_output_len``). A decode point is the most streams
+seen running at once and the median of the token gaps (after each stream's first ``skip_itl``) while that many ran:
+the count actually observed, not the count sent. Every prompt starts with a fresh random tag, so no probe hits the
+prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
+import math
 import random
 import secrets
 import statistics
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 from pdctl.bench.client import BenchClient
 from pdctl.bench.workload import BenchRequest, random_words
-from pdctl.capacity.profile import DecodePoint, DeploymentProfile, KVPoint, PrefillPoint, fit_line
+from pdctl.capacity.profile import DecodePoint, DeploymentProfile, KVPoint, PrefillPoint, fit_decode, fit_line
 from pdctl.errors import PdctlError
 
 __all__ = ["MeasureError", "ProbeResult", "Schedule", "Send", "http_sender", "measure"]
@@ -41,6 +45,14 @@ class ProbeResult:
     prefill_s: float | None
     itl_s: tuple[float, ...]
     prompt_tokens: int
+    sent_s: float = 0.0  # on the sender's own clock: lines concurrent probes up
+
+    def token_times(self) -> list[float]:
+        """Each token's time on the sender's clock."""
+        out = [self.sent_s + self.ttft_s]
+        for gap in self.itl_s:
+            out.append(out[-1] + gap)
+        return out
 
 
 Send = Callable[[int, int], Awaitable[ProbeResult]]
@@ -57,6 +69,7 @@ class Schedule:
     contexts: tuple[int, ...] = (128, 1024)
     output_len: int = 32
     skip_itl: int = 2
+    max_output_len: int = 2048
 
     def __post_init__(self) -> None:
         if not self.prompt_lens or min(self.prompt_lens) < 1 or not self.running or min(self.running) < 1:
@@ -91,18 +104,29 @@ async def measure(
         )  # fmt: skip
     decode_points: list[DecodePoint] = []
     for ctx in schedule.contexts:
+        step1 = 0.0
         for n in schedule.running:
-            results = await asyncio.gather(*(send(ctx, schedule.output_len) for _ in range(n)))
-            gaps = [g for r in results for g in r.itl_s[schedule.skip_itl :]]
-            if not gaps:
+            # The n streams only run together once the prefill has served all n prompts: make them long enough
+            # to outlast that (from the prefill time just measured and the 1-stream step).
+            leg = min(
+                (p.prefill_s for p in prefill_points if p.prompt_tokens >= ctx), default=prefill_points[-1].prefill_s
+            )
+            need = math.ceil(1.5 * n * leg / step1) + schedule.skip_itl + 2 if step1 > 0 else 0
+            out_len = min(max(schedule.output_len, need), schedule.max_output_len)
+            results = await asyncio.gather(*(send(ctx, out_len) for _ in range(n)))
+            running, step = _together(results, schedule.skip_itl)
+            if step is None:
                 raise MeasureError(f"decode probe at {n} streams returned no inter-token times")
-            context = int(statistics.median(r.prompt_tokens for r in results)) + schedule.output_len // 2
-            decode_points.append(DecodePoint(n, context, statistics.median(gaps)))
+            context = int(statistics.median(r.prompt_tokens for r in results)) + out_len // 2
+            decode_points.append(DecodePoint(running, context, step))
+            if n == min(schedule.running):
+                step1 = step
     pf_fixed, pf_slope = fit_line([p.prompt_tokens for p in prefill_points], [p.prefill_s for p in prefill_points])
     # One decode step (the cheapest one probed) is part of every TTFT; the rest after the leg is the hand-off.
     one_step = min(p.step_s for p in decode_points)
     kv_points = [KVPoint(p.prompt_tokens, max(0.0, p.ttft_s - p.prefill_s - one_step)) for p in prefill_points]
     kv_fixed, kv_slope = fit_line([p.tokens for p in kv_points], [p.transfer_s for p in kv_points])
+    d_fixed, d_seq, d_kv = fit_decode(decode_points)
     return DeploymentProfile(
         source=source,
         model=model,
@@ -114,9 +138,27 @@ async def measure(
         prefill_s_per_token=max(pf_slope, 1e-12),
         kv_fixed_s=kv_fixed,
         kv_s_per_token=max(kv_slope, 0.0),
+        decode_fixed_s=d_fixed,
+        decode_per_seq_s=d_seq,
+        decode_per_kv_token_s=d_kv,
         prefill_max_batched_tokens=prefill_max_batched_tokens,
         decode_max_num_seqs=decode_max_num_seqs,
     )
+
+
+def _together(results: list[ProbeResult], skip: int) -> tuple[int, float | None]:
+    """The most streams seen running at once and the median token gap while that many ran."""
+    spans = []
+    gaps: list[tuple[float, float]] = []  # (midpoint, gap)
+    for r in results:
+        times = r.token_times()
+        spans.append((times[0], times[-1]))
+        gaps.extend(((a + b) / 2, b - a) for a, b in itertools.pairwise(times[skip:]))
+    if not gaps:
+        return len(results), None
+    counted = [(sum(1 for lo, hi in spans if lo <= mid <= hi), gap) for mid, gap in gaps]
+    most = max(c for c, _ in counted)
+    return most, statistics.median(g for c, g in counted if c == most)
 
 
 def http_sender(client: BenchClient, seed: int = 0) -> Send:
@@ -133,6 +175,6 @@ def http_sender(client: BenchClient, seed: int = 0) -> Send:
         if not res.success:
             raise MeasureError(f"probe of {prompt_tokens} tokens failed: {res.error or res.status}")
         leg = None if res.pd_prefill_ms is None else res.pd_prefill_ms / 1000.0
-        return ProbeResult(res.ttft_s, leg, tuple(res.itl_s), res.prompt_tokens or prompt_tokens)
+        return ProbeResult(res.ttft_s, leg, tuple(res.itl_s), res.prompt_tokens or prompt_tokens, res.sent_s)
 
     return send

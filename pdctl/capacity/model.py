@@ -38,10 +38,13 @@ __all__ = [
     "SAMPLES",
     "Advice",
     "AdviceError",
+    "AutoscalePlan",
     "Histogram",
     "Prediction",
     "Slo",
     "Workload",
+    "autoscale_plan",
+    "best_pd",
     "max_rate",
     "parse_histogram",
     "predict",
@@ -486,3 +489,56 @@ def size_for_engines(profile: DeploymentProfile, workload: Workload, slo: Slo, e
         chosen, cap = predict_colocated(profile, workload, slo, 1e-3, engines), 0.0
         notes.append("no rate meets the SLO with this many engines")
     return Advice(chosen.mode, chosen, pd, co, cap, 0.0, profile.gpus_per_engine, tuple(notes))
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalePlan:
+    """Per-role scaling for ``pdctl render k8s --autoscale`` (docs/multi-node.md, "Autoscaling").
+
+    Prefill scales on seconds of queued prefill work, ``in-flight prefill legs × tokens_per_request / v_p``, at
+    ``threshold_s`` per replica: the TTFT SLO less what one request's own prefill, KV hand-off and first decode
+    step take. Decode scales on the streams it runs, at ``streams_per_replica``: the most streams whose step
+    still leaves 20 % of the TPOT SLO and 20 % of ``max_num_seqs`` free (not on KV usage, which reads full while a
+    decode only waits on KV hand-offs)."""
+
+    prefill_min: int
+    prefill_max: int
+    decode_min: int
+    decode_max: int
+    tokens_per_request: float
+    v_p: float
+    threshold_s: float
+    streams_per_replica: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": {"min": self.prefill_min, "max": self.prefill_max, "threshold_s": round(self.threshold_s, 4),
+                        "tokens_per_request": round(self.tokens_per_request, 1), "v_p": round(self.v_p, 1)},
+            "decode": {"min": self.decode_min, "max": self.decode_max,
+                       "streams_per_replica": round(self.streams_per_replica, 1)},
+        }  # fmt: skip
+
+
+def best_pd(profile: DeploymentProfile, workload: Workload, slo: Slo, rate: float, limit: int = 64) -> Prediction:
+    """The fewest P/D engines meeting ``slo`` at ``rate`` (the most attaining split at that count)."""
+    return _best_pd_at(profile, workload, slo, rate, limit)
+
+
+def autoscale_plan(
+    profile: DeploymentProfile, workload: Workload, slo: Slo, low: Prediction, high: Prediction
+) -> AutoscalePlan:
+    """Thresholds from the profile and the SLO; min replicas from ``low`` (the P/D split at the usual rate), max
+    from ``high`` (at the peak rate), never below min."""
+    uncached = workload.isl.mean * (1 - workload.hit_rate)
+    step = decode_curve(profile)
+    ctx = workload.isl.mean + workload.osl.mean / 2
+    own = prefill_s(profile, uncached) + kv_s(profile, workload.isl.mean) + step(1, workload.isl.mean)
+    threshold = max(slo.ttft_s - own, 0.1 * slo.ttft_s)
+    cap = 0.8 * profile.decode_max_num_seqs
+    streams = 1.0
+    while streams + 1 <= cap and step(streams + 1, ctx) <= 0.8 * slo.tpot_s:
+        streams += 1
+    return AutoscalePlan(
+        low.prefill, max(low.prefill, high.prefill), low.decode, max(low.decode, high.decode),
+        uncached, prefill_tokens_per_s(profile), threshold, streams,
+    )  # fmt: skip

@@ -6,17 +6,18 @@ running requests, KV transfer seconds per token), so one profile can feed both. 
 
 * ``prefill``: one point per probed prompt length: ``prompt_tokens``, ``prefill_s`` (the prefill leg, the
   gateway's ``x-pd-prefill-ms``) and ``ttft_s`` (at the client, through both legs), each the median of its probes;
-* ``decode``: one point per (running requests, context) probed: ``step_s``, the median inter-token time;
+* ``decode``: one point per probe of concurrent streams: ``running`` (the most seen running at once),
+  ``context_tokens`` and ``step_s`` (the median inter-token time while that many ran);
 * ``kv``: one point per prompt length: ``transfer_s`` = TTFT − prefill leg − one decode step at that context;
 * fits (the cost model's terms): ``prefill_fixed_s`` + ``prefill_s_per_token``·n and ``kv_fixed_s`` +
-  ``kv_s_per_token``·n (least squares);
+  ``kv_s_per_token``·n (least squares), and ``decode_fixed_s`` + ``decode_per_seq_s``·running +
+  ``decode_per_kv_token_s``·running·context (least squares in relative error, coefficients >= 0);
 * ``prefill_max_batched_tokens`` / ``decode_max_num_seqs``: the engines' batch limits, from the config;
 * ``prefix_cache_hit_rate``: the prefill engines' hit rate where the source knew it (else null).
 
-:func:`decode_step_s` interpolates the decode points (linearly in running requests, then in context, extrapolating
-from the outermost two), :func:`prefill_s` uses the fit, and :func:`prefill_tokens_per_s` is V_P, the throughput of
-one prefill engine with a full batch. :func:`load` turns a malformed file into a :class:`ProfileError` naming the
-file and the JSON path of the bad field.
+:func:`decode_step_s` evaluates the decode fit, :func:`prefill_s` interpolates the prefill points, and
+:func:`prefill_tokens_per_s` is V_P, the throughput of one prefill engine with a full batch. :func:`load` turns a
+malformed file into a :class:`ProfileError` naming the file and the JSON path of the bad field.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "decode_curve",
     "decode_step_s",
     "dump",
+    "fit_decode",
     "fit_line",
     "kv_s",
     "load",
@@ -89,6 +91,9 @@ class DeploymentProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     prefill_s_per_token: float
     kv_fixed_s: float
     kv_s_per_token: float
+    decode_fixed_s: float
+    decode_per_seq_s: float
+    decode_per_kv_token_s: float
     prefill_max_batched_tokens: int = 8192
     decode_max_num_seqs: int = 256
     gpus_per_engine: int = 1
@@ -154,22 +159,55 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def fit_decode(points: Sequence[DecodePoint]) -> tuple[float, float, float]:
+    """``(fixed_s, per_seq_s, per_kv_token_s)`` of ``step = fixed + per_seq·n + per_kv_token·n·context``: least
+    squares in relative error, every coefficient >= 0 (the best fit over the subsets of terms that keeps them so)."""
+    rows = [(1.0, float(p.running), float(p.running) * p.context_tokens, p.step_s) for p in points]
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for mask in ((1, 1, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1)):
+        cols = [i for i in range(3) if mask[i]]
+        if len(rows) < len(cols):
+            continue
+        a = [[r[i] / r[3] for i in cols] for r in rows]
+        coef = _least_squares(a, [1.0] * len(rows))
+        if coef is None or min(coef) < 0:
+            continue
+        full = [0.0, 0.0, 0.0]
+        for i, c in zip(cols, coef, strict=True):
+            full[i] = c
+        err = sum((sum(f * x for f, x in zip(full, r[:3], strict=True)) / r[3] - 1) ** 2 for r in rows)
+        if best is None or err < best[0]:
+            best = (err, (full[0], full[1], full[2]))
+    if best is None:
+        raise ValueError("no decode points to fit")
+    return best[1]
+
+
+def _least_squares(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve the normal equations of ``a·x ≈ b`` (Gaussian elimination; None when singular)."""
+    n = len(a[0])
+    m = [[sum(r[i] * r[j] for r in a) for j in range(n)] + [sum(r[i] * y for r, y in zip(a, b, strict=True))]
+         for i in range(n)]  # fmt: skip
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
 def decode_curve(p: DeploymentProfile) -> Callable[[float, float], float]:
-    """``step(running, context)``: seconds of one decode step, interpolated from the decode points (linear in
-    running streams at each probed context, then linear in context; never below the cheapest step measured)."""
-    by_ctx: dict[int, list[DecodePoint]] = {}
-    for pt in p.decode:
-        by_ctx.setdefault(pt.context_tokens, []).append(pt)
-    ctxs = [float(c) for c in sorted(by_ctx)]
-    rows = [sorted(by_ctx[int(c)], key=lambda q: q.running) for c in ctxs]
-    xs = [[float(q.running) for q in row] for row in rows]
-    ys = [[q.step_s for q in row] for row in rows]
-    floor = min(pt.step_s for pt in p.decode)
+    """``step(running, context)``: seconds of one decode step from the profile's fit
+    (``decode_fixed_s + decode_per_seq_s·n + decode_per_kv_token_s·n·context``)."""
+    fixed, per_seq, per_kv = p.decode_fixed_s, p.decode_per_seq_s, p.decode_per_kv_token_s
 
     def step(running: float, context: float) -> float:
-        r = max(running, 1.0)
-        values = [_interp(x, y, r) for x, y in zip(xs, ys, strict=True)]
-        return max(_interp(ctxs, values, context), floor)
+        n = max(running, 1.0)
+        return fixed + per_seq * n + per_kv * n * max(context, 0.0)
 
     return step
 

@@ -130,6 +130,9 @@ def advise(
     isl: Annotated[str | None, typer.Option(help="Prompt lengths: 128:0.9,4096:0.1 or @FILE.")] = None,
     osl: Annotated[str | None, typer.Option(help="Output lengths: 128:0.9,8:0.1 or @FILE.")] = None,
     rate: Annotated[float | None, typer.Option(help="Target requests/s (default: the bench file's rate).")] = None,
+    peak_rate: Annotated[
+        float | None, typer.Option(help="Peak requests/s: sets the autoscaling maximum (default: 2 × rate).")
+    ] = None,
     engines: Annotated[int | None, typer.Option(help="Instead: the rate this many engines sustain.")] = None,
     hit_rate: Annotated[float | None, typer.Option(help="Prefix-cache hit rate of prefill (0-1).")] = None,
     max_engines: Annotated[int, typer.Option(help="Largest deployment to consider.")] = 64,
@@ -155,6 +158,7 @@ def advise(
     slo = m.Slo(slo_cfg.ttft_ms / 1000, slo_cfg.tpot_ms / 1000, 0.9 if slo_cfg.p90 else 0.99)
     if engines is not None and rate is not None:
         raise PdctlError("give --rate or --engines, not both")
+    plan = None
     if engines is not None:
         advice = m.size_for_engines(prof, wl, slo, engines)
     else:
@@ -162,6 +166,9 @@ def advise(
         if target is None:
             raise PdctlError("no rate", hint="give --rate REQUESTS_PER_S (the workload has none)")
         advice = m.size_for_rate(prof, wl, slo, target, max_engines)
+        if advice.pd is not None and advice.pd.meets:
+            high = m.best_pd(prof, wl, slo, peak_rate or 2 * target, max_engines)
+            plan = m.autoscale_plan(prof, wl, slo, advice.pd, high)
     if pd and advice.verdict == "colocated":
         if advice.pd is None:
             raise PdctlError("no P/D configuration to recommend", hint="P/D needs at least 2 engines")
@@ -170,9 +177,17 @@ def advise(
         advice = replace(advice, verdict="pd", chosen=advice.pd, notes=(*advice.notes, "P/D forced by --pd"))
     if as_json:
         typer.echo(json.dumps({"slo": {"ttft_ms": slo_cfg.ttft_ms, "tpot_ms": slo_cfg.tpot_ms,
-                                       "attainment": slo.attainment}, **advice.as_dict()}, indent=2))  # fmt: skip
+                                       "attainment": slo.attainment}, **advice.as_dict(),
+                           "autoscale": None if plan is None else plan.as_dict()}, indent=2))  # fmt: skip
     else:
         _show(advice, slo, rate is None and engines is None)
+        if plan is not None:
+            console.print(
+                f"autoscaling (P/D): prefill {plan.prefill_min}-{plan.prefill_max} replicas at "
+                f"{plan.threshold_s:.2f} s of queued prefill work each; decode {plan.decode_min}-{plan.decode_max} "
+                f"at {plan.streams_per_replica:.0f} streams each (--json for `pdctl render k8s --autoscale`)",
+                markup=False,
+            )
     if write is not None:
         if advice.verdict != "pd":
             raise PdctlError(

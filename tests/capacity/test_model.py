@@ -114,3 +114,18 @@ def test_histograms_and_bench_files(tmp_path: Path) -> None:
     assert wl.isl.mean == 200 and wl.osl.mean == 20 and wl.rate == 2.5 and wl.hit_rate == 0.25
     with pytest.raises(m.AdviceError, match=r"r\.json: no input_lens"):
         m.workload_from_results({"completed": 0}, "r.json")
+
+
+def test_autoscale_plan_thresholds_come_from_the_slo_and_the_profile(h100: DeploymentProfile) -> None:
+    low = m.best_pd(h100, RECIPE, SLO, 20)
+    high = m.best_pd(h100, RECIPE, SLO, 80)
+    plan = m.autoscale_plan(h100, RECIPE, SLO, low, high)
+    assert (plan.prefill_min, plan.decode_min) == (low.prefill, low.decode)
+    assert plan.prefill_max >= plan.prefill_min and plan.decode_max >= plan.decode_min
+    assert high.engines > low.engines
+    own = prefill_s(h100, RECIPE.isl.mean)
+    assert plan.threshold_s == pytest.approx(0.4 - own - 2.95e-6 * RECIPE.isl.mean - 0.006, abs=0.005)
+    assert plan.v_p == prefill_tokens_per_s(h100) and plan.tokens_per_request == RECIPE.isl.mean
+    assert plan.streams_per_replica == pytest.approx(0.8 * 64, abs=1)  # h100's steps stay far under 32 ms
+    strict = m.autoscale_plan(h100, RECIPE, m.Slo(0.4, 0.0075), low, high)
+    assert 1 <= strict.streams_per_replica < plan.streams_per_replica
