@@ -1,7 +1,7 @@
 """`pdctl advise` against the simulator: does the model's capacity, attainment and verdict match measured runs?
 
     .venv/bin/python -m benchmarks.advise_check                      # both workloads, both SLO pairs (~3 min)
-    .venv/bin/python -m benchmarks.advise_check --workloads recipe --slos 400/40 --duration 10
+    .venv/bin/python -m benchmarks.advise_check --workloads recipe --slos 400/40 --scale 0.5
 
 Everything runs in virtual time (``pdctl.sim.virtual``): the simulator's engines in one process on a virtual
 clock, the h100 profile, KV over ``rdma-400g`` (the real side channel between engines), so the numbers are the
@@ -10,8 +10,9 @@ timing model's and not this machine's. Steps:
 1. measure the profile of a 1P1D pair with ``pdctl profile``'s own probe schedule
    (:func:`pdctl.capacity.measure.measure`, prompts up to 8,000 tokens, 1-64 streams at two contexts);
 2. per workload and SLO: ``advise`` at the target rate (:func:`pdctl.capacity.model.size_for_rate`);
-3. run the advised configuration at rates around its predicted capacity (open-loop Poisson arrivals, least
-   in-flight routing for each leg) and take the measured capacity (the highest rate with >= 90 % attainment);
+3. run the advised configuration at its predicted capacity, then up (x1.1, 1.25, 1.5, 2) while it meets the SLO
+   or down (x0.9 ... 0.5) until it does (open-loop Poisson arrivals, least in-flight routing for each leg): the
+   measured capacity lies between the highest passing and the lowest failing rate;
 4. run every xPyD split and every colocated count up to the advised engines + 1 at the target rate: the
    cheapest configuration meeting the SLO, and whether it is colocated or P/D.
 
@@ -45,10 +46,10 @@ from pdctl.sim.virtual import run_virtual
 from pdctl.vllm.protocol import PREFILL_REQUEST_PARAMS, check_kv_params
 
 PROFILE, LINK = "h100", "rdma-400g"
-WORKLOADS: dict[str, tuple[str, str, float]] = {
-    # name: (ISL histogram, OSL histogram, target requests/s)
-    "recipe": ("128:0.9 4096:0.1", "128:0.9 8:0.1", 30.0),  # `pdctl bench -w mixed`: 10 % long prompts
-    "long": ("4000:0.5 8000:0.5", "64", 3.0),
+WORKLOADS: dict[str, tuple[str, str, float, float]] = {
+    # name: (ISL histogram, OSL histogram, target requests/s, simulated seconds per run)
+    "recipe": ("128:0.9 4096:0.1", "128:0.9 8:0.1", 30.0, 15.0),  # `pdctl bench -w mixed`: 10 % long prompts
+    "long": ("4000:0.5 8000:0.5", "64", 3.0, 45.0),
 }
 SLOS = {"400/40": m.Slo(0.4, 0.04), "1000/8": m.Slo(1.0, 0.008)}
 
@@ -221,9 +222,10 @@ def _label(prefill: int, decode: int) -> str:
 
 
 def check_cell(
-    prof: DeploymentProfile, name: str, slo_name: str, duration: float, log: Callable[[str], None]
+    prof: DeploymentProfile, name: str, slo_name: str, scale: float, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    isl, osl, rate = WORKLOADS[name]
+    isl, osl, rate, seconds = WORKLOADS[name]
+    duration = seconds * scale
     wl = m.Workload(m.parse_histogram(isl, "isl"), m.parse_histogram(osl, "osl"))
     slo = SLOS[slo_name]
     adv = m.size_for_rate(prof, wl, slo, rate, max_engines=16)
@@ -231,13 +233,24 @@ def check_cell(
     x, y = c.prefill, c.decode
     log(f"{name} {slo_name}: advise {_label(x, y)} at {rate}/s, predicted capacity {adv.capacity_rate:.2f}/s")
     at_target = run_at(x, y, wl, rate, duration, slo, 1)
-    cap_runs = []
-    for f in (0.8, 0.9, 1.0, 1.1, 1.25):
+    # From the predicted capacity, up while the runs meet the SLO, or down until one does: the measured capacity
+    # lies between the highest passing and the lowest failing rate of the grid.
+    cap_runs: list[dict[str, Any]] = []
+
+    def probe(f: float) -> bool:
         r = run_at(x, y, wl, adv.capacity_rate * f, duration, slo, 2)
         cap_runs.append(r)
         log(f"  {_label(x, y)} at {r['rate']:.2f}/s: attainment {r['attainment']:.1%}")
-    ok = [r["rate"] for r in cap_runs if r["attainment"] >= slo.attainment]
-    measured_cap = max(ok) if ok else 0.0
+        return bool(r["attainment"] >= slo.attainment)
+
+    up = probe(1.0)
+    for f in (1.1, 1.25, 1.5, 2.0) if up else (0.9, 0.8, 0.7, 0.6, 0.5):
+        if probe(f) != up:
+            break
+    passing = [r["rate"] for r in cap_runs if r["attainment"] >= slo.attainment]
+    failing = [r["rate"] for r in cap_runs if r["attainment"] < slo.attainment]
+    measured_cap = max(passing) if passing else 0.0
+    bracket = (measured_cap, min(failing) if failing else None)
     sweep = []
     limit = min(c.engines + 1, 6)
     configs = [(0, n) for n in range(1, limit + 1)] + [(p, t - p) for t in range(2, limit + 1) for p in range(1, t)]
@@ -251,6 +264,7 @@ def check_cell(
     return {
         "workload": name, "slo": slo_name, "rate": rate, "advice": adv.as_dict(),
         "at_target": at_target, "predicted_capacity": adv.capacity_rate, "measured_capacity": measured_cap,
+        "measured_bracket": bracket,
         "capacity_runs": cap_runs, "sweep": sweep,
         "cheapest": None if cheapest is None else _label(cheapest["prefill"], cheapest["decode"]),
         "cheapest_engines": None if cheapest is None else cheapest["prefill"] + cheapest["decode"],
@@ -262,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--slos", default=",".join(SLOS))
-    ap.add_argument("--duration", type=float, default=20.0, help="simulated seconds per run")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply each workload's simulated seconds per run")
     ap.add_argument("--out", default="benchmarks/results/advise_check.json")
     args = ap.parse_args(argv)
     t = time.monotonic()
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     for name in args.workloads.split(","):
         for slo_name in args.slos.split(","):
-            cells.append(check_cell(prof, name, slo_name, args.duration, lambda s: print(s, file=sys.stderr)))
+            cells.append(check_cell(prof, name, slo_name, args.scale, lambda s: print(s, file=sys.stderr)))
     print(
         "| workload | SLO TTFT/TPOT ms | rate | advised | predicted / measured capacity (req/s) | error | "
         "attainment at rate: predicted / measured | cheapest in sweep | verdict agrees |"
@@ -285,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         label = _label(adv["prefill"], adv["decode"])
         err = (c["predicted_capacity"] / c["measured_capacity"] - 1) if c["measured_capacity"] else float("nan")
         agree = c["cheapest_mode"] == adv["verdict"]
+        lo, hi = c["measured_bracket"]
+        measured = f"{lo:.2f}–{hi:.2f}" if hi is not None else f"≥ {lo:.2f}"
         print(f"| {c['workload']} | {c['slo']} | {c['rate']:g} | {label} | {c['predicted_capacity']:.2f} / "
-              f"{c['measured_capacity']:.2f} | {err:+.0%} | {adv['predicted']['attainment']:.1%} / "
+              f"{measured} | {err:+.0%} | {adv['predicted']['attainment']:.1%} / "
               f"{c['at_target']['attainment']:.1%} | {c['cheapest']} | {'yes' if agree else 'no'} |")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -162,19 +162,26 @@ def _together(results: list[ProbeResult], skip: int) -> tuple[int, float | None]
 
 
 def http_sender(client: BenchClient, seed: int = 0) -> Send:
-    """A :data:`Send` over a gateway: each prompt a fresh tag plus ``n - 4`` random words."""
+    """A :data:`Send` over a gateway: each prompt a fresh tag plus random words, as many as the server's tokenizer
+    turns into about the asked number of tokens (the ratio learnt from a first short request's usage)."""
     rng = random.Random(seed)
     counter = [0]
+    tokens_per_word: list[float] = []
 
-    async def send(prompt_tokens: int, max_tokens: int) -> ProbeResult:
+    async def once(words: int, max_tokens: int, prompt_tokens: int) -> ProbeResult:
         counter[0] += 1
-        tag = f"probe {secrets.token_hex(4)}"
-        words = random_words(rng, max(1, prompt_tokens - 3))
-        req = BenchRequest(counter[0], f"{tag} {words}", max_tokens, prompt_tokens, "random", ignore_eos=True)
+        text = f"probe {secrets.token_hex(4)} {random_words(rng, words)}"
+        req = BenchRequest(counter[0], text, max_tokens, prompt_tokens, "random", ignore_eos=True)
         res = await client.send(req, t0=0.0)
         if not res.success:
             raise MeasureError(f"probe of {prompt_tokens} tokens failed: {res.error or res.status}")
         leg = None if res.pd_prefill_ms is None else res.pd_prefill_ms / 1000.0
         return ProbeResult(res.ttft_s, leg, tuple(res.itl_s), res.prompt_tokens or prompt_tokens, res.sent_s)
+
+    async def send(prompt_tokens: int, max_tokens: int) -> ProbeResult:
+        if not tokens_per_word:
+            first = await once(256, 1, 256)  # long enough that the tag's few tokens hardly count
+            tokens_per_word.append(max(first.prompt_tokens / 258, 0.05))
+        return await once(max(1, round(prompt_tokens / tokens_per_word[0]) - 2), max_tokens, prompt_tokens)
 
     return send

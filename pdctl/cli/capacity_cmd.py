@@ -59,11 +59,7 @@ def profile(
     from pdctl.capacity.measure import Schedule, http_sender, measure
     from pdctl.capacity.profile import dump
 
-    schedule = Schedule(
-        _ints("--prompt-lens", prompt_lens), repeats, _ints("--running", running), _ints("--contexts", contexts),
-        output_len,
-    )  # fmt: skip
-    batched, seqs, url, key_env, tp = 8192, 256, gateway, "PDCTL_API_KEY", 1
+    batched, seqs, url, key_env, tp, model_len = 8192, 256, gateway, "PDCTL_API_KEY", 1, None
     if config_path.exists() and settings_path.exists():
         dep = config.load(config_path, settings_path)
         url = url or dep.gateway.url
@@ -71,10 +67,15 @@ def profile(
         batched = dep.prefill[0].max_num_batched_tokens or batched
         seqs = dep.decode[0].max_num_seqs or seqs
         tp = dep.prefill[0].tensor_parallel_size
+        model_len = dep.decode[0].max_model_len
         model = model or dep.decode[0].model_name
     elif settings_path.exists():
         read = config.load_settings(settings_path)
         url, key_env = url or read.gateway.url, read.gateway.api_key_env
+    ctx_list = _ints("--contexts", contexts)
+    longest = 2048 if model_len is None else max(output_len, model_len - max(ctx_list) - 8)
+    schedule = Schedule(_ints("--prompt-lens", prompt_lens), repeats, _ints("--running", running), ctx_list,
+                        output_len, max_output_len=longest)  # fmt: skip
     if url is None:
         raise PdctlError("no gateway", hint="give --gateway URL, or run in the folder of config.toml/settings.json")
     api_key = os.environ.get(key_env) or None

@@ -35,7 +35,7 @@ def test_profile_then_advise_then_write(
     assert result.exit_code == 0, result.output
     prof = load(out)
     model = get_profile("h100")
-    assert [pt.prompt_tokens for pt in prof.prefill][1] >= 2000  # the server's own count of the probe
+    assert 1900 <= prof.prefill[1].prompt_tokens <= 2200  # the server's own count of the probe
     long = prof.prefill[1]
     assert long.prefill_s >= 0.8 * model.prefill_s(long.prompt_tokens) / 0.25, prof.prefill
     assert long.ttft_s > long.prefill_s
