@@ -163,10 +163,10 @@ def _together(results: list[ProbeResult], skip: int) -> tuple[int, float | None]
 
 def http_sender(client: BenchClient, seed: int = 0) -> Send:
     """A :data:`Send` over a gateway: each prompt a fresh tag plus random words, as many as the server's tokenizer
-    turns into about the asked number of tokens (the ratio learnt from a first short request's usage)."""
+    turns into about the asked number of tokens (learnt from two short requests' usage)."""
     rng = random.Random(seed)
     counter = [0]
-    tokens_per_word: list[float] = []
+    fit: list[float] = []
 
     async def once(words: int, max_tokens: int, prompt_tokens: int) -> ProbeResult:
         counter[0] += 1
@@ -179,9 +179,12 @@ def http_sender(client: BenchClient, seed: int = 0) -> Send:
         return ProbeResult(res.ttft_s, leg, tuple(res.itl_s), res.prompt_tokens or prompt_tokens, res.sent_s)
 
     async def send(prompt_tokens: int, max_tokens: int) -> ProbeResult:
-        if not tokens_per_word:
-            first = await once(256, 1, 256)  # long enough that the tag's few tokens hardly count
-            tokens_per_word.append(max(first.prompt_tokens / 258, 0.05))
-        return await once(max(1, round(prompt_tokens / tokens_per_word[0]) - 2), max_tokens, prompt_tokens)
+        if not fit:
+            # Tokens per word and the tag's tokens, from two short requests (the server's own usage counts).
+            a, b = await once(16, 1, 16), await once(80, 1, 80)
+            per_word = max((b.prompt_tokens - a.prompt_tokens) / 64, 0.05)
+            fit.extend((per_word, max(a.prompt_tokens - 16 * per_word, 0.0)))
+        per_word, overhead = fit
+        return await once(max(1, round((prompt_tokens - overhead) / per_word)), max_tokens, prompt_tokens)
 
     return send

@@ -214,7 +214,8 @@ def _show(advice: Any, slo: Any, from_file: bool) -> None:
         f"at {c.rate:.3g} requests/s{' (the workload file rate)' if from_file else ''}: TTFT p50/p90 "
         f"{_ms(c.ttft_p50_s)}/{_ms(c.ttft_p90_s)} ms (SLO {slo.ttft_s * 1000:.0f}), TPOT p50/p90 "
         f"{c.tpot_p50_s * 1000:.1f}/{c.tpot_p90_s * 1000:.1f} ms (SLO {slo.tpot_s * 1000:.0f}), attainment "
-        f"{c.attainment:.1%}, prefill busy {c.prefill_utilization:.0%}, {c.decode_running:.1f} streams per decode",
+        f"{c.attainment:.1%}, prefill busy {c.prefill_utilization:.0%}, {c.decode_running:.1f} streams per "
+        f"{'decode' if c.mode == 'pd' else 'engine'}",
         markup=False,
     )
     if advice.headroom:
