@@ -171,7 +171,9 @@ def http_sender(client: BenchClient, seed: int = 0) -> Send:
     async def once(words: int, max_tokens: int, prompt_tokens: int) -> ProbeResult:
         counter[0] += 1
         text = f"probe {secrets.token_hex(4)} {random_words(rng, words)}"
-        req = BenchRequest(counter[0], text, max_tokens, prompt_tokens, "random", ignore_eos=True)
+        # At least 4 tokens: a token can decode to no text (a partial UTF-8 sequence; common with the tiny random
+        # models), and TTFT is the first chunk with text.
+        req = BenchRequest(counter[0], text, max(max_tokens, 4), prompt_tokens, "random", ignore_eos=True)
         res = await client.send(req, t0=0.0)
         if not res.success:
             raise MeasureError(f"probe of {prompt_tokens} tokens failed: {res.error or res.status}")
