@@ -5,7 +5,7 @@
 * :func:`http_sender` is the :data:`Send` of a running gateway (``pdctl profile``): streamed completions with
   ``ignore_eos``, the prefill leg read from the gateway's ``x-pd-prefill-ms`` header.
 
-The schedule (:class:`Schedule`): each prompt length ``repeats`` times, one at a time, one output token (prefill
+The schedule (:class:`Schedule`): each prompt length ``repeats`` times, one at a time, a few output tokens (prefill
 and KV points); then for each decode context, ``n`` concurrent streams for each ``n`` in ``running``, each long
 enough to outlast the prefill of all ``n`` prompts (up to ``max_output_len``). A decode point is the most streams
 seen running at once and the median of the token gaps (after each stream's first ``skip_itl``) while that many ran:
