@@ -56,6 +56,10 @@ def k8s(
     pod_monitor: Annotated[
         bool, typer.Option("--pod-monitor", help="Also PodMonitors for the Prometheus Operator (its CRDs must exist).")
     ] = False,
+    autoscale: Annotated[
+        Path | None, typer.Option("--autoscale", help="Also KEDA ScaledObjects from `pdctl advise --json`'s file.")
+    ] = None,
+    prometheus: Annotated[str | None, typer.Option(help="Prometheus URL the ScaledObjects query.")] = None,
 ) -> None:
     """Write namespace, ConfigMap, per-group StatefulSet + headless Service, gateway and verify Job manifests.
 
@@ -77,6 +81,10 @@ def k8s(
     )
     dep = config.load(config_path, settings_path)
     rendered = render(dep, options)
+    if autoscale is not None:
+        from pdctl.render.autoscale import DEFAULT_PROMETHEUS, load_plan, with_autoscaling
+
+        rendered = with_autoscaling(rendered, dep, load_plan(autoscale), prometheus or DEFAULT_PROMETHEUS)
     if out == "-" and rendered.files:
         for f in rendered.findings:  # stdout carries the YAML
             where = f.file + (f":{f.line}" if f.line else "") + (f" {f.key}" if f.key else "")
