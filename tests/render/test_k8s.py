@@ -235,7 +235,7 @@ def test_the_exact_prefix_view_sends_every_workers_kv_events_to_the_gateway_serv
     for w in dep.workers:
         args = container(find(docs, "StatefulSet", w.name))["args"]
         events = json.loads(args[args.index("--kv-events-config") + 1])
-        # vLLM's PUB socket connects to a tcp://host:port address; the gateway binds it on the pod IP (--host 0.0.0.0).
+        # vLLM's PUB socket connects to a tcp://host:port address; the gateway binds it on the pod IP (kv_events_host).
         # The topic is the name the gateway's discovery gives the pod, <worker>@<pod IP>: Kubernetes expands $(VAR).
         assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://gateway:5557",
                           "topic": f"{w.name}@$(PDCTL_POD_IP)"}  # fmt: skip
