@@ -167,7 +167,7 @@ def contention(
     workers: dict[str, int], tids: list[int], cores: list[int], seconds: float, rounds: int
 ) -> dict[str, list[dict[str, float]]]:
     """Bystander loops pinned to ``cores`` beside the idle engines, ``tids`` at SCHED_IDLE then SCHED_OTHER,
-    interleaved: each engine's CPU (% of a core) and the loops' mean speed (M it/s)."""
+    interleaved: each engine's CPU (% of a core), that of ``tids`` together, and the loops' mean speed (M it/s)."""
     arms: dict[str, list[dict[str, float]]] = {"SCHED_IDLE": [], "SCHED_OTHER": []}
     before = {tid: os.sched_getscheduler(tid) for tid in tids}
     try:
@@ -179,6 +179,7 @@ def contention(
                 rows = thread_cpu(workers, seconds - 1.0)
                 speeds = [float(p.communicate()[0]) / 1e6 for p in loops]
                 row = {f"{w}_pct": round(sum(r.pct for r in rows if r.worker == w), 1) for w in workers}
+                row["threads_pct"] = round(sum(r.pct for r in rows if r.tid in tids), 1)
                 row["loop_mit_s"] = round(sum(speeds) / len(speeds), 2)
                 arms[name].append(row)
                 print(f"  {name}: {row}")
