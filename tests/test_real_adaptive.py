@@ -146,12 +146,13 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(
     assert scrape(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 1
     assert scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") > 128  # judged by the events
 
-    # Content in two parts: vLLM joins them, the exact view declines, the approximate view judges (local again).
+    # Content in two parts: the gateway renders them as vLLM does (pdctl.gateway.prompt_view), so the exact view
+    # judges this turn too (local again).
     exact_before = scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact")
     parts = [{"type": "text", "text": "Then run"}, {"type": "text", "text": "the suite."}]
     third = dep.chat([*turn2, {"role": "assistant", "content": "ok"}, {"role": "user", "content": parts}])
     assert third.headers["x-pd-path"] == "local"
-    assert scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") == exact_before
+    assert scrape(dep.gateway, "pdctl_pd_view_cached_tokens_total", view="exact") > exact_before
     assert scrape(dep.gateway, "pdctl_pd_decisions_total", path="local", reason="cached") == 2
 
     verify = dep.pdctl("verify", "--json")
@@ -159,3 +160,5 @@ def test_a_later_turn_is_served_by_the_decode_holding_its_history(
     checks = {c["name"]: c for c in report["checks"]}
     assert verify.returncode == 0, [c for c in report["checks"] if c["ok"] is not True]
     assert checks["adaptive_decision"]["ok"] is True, checks["adaptive_decision"]
+    agent = checks["agent_session"]  # a Claude Code session's turn 2, a new billing line: local, by the exact view
+    assert agent["ok"] is True and "turn 2 (new billing line): x-pd-path local" in agent["detail"], agent

@@ -28,6 +28,13 @@ from pdctl.verify.wire import metric_total
 __all__ = ["check_agent"]
 
 _HITS = "vllm:prefix_cache_hits_total"
+#: Whole words (a token each in the models' vocabularies, more than one by a gateway's four-characters estimate), so a
+#: gateway without the model's tokenizer still counts the system prompt past its threshold; digits would not be.
+_WORDS = "read write edit search list build test lint format commit branch merge review deploy debug trace".split()
+
+
+def _word(i: int) -> str:
+    return _WORDS[i % len(_WORDS)]
 
 
 def _billing() -> dict[str, str]:
@@ -61,7 +68,7 @@ def check_agent(t: Target) -> CheckResult:
             return CheckResult(name, None, f"skipped: a prompt of {target} tokens (twice local_max_uncached_tokens) "
                                f"does not fit max_model_len", timer.ms)  # fmt: skip
         target = limit // 2  # always-PD: any size shows the decode's own prefix-cache hits
-    system, n_system = probe_prompt(t.http, d, f"You are Claude Code, session {nonce}.", "long", target)
+    system, n_system = probe_prompt(t.http, d, f"You are Claude Code, session {nonce}.", "long", target, _word)
     session = f"pdctl-verify-{nonce}"
     headers = t.auth(t.api_key) | {"x-claude-code-session-id": session, "anthropic-version": "2023-06-01"}
     reminder = {"type": "text", "text": "<system-reminder>\nBe brief.\n</system-reminder>"}
