@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -497,10 +497,22 @@ def pct(xs: Sequence[float], p: float) -> float:
     return percentile(xs, p, empty=float("nan"))
 
 
-def fmt(x: float | None, nd: int = 2) -> str:
+def fmt(x: float | None, nd: int = 2, *, grouped: bool = False) -> str:
+    """``x`` with ``nd`` decimals (``grouped``: thousands separated), ``-`` for none or NaN."""
     if x is None or x != x:
         return "-"
-    return f"{x:.{nd}f}"
+    return f"{x:,.{nd}f}" if grouped else f"{x:.{nd}f}"
+
+
+def pct_cell(x: float | None) -> str:
+    """A share as a whole percentage, ``-`` for none."""
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def md_table(columns: Sequence[str], align: str, rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table's lines: ``columns`` the heads, ``align`` one of ``l``/``r`` per column, each row its cells."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 class TraceSink:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import PY, ROOT, Proc, start
+from benchmarks._harness import PY, ROOT, Proc, fmt, md_table, start
 from pdctl.sim.timing import PROFILES
 from pdctl.testing import free_port
 
@@ -108,25 +108,19 @@ def row(threshold: str, conversations: int, run: dict[str, Any]) -> dict[str, An
     }
 
 
-def fmt(x: float | None, nd: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{nd}f}"
-
-
 def markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| conversations | local_max_uncached_tokens | turns 2+ TTFT p50 / p90 (ms) | TPOT p50 (ms): all / turns 2+ "
-        "| paths | KV moved (MB / transfers) | SLO attainment |",
-        "|---:|---|---|---|---|---|---:|",
-    ]
-    for r in rows:
-        paths = ", ".join(f"{k} {v}" for k, v in sorted(r["paths"].items()))
+    columns = ("conversations", "local_max_uncached_tokens", "turns 2+ TTFT p50 / p90 (ms)",
+               "TPOT p50 (ms): all / turns 2+", "paths", "KV moved (MB / transfers)", "SLO attainment")  # fmt: skip
+
+    def cells(r: dict[str, Any]) -> list[str]:
         att = "-" if r["slo_attainment"] is None else f"{100 * r['slo_attainment']:.1f} %"
-        lines.append(
-            f"| {r['conversations']} | {r['threshold']} | {fmt(r['later_ttft_p50_ms'], 0)} / "
-            f"{fmt(r['later_ttft_p90_ms'], 0)} | {fmt(r['tpot_p50_ms'])} / {fmt(r['later_tpot_p50_ms'])} | {paths} | "
-            f"{r['kv_bytes'] / 1e6:.1f} / {r['kv_transfers']} | {att} |"
-        )
-    return lines
+        return [str(r["conversations"]), str(r["threshold"]),
+                f"{fmt(r['later_ttft_p50_ms'], 0, grouped=True)} / {fmt(r['later_ttft_p90_ms'], 0, grouped=True)}",
+                f"{fmt(r['tpot_p50_ms'], 1, grouped=True)} / {fmt(r['later_tpot_p50_ms'], 1, grouped=True)}",
+                ", ".join(f"{k} {v}" for k, v in sorted(r["paths"].items())),
+                f"{r['kv_bytes'] / 1e6:.1f} / {r['kv_transfers']}", att]  # fmt: skip
+
+    return md_table(columns, "rlllllr", (cells(r) for r in rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
@@ -24,6 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# This checkout's ASGI receive (pdctl/testing/asgi.py, no imports of pdctl), loaded by path: the child runs on the
+# measured tree's pdctl, which may predate it.
+_asgi_spec = importlib.util.spec_from_file_location(
+    "_pdctl_testing_asgi", Path(__file__).resolve().parents[1] / "pdctl" / "testing" / "asgi.py"
+)
+assert _asgi_spec is not None and _asgi_spec.loader is not None
+_asgi = importlib.util.module_from_spec(_asgi_spec)
+_asgi_spec.loader.exec_module(_asgi)
+one_body = _asgi.one_body
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
 STREAM = [EVENT] * 8 + [b'data: {"choices":[],"usage":{"completion_tokens":8}}\n\n', b"data: [DONE]\n\n"]
@@ -45,6 +56,9 @@ class _Response:
 
     async def chunk(self) -> bytes:
         return self._parts.pop(0) if self._parts else b""
+
+    def stall_timeout(self, read_s: float) -> None:
+        pass  # every part is there already: nothing stalls
 
     def close(self) -> None:
         pass
@@ -73,15 +87,7 @@ async def _one(app: Any, raw: bytes) -> None:
     headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", str(len(raw)).encode())]
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
     done = asyncio.Event()
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
+    receive = one_body(raw, done)
 
     status: list[int] = []
     body: list[bytes] = []

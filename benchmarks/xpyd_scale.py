@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._harness import PY, ROOT, Proc, start
+from benchmarks._harness import PY, ROOT, Proc, fmt, md_table, pct_cell, start
 from pdctl.sim.timing import PROFILES
 from pdctl.testing import free_port
 
@@ -208,28 +208,19 @@ def row(arm: str, rate: str, run: dict[str, Any], prefill: Sequence[Proc], decod
     }
 
 
-def fmt(x: float | None, nd: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{nd}f}"
-
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f} %"
-
-
 def markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| rate (req/s) | arm (prefill / decode policy) | TTFT p50 / p90 (ms) | ITL p99 (ms) | output tok/s | req/s "
-        "| failed | prefix-cache hits: prefill / decode |",
-        "|---:|---|---|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['rate']} | {r['arm']} | {fmt(r['ttft_p50_ms'], 0)} / {fmt(r['ttft_p90_ms'], 0)} | "
-            f"{fmt(r['itl_p99_ms'])} | {fmt(r['output_tok_s'], 0)} | {fmt(r['request_s'], 2)} | {r['failed']} | "
-            f"{pct(r['prefill_hit_rate'])} / {pct(r['decode_hit_rate'])} |"
-            + (f" queue: {r['queue_rules']}" if r.get("queue_rules") else "")
-        )
-    return lines
+    columns = ("rate (req/s)", "arm (prefill / decode policy)", "TTFT p50 / p90 (ms)", "ITL p99 (ms)", "output tok/s",
+               "req/s", "failed", "prefix-cache hits: prefill / decode")  # fmt: skip
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        hits = f"{pct_cell(r['prefill_hit_rate'])} / {pct_cell(r['decode_hit_rate'])}"
+        return [str(r["rate"]), r["arm"],
+                f"{fmt(r['ttft_p50_ms'], 0, grouped=True)} / {fmt(r['ttft_p90_ms'], 0, grouped=True)}",
+                fmt(r["itl_p99_ms"], 1, grouped=True), fmt(r["output_tok_s"], 0, grouped=True),
+                fmt(r["request_s"], 2, grouped=True), str(r["failed"]),
+                hits + (f"; queue: {r['queue_rules']}" if r.get("queue_rules") else "")]  # fmt: skip
+
+    return md_table(columns, "rllrrrrl", (cells(r) for r in rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdctl.gateway.prefix import ROUTED_TTL_S
 from pdctl.runtime.trace import parse_access
 from pdctl.testing.ports import free_port
 from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root, scrape
@@ -110,6 +111,8 @@ def test_later_turns_go_to_the_decode_holding_the_history(xpyd: tuple[Deployment
                                           {"role": "user", "content": "Start with the first file."}]  # fmt: skip
         for turn in range(1, 4):
             seen = {n: scrape(dep.gateway, "pdctl_kv_events_total", instance=n, event="BlockStored") for n in url_of}
+            if turn > 1:  # past the routed index's memory of the last turn: only the KV events hold the history now
+                time.sleep(ROUTED_TTL_S + 0.5)
             r = dep.chat(messages)
             assert r.headers["x-pd-path"] == "disagg"  # pd_mode "always": both legs, decode pulls what it lacks
             decode = r.headers["x-pd-decode"]

@@ -9,9 +9,8 @@
   still publish, for another gateway over them); an error when a ``kv_aware`` policy has no exact view to read.
 - :func:`several_processes` PD038: a ``cache_aware`` or ``kv_aware`` policy or the prefill queue with
   ``gateway.workers`` > 1: each process learns only its own share of the traffic, so the processes scatter a prefix
-  (docs/performance.md, "xPyD routing policies": prefill cache hits 41 % with one process, 20 % with two), and each
-  queue counts only its own requests against a prefill's room (not on the exact view, whose events every process
-  receives).
+  (docs/performance.md, "xPyD routing policies"), and each queue counts only its own requests against a prefill's
+  room (not on the exact view, whose events every process receives).
 - :func:`queue_view` PD039: the prefill queue on the approximate view at its default size: the view never forgets
   what a prefill computed, so ``match`` holds requests for prefills that evicted their prefix.
 """
@@ -113,8 +112,7 @@ def several_processes(c: Ctx) -> Iterable[Finding]:
         return
     what = " and ".join([*(f"{k} = {getattr(r, k)!r}" for k in which), *(["prefill_queue_tokens"] if queue else [])])
     also = ", and each counts only its own requests against a prefill's room" if queue else ""
-    measured = (" (measured on 4P4D with cache_aware: prefill cache hits 41 % with one process, 20 % with two, and "
-                "throughput no better than least_loaded's)") if which else ""  # fmt: skip
+    measured = ' (docs/performance.md, "xPyD routing policies")' if which else ""
     fix: dict[str, object] = {f"{SETTINGS}routing.{k}": "least_loaded" for k in which}
     fixes: list[dict[str, object]] = [{f"{SETTINGS}gateway.workers": 1}, fix]
     if queue:
@@ -136,7 +134,7 @@ def queue_view(c: Ctx) -> Iterable[Finding]:
     yield c.at("PD039", "warning", "settings", "routing.prefill_queue_tokens",
                "the prefill queue binds a request to the prefill that holds its prefix, but the approximate view "
                "never forgets what a prefill computed while the engine evicts: requests wait for prefills that no "
-               "longer hold them (measured on 8P8D: 17.05 req/s against 22.67 with prefix_view \"exact\")",
+               "longer hold them (docs/performance.md, \"The prefill queue\")",
                hint="the workers' own KV cache events; or size routing.prefix_cache_blocks to the engines' caches: "
                "num_gpu_blocks x block_size / 64",
                fixes=({f"{SETTINGS}routing.prefix_view": "exact"},))  # fmt: skip

@@ -21,6 +21,7 @@ from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.direct import HttpProtocol
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec, LocalModel
 from pdctl.testing import free_port, kill_groups
+from pdctl.testing.asgi import one_body
 from pdctl.vllm.promtext import metric_value, samples
 
 HERE = Path(__file__).resolve().parent
@@ -242,16 +243,8 @@ async def asgi_request(
     scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
     out = AsgiReply()
     gone = asyncio.Event()
-    sent_request = False
+    receive = one_body(raw, gone)
     chunks = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent_request
-        if not sent_request:
-            sent_request = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         nonlocal chunks

@@ -192,6 +192,48 @@ def test_client_disconnect_while_streaming_closes_the_decode_call() -> None:
     assert _metric(app, "pdctl_requests_total", path="disagg", status="499") == 1
 
 
+def _token(text: str, token: int, prompt: list[int] | None = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "token_ids": [token]}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
+    return b"data: " + json.dumps({"id": "cmpl-d", "choices": [choice]}).encode() + b"\n\n"
+
+
+def test_a_client_leaving_mid_continuation_closes_the_continuation_call() -> None:
+    """decode-0 breaks after two tokens; the stream continues on decode-1 (a migration); the client leaves after
+    the first token of the continuation: decode-1's call is closed before its end (vLLM aborts the request), the
+    request ends as cancelled and nothing stays in flight."""
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill())
+    workers["decode-0"].script(
+        MemoryReply.sse([_token("a", 7, [1, 2, 3]), _token("b", 8), TransportError("broken", "cut")])
+    )
+    workers["decode-1"].script(MemoryReply.sse([_token("c", 9), 30.0, _token("d", 10), DONE]))
+    replies: list[AsgiReply] = []
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+
+    async def test(app: Gateway) -> None:
+        call = asgi_request(app, "/v1/completions", body, disconnect_after_chunks=3)
+        replies.append(await asyncio.wait_for(call, timeout=10))
+        for _ in range(100):  # the request's own end runs after the client's
+            if not app.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert app.in_flight == 0
+
+    settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"])
+    app = run_app(create_app(settings, KEY, clients=workers), test)
+    [reply] = replies
+    assert [json.loads(e.removeprefix(b"data: "))["choices"][0]["text"] for e in reply.body.split(b"\n\n") if e] == [
+        "a", "b", "c"]  # fmt: skip
+    [first] = workers["decode-0"].completions()
+    [continuation] = workers["decode-1"].completions()
+    assert continuation.json()["prompt"] == [1, 2, 3, 7, 8]  # the prompt and the tokens already sent
+    assert continuation.response is not None and continuation.response.closed_early is True
+    assert first.response is not None and first.response.closed_early is True
+    assert _metric(app, "pdctl_client_cancelled_total", phase="streaming") == 1
+
+
 def test_client_disconnect_during_prefill_sends_a_release_leg() -> None:
     workers = MemoryWorkers()
     workers["prefill"].script(_prefill("held", delay_s=0.3))

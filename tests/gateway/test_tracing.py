@@ -23,6 +23,7 @@ from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.tracing import answer_text, parse_traceparent
 from pdctl.testing import free_port
+from pdctl.testing.asgi import one_body
 from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 from tests.conftest import REPO
 from tests.fakes.gateway_harness import KEY, AsgiReply, make_settings, run_app
@@ -65,16 +66,8 @@ async def _post(app: Gateway, body: dict[str, Any], headers: dict[str, str]) -> 
     scope_headers += [(k.encode(), v.encode()) for k, v in headers.items()]
     scope = {"type": "http", "method": "POST", "path": CHAT, "headers": scope_headers}
     out = AsgiReply()
-    sent = False
     done = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
+    receive = one_body(raw, done)
 
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
