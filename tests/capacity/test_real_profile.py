@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.capacity.profile import load
-from tests.test_real_e2e import Deployment, _require_engine, root
+from tests.test_real_e2e import Deployment, _pdctl, _require_engine, root
 
 __all__ = ["_require_engine", "root"]  # the fixtures this module borrows
 
@@ -41,7 +41,9 @@ def test_profile_and_advise_on_real_engines(cpu: Deployment, tmp_path: Path) -> 
     assert long.ttft_s > long.prefill_s  # the KV hand-off and the decode's first step come after the leg
     assert prof.prefill_s_per_token > 0 and prof.decode_max_num_seqs == 8 and prof.prefill_max_batched_tokens > 0
     assert all(p.step_s > 0.002 for p in prof.decode)  # a CPU decode step is milliseconds, not microseconds
-    proc = cpu.pdctl("advise", str(out), "--isl", "64:0.8,512:0.2", "--osl", "32", "--engines", "2", "--json")
+    settings = str(cpu.dir / "settings.json")
+    proc = _pdctl("advise", str(out), "-s", settings, "--isl", "64:0.8,512:0.2", "--osl", "32", "--engines", "2",
+                  "--json", env=cpu.env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     advice = json.loads(proc.stdout)
     assert advice["verdict"] in ("pd", "colocated") and advice["capacity_rate"] > 0
