@@ -148,7 +148,9 @@ RULES: tuple[LintRule, ...] = (
              'gateway does not read them; another, adaptive gateway over the same workers may). The fix sets '
              '`prefix_view = "approx"`, or `pd_mode = "adaptive"`. An error when `prefill_policy` or '
              '`decode_policy` is `kv_aware` with `prefix_view = "approx"` (no events to read; the gateway refuses '
-             'to start): the fix sets `prefix_view = "exact"`, or the policy to `cache_aware`'),
+             'to start): the fix sets `prefix_view = "exact"`, or the policy to `cache_aware`. An error too when a '
+             'worker runs on another host and `routing.kv_events_host` is loopback (its events cannot reach the '
+             'gateway)'),
     LintRule(
         'PD038', 'warning',
         '`routing.prefill_policy` or `decode_policy` = `cache_aware` or `kv_aware`, or '
