@@ -430,7 +430,7 @@ async def _decode(
     ex.decode = inst.name
     keep: Kept | None = None
     if ex.wire == "openai" and migration.eligible(endpoint, body, ex.stream, ctx.settings.gateway.migration_limit):
-        keep = Kept(show_prompt_ids=bool(body.get("return_token_ids")))
+        keep = Kept(show_prompt_ids=bool(body.get("return_token_ids")), fold=migration.summary_event)
         body = migration.first_leg_body(body)
     payload = codec.encode(body)
     span = _leg(ex, ex.path if ex.path in _LEG_NAMES else "decode", inst, request_id)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -201,9 +202,12 @@ class Kept:
     """A migratable stream's events (:mod:`pdctl.gateway.migration` reads them if it breaks), and the prompt's
     token ids. The ids are there because the gateway asked vLLM for ``return_token_ids``: unless the client asked
     for them too, the client's copy of each event goes without them (the prompt's in the first event, each
-    choice's ``token_ids``), as vLLM would have sent it."""
+    choice's ``token_ids``), as vLLM would have sent it. ``fold`` (:func:`pdctl.gateway.migration.summary_event`,
+    handed in by whoever keeps a stream, so this module does not import migration) turns a long stream's older
+    pieces into one event that reads back the same; without it every piece is kept."""
 
     show_prompt_ids: bool = False
+    fold: Callable[[list[bytes], list[int] | None], bytes] | None = None
     events: list[bytes] = field(default_factory=list)
     prompt_ids: list[int] | None = None
     _looked: int = 0
@@ -222,11 +226,8 @@ class Kept:
                 if not self.show_prompt_ids:
                     chunk = chunk[:i] + b'"prompt_token_ids":null' + chunk[j + 1 :]
         self.events.append(chunk)
-        if len(self.events) >= KEEP_PIECES:
-            # Imported here: migration reads this module's Exchange, and folding is its knowledge of the events.
-            from pdctl.gateway.migration import summary_event
-
-            self.events[:-_KEEP_TAIL] = [summary_event(self.events[:-_KEEP_TAIL], self.prompt_ids)]
+        if self.fold is not None and len(self.events) >= KEEP_PIECES:
+            self.events[:-_KEEP_TAIL] = [self.fold(self.events[:-_KEEP_TAIL], self.prompt_ids)]
         return chunk if self.show_prompt_ids else _TOKEN_IDS.sub(b"", chunk)
 
 

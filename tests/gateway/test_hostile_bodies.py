@@ -13,7 +13,7 @@ import pytest
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
-from pdctl.gateway.migration import read_sent
+from pdctl.gateway.migration import read_sent, summary_event
 from pdctl.gateway.policy import MAX_SESSION_CHARS, session_hint
 from pdctl.gateway.request import (
     BODY_BYTES_PER_TOKEN,
@@ -171,7 +171,7 @@ def test_a_migratable_stream_keeps_what_a_continuation_needs_not_every_event() -
     chunks = [_chunk(i) for i in range(8000)]
     chunks.append(b'data: {"id":"cmpl-1","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n')
     chunks.append(b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":8000}}\n\n')
-    keep = Kept()
+    keep = Kept(fold=summary_event)
     for c in chunks:
         keep.add(c)
     assert len(keep.events) < KEEP_PIECES and sum(map(len, keep.events)) < sum(map(len, chunks)) // 10
