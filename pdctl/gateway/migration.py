@@ -340,7 +340,9 @@ def _count(ctx: Context, target: str, outcome: str) -> None:
 
 
 async def _end(ex: Exchange, rw: _Rewriter, usage: bool) -> None:
-    await ex.body((rw.usage() if usage else b"") + b"data: [DONE]\n\n")
+    # A worker killed between its [DONE] and the body's end breaks after the client has everything: nothing to add.
+    if not rw.sent.done:
+        await ex.body((rw.usage() if usage else b"") + b"data: [DONE]\n\n")
     ex.tokens = len(rw.sent.tokens)
 
 

@@ -413,3 +413,26 @@ def test_a_probe_timeout_keeps_a_busy_decode_and_ejects_a_silent_one() -> None:
         assert not decode.available()  # refused: out at once, however recent its last answer
 
     _run(workers, 1, test)
+
+
+def test_a_decode_that_breaks_after_its_done_ends_the_stream_once() -> None:
+    """decode-0 sends the whole answer and its [DONE], then its connection breaks (a SIGKILL between the last
+    event and the chunked body's end): the client's stream ends with one [DONE], not a second from the
+    migration's end."""
+    workers = MemoryWorkers()
+    workers["prefill"].script(_prefill())
+    end = b'data: {"id":"cmpl-d","choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"length"}]}\n\n'
+    workers["decode-0"].script(
+        MemoryReply.sse([_token("a", 7, [1, 2, 3]), _token("b", 8), end, DONE, TransportError("broken", "cut")])
+    )
+    replies: list[AsgiReply] = []
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "stream": True}
+
+    async def test(app: Gateway) -> None:
+        replies.append(await asyncio.wait_for(asgi_request(app, "/v1/completions", body), timeout=10))
+
+    settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"])
+    run_app(create_app(settings, KEY, clients=workers), test)
+    [reply] = replies
+    assert reply.body.count(b"[DONE]") == 1 and reply.body.endswith(DONE), reply.body
+    assert workers["decode-1"].completions() == []
