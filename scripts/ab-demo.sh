@@ -220,7 +220,11 @@ start_side() {
             "http://127.0.0.1:$port/health" 2>/dev/null; then
             return 0
         fi
-        kill -0 "$pid" 2>/dev/null || { echo "error: the $name gateway exited; see $OUT/$name-gateway.log" >&2; exit 1; }
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "error: the $name gateway exited; the end of $OUT/$name-gateway.log:" >&2
+            tail -n 15 "$OUT/$name-gateway.log" | sed 's/^/  /' >&2
+            exit 1
+        fi
         sleep 0.2
     done
 }
