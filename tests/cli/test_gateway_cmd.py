@@ -43,14 +43,15 @@ def _settings(tmp_path: Path, p: str, d: str, port: int, **gateway: object) -> P
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path, out: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdctl", "gateway", *args],
-        cwd=cwd,
-        env=env,
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with out.open("wb") as log:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdctl", "gateway", *args],
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _env(**extra: str) -> dict[str, str]:

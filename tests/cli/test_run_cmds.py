@@ -201,11 +201,12 @@ def test_detached_up_status_logs_down(deploy_dir: Path) -> None:
 
 def _start_foreground(d: Path) -> subprocess.Popen[str]:
     # Output to a file, not a pipe: an unread pipe would block pdctl's writes.
-    out = (d / "foreground.out").open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdctl", "up"], cwd=d, env=env(), stdout=out, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+    # The child holds its own copy of the descriptor, so the parent's closes at once.
+    with (d / "foreground.out").open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdctl", "up"], cwd=d, env=env(), stdout=out, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
 
 
 def _output(d: Path, proc: subprocess.Popen[str]) -> str:
