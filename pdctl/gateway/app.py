@@ -6,7 +6,7 @@ errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
     draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
       -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
       -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs; ``"auto"``:
-         the SLO autopilot's, :mod:`pdctl.gateway.autopilot`: local, whole on a prefill engine, or both legs)
+         the SLO autopilot's, :mod:`pdctl.gateway.routing.autopilot`: local, whole on a prefill engine, or both legs)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A client that leaves cancels the handler, and with it the worker calls (vLLM aborts the request when the
@@ -33,16 +33,12 @@ from typing import Any
 from pdctl.errors import ConfigError
 from pdctl.gateway import agent_sessions
 from pdctl.gateway.admission import Admission
-from pdctl.gateway.autopilot import Autopilot, Choice
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
 from pdctl.gateway.errors import ApiError, Wire
 from pdctl.gateway.keys import KeyEntry, KeyRing
-from pdctl.gateway.kv_view import KvEventSubscriber
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
-from pdctl.gateway.prefill_queue import PrefillQueue
-from pdctl.gateway.prefix import Decision, PrefixRouter
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
@@ -60,14 +56,13 @@ from pdctl.gateway.request import (
     validate,
     wire_of,
 )
-from pdctl.gateway.routing import Pool
+from pdctl.gateway.routing import Choice, Pool, RoutePlan, Router
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.gateway.tracing import Tracing, answer_text
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
-from pdctl.vllm.kv_events import bind_endpoint
 from pdctl.vllm.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
@@ -139,31 +134,11 @@ class Gateway:
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
-        prefix = None
-        self.kv_events: KvEventSubscriber | None = None
-        if settings.routing.routes_by_request:  # adaptive PD, or per-pool policies (pdctl.gateway.policy)
-            if settings.routing.reads_kv_events:
-                relay = settings.kv_events_connect
-                r = settings.routing
-                events = relay or bind_endpoint(r.kv_events_host, r.kv_events_port)
-                self.kv_events = KvEventSubscriber(
-                    events,
-                    self._count_kv_event,
-                    connect=relay is not None,
-                    allowed=self._known_instance,
-                    max_blocks=r.kv_events_max_blocks,
-                )
-            prefix = PrefixRouter(settings.routing, self.kv_events, lambda: self.admission.sec_per_token.mean)
-        limit = settings.routing.prefill_queue_tokens
-        queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
-        self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
-                              self.secrets, self.spawn, self.upstream, prefix, queue)  # fmt: skip
-        self.autopilot = (
-            Autopilot(settings.slo, prefix, self.metrics, queue)
-            if prefix is not None and settings.routing.pd_mode == "auto"
-            else None
-        )
-        """``routing.pd_mode = "auto"``: each request's path from the SLO and the learned costs."""
+        self.router = Router(settings, self.pool, self.metrics, lambda: self.admission.sec_per_token.mean)
+        self.kv_events = self.router.events
+        """The workers' KV cache events (``routing.prefix_view = "exact"``; None: not read)."""
+        self.legs = PdContext(settings, self.pool, self.router, self.metrics, self.admission,
+                              connector_kind(settings.connector), self.secrets, self.spawn, self.upstream)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -186,13 +161,6 @@ class Gateway:
             sources.setdefault(name, name)
         sim = [m.name for m in self.settings.models if m.engine == "sim"]
         await asyncio.to_thread(self.tokens.load, sources, sim)
-
-    def _known_instance(self, name: str) -> bool:
-        """Whether ``name`` is one of this deployment's workers, configured or discovered (a KV events topic)."""
-        return any(i.name == name for i in self.pool.instances)
-
-    def _count_kv_event(self, instance: str, event: str) -> None:
-        self.metrics.child(self.metrics.kv_events, instance, event).inc()
 
     async def _watch_keys(self) -> None:
         """Reload the keys file when it changes (checked every second; SIGHUP reloads at once)."""
@@ -363,13 +331,12 @@ class Gateway:
             pd = route == "local" and self.settings.routing.strategy != "colocated" and not req.colocated_only
             # Adaptive PD decides before admission: a request for the decode alone is judged without the prefill.
             plan = None
-            if pd and self.legs.prefix is not None:
+            if pd and self.router.by_request:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
                 who = agent_sessions.identify(lambda name: _header(scope, name), body)
-                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids, None, endpoint, who)
-                if self.autopilot is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
-                    choice = self.autopilot.choose(self.pool, plan)
-                    plan = choice.plan if choice is not None else plan
+                plan = self.router.plan(body, prompt_tokens, ids, endpoint, who)
+                if plan is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
+                    plan, choice = self.router.steer(plan)
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":
@@ -410,8 +377,8 @@ class Gateway:
                 self.limiter.release()
             self.in_flight -= 1
             self.metrics.gateway_in_flight.dec()
-            if choice is not None and self.autopilot is not None:
-                self.autopilot.finish(choice, ex)
+            if choice is not None:
+                self.router.finish(choice, ex)
             self._finish(ex, key_name)
 
     async def _fail(self, ex: Exchange, err: ApiError) -> None:
@@ -511,22 +478,12 @@ class Gateway:
         return req, route, prompt_tokens
 
     def _admit(
-        self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True, plan: Decision | None = None
+        self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True, plan: RoutePlan | None = None
     ) -> Route:
-        """The SLO predictor's verdict. When adaptive PD's ``plan`` serves the request on its decode alone, no
-        prefill queue is ahead of it and that decode computes only the prompt's uncached tokens; otherwise the
-        least loaded prefill's tokens are ahead, and a share of those waiting in the gateway's prefill queue."""
+        """The SLO predictor's verdict on the load ahead of the request (:meth:`Router.load_ahead`)."""
         if self.settings.routing.strategy == "colocated":
             return "local"
-        if plan is not None and plan.local and plan.decode is not None:
-            tokens, ahead, concurrency = plan.uncached_tokens, 0, plan.decode.in_flight
-        else:
-            prefill = self.pool.least_loaded(("prefill",))
-            tokens, ahead = prompt_tokens, prefill.in_flight_tokens if prefill is not None else 0
-            if self.legs.queue is not None and len(self.legs.queue):  # waiting in the gateway: ahead of it too
-                serving = sum(i.available() for i in self.pool.by_role("prefill"))  # (those down take none)
-                ahead += self.legs.queue.waiting_tokens() // max(1, serving)
-            concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
+        tokens, ahead, concurrency = self.router.load_ahead(plan, prompt_tokens)
         verdict = self.admission.decide(tokens, ahead, concurrency)
         if verdict.admit:
             return "local"

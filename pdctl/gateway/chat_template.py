@@ -7,7 +7,7 @@ the ``loopcontrols`` extension, a ``tojson`` that does not escape HTML, ``raise_
 renders it with ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the tokenizer's special
 tokens (``bos_token``, ``eos_token``, ...), then encodes the text with ``add_special_tokens=False``. This module
 does the same with jinja2 alone, so the gateway knows a chat's exact prompt token ids (adaptive PD's exact view,
-:mod:`pdctl.gateway.kv_view`) without importing transformers.
+:mod:`pdctl.gateway.routing.exact_view`) without importing transformers.
 
 Map:
 

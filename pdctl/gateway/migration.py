@@ -24,7 +24,6 @@ carrying token ids (a reasoning parser hides them). docs/reliability.md ("Migrat
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.routing import Instance, Pool
+from pdctl.gateway.routing import Instance, Pool, Router
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange
 from pdctl.vllm.transport import TransportError
@@ -73,14 +72,14 @@ class Context(Protocol):
     @property
     def pool(self) -> Pool: ...
     @property
+    def router(self) -> Router: ...
+    @property
     def metrics(self) -> GatewayMetrics: ...
     @property
     def secrets(self) -> tuple[str, ...]: ...
 
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
-#: How often the wait for a restarted decode probes it.
-_PROBE_EVERY_S = 0.5
 
 
 def eligible(endpoint: str, body: Mapping[str, Any], stream: bool, limit: int) -> bool:
@@ -314,7 +313,7 @@ async def resume(
             await ex.body(_frame({**rw.head(), "choices": [rw.choice("", [], "length", None)]}), more=True)
             sent.finish_reason = "length"
             continue
-        target, kind = await _target(ctx, broken, deadline)
+        target, kind = await ctx.router.migration_target(broken, deadline)
         if target is None:
             _count(ctx, "-", "no_target")
             raise err
@@ -344,26 +343,6 @@ async def _end(ex: Exchange, rw: _Rewriter, usage: bool) -> None:
     if not rw.sent.done:
         await ex.body((rw.usage() if usage else b"") + b"data: [DONE]\n\n")
     ex.tokens = len(rw.sent.tokens)
-
-
-async def _target(ctx: Context, failed: list[Instance], deadline: float) -> tuple[Instance | None, str]:
-    """Another decode; else a prefill serving the rest whole; else a decode (the dead one, restarted) once it
-    answers ``/health``. ``failed``: the workers this stream already broke on."""
-    pool = ctx.pool
-    others = [i for i in pool.by_role("decode") if i not in failed and i.available()]
-    if others:
-        return pool.choose(("decode",), among=others), "decode"
-    prefills = [i for i in pool.by_role("prefill") if i not in failed and i.available()]
-    if prefills:
-        return pool.choose(("prefill",), among=prefills), "prefill"
-    while time.monotonic() < deadline:
-        decodes = pool.by_role("decode")
-        await asyncio.gather(*(pool.probe(i) for i in decodes))
-        back = [i for i in decodes if i.healthy and i.available()]
-        if back:
-            return pool.choose(("decode",), among=back), "restarted"
-        await asyncio.sleep(_PROBE_EVERY_S)
-    return None, "-"
 
 
 async def _continue(ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:

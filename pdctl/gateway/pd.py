@@ -12,7 +12,7 @@ times (capped at :data:`MAX_PD_RETRIES`) and never after a byte reached the clie
 breaks after its first byte is continued elsewhere instead (:mod:`pdctl.gateway.migration`,
 ``gateway.migration_limit``).
 
-With ``routing.pd_mode = "adaptive"`` a :class:`pdctl.gateway.prefix.PrefixRouter` decides first, per request,
+With ``routing.pd_mode = "adaptive"`` a :class:`pdctl.gateway.routing.chooser.Chooser` decides first, per request,
 whether the chosen decode serves it alone (``x-pd-path: local``, counted in ``pdctl_pd_decisions_total``); a
 local attempt that fails before any byte reached the client takes the two legs instead. On the two legs the
 prefill and the decode are then chosen by their cached prefix too.
@@ -39,9 +39,7 @@ from pdctl.gateway import codec, migration
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.prefill_queue import PrefillQueue
-from pdctl.gateway.prefix import Decision, PrefixRouter
-from pdctl.gateway.routing import Instance, Pool, Role
+from pdctl.gateway.routing import Instance, Pool, Role, RoutePlan, Router
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.gateway.sse import Exchange, Kept, relay
 from pdctl.gateway.tracing import Leg
@@ -65,10 +63,12 @@ Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 @dataclass(frozen=True, slots=True)
 class PdContext:
-    """What the legs use of the gateway: the pool, metrics, the SLO predictor, settings and a spawn function."""
+    """What the legs use of the gateway: the router (every choice of instance), the pool (health), metrics, the SLO
+    predictor, settings and a spawn function."""
 
     settings: GatewaySettings
     pool: Pool
+    router: Router
     metrics: GatewayMetrics
     admission: Admission
     kind: ConnectorKind
@@ -78,10 +78,6 @@ class PdContext:
     spawn: Spawn
     upstream: Upstream | None = None
     """The upstream channel, for ``gateway.fallback = "upstream"``."""
-    prefix: PrefixRouter | None = None
-    """The per-request decision and cached-prefix choice (``routing.pd_mode = "adaptive"``); None: always two legs."""
-    queue: PrefillQueue | None = None
-    """The gateway's prefill queue (``routing.prefill_queue_tokens``); None: leg 1's prefill is chosen at once."""
 
 
 @dataclass(slots=True)
@@ -199,7 +195,7 @@ class _DecodeFailed(ApiError):
 
 
 async def serve_pd(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: Decision | None = None
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: RoutePlan | None = None
 ) -> None:
     """Leg 1 on a prefill, leg 2 on a decode, decode's answer relayed to the client.
 
@@ -209,8 +205,9 @@ async def serve_pd(
     when the caller made it already (for admission); else it is made here.
     """
     tried = 0  # pipelines tried before the two legs: 1 after a failed local attempt, whose id they must not reuse
-    if ctx.prefix is not None:
-        plan = plan or ctx.prefix.decide(ctx.pool, body, prompt_tokens)
+    if plan is None:
+        plan = ctx.router.plan(body, prompt_tokens)
+    if plan is not None:
         ex.decision = plan.log_fields()
         if plan.view == "exact" and plan.approx_cached_tokens is not None:
             m = ctx.metrics
@@ -231,7 +228,7 @@ async def serve_pd(
     for attempt in range(attempts):
         rid = ex.request_id if attempt + tried == 0 else f"{ex.request_id}-retry{attempt + tried}"
         last = attempt == attempts - 1
-        if ctx.pool.least_loaded(("prefill",)) is None:
+        if ctx.router.least_loaded(("prefill",)) is None:
             await _fallback(ctx, ex, endpoint, body, prompt_tokens, _no_instance(ctx, ("prefill",), "prefill"))
             return
         leg = await _leg1(ctx, ex, endpoint, body, prompt_tokens, rid, plan, failed)
@@ -261,12 +258,11 @@ async def serve_pd(
 
 
 async def _serve_local(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: Decision
+    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: RoutePlan
 ) -> bool:
     """The whole request on the decode ``plan`` chose, no prefill leg. False when that decode failed before any
     byte reached the client (the caller then takes the two legs)."""
-    assert ctx.prefix is not None
-    # The SLO autopilot's whole request on a prefill engine (pdctl.gateway.autopilot) is colocated's path.
+    # The SLO autopilot's whole request on a prefill engine (pdctl.gateway.routing.autopilot) is colocated's path.
     whole = plan.decode is not None and plan.decode.role == "prefill"
     ctx.metrics.child(ctx.metrics.pd_decisions, "whole" if whole else "local", plan.reason).inc()
     ex.path = "colocated" if whole else "local"
@@ -296,7 +292,7 @@ async def _fallback(
         log.warning("request %s: %s; sent to the upstream (gateway.fallback)", ex.request_id, err.message)
         await ctx.upstream.serve(ex, endpoint, body)
         return
-    if mode != "decode" or ctx.pool.least_loaded(("decode",)) is None:
+    if mode != "decode" or ctx.router.least_loaded(("decode",)) is None:
         raise err
     ctx.metrics.prefill_fallbacks.labels("decode", reason).inc()
     ex.path = "fallback"
@@ -311,19 +307,14 @@ async def _fallback(
 
 async def _leg1(
     ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str,
-    plan: Decision | None = None, failed: list[Instance] | None = None,
+    plan: RoutePlan | None = None, failed: list[Instance] | None = None,
 ) -> LegResult:  # fmt: skip
-    others = [i for i in ctx.pool.by_role("prefill") if i.available() and i not in failed] if failed else []
-    if others:  # a retry after a failed leg 1, whose prefill may have just died: another prefill
-        inst: Instance | None = ctx.pool.choose(("prefill",), among=others)
-    elif plan is not None and ctx.queue is not None:
-        inst = await ctx.queue.pick(ctx.pool, plan, max(0.05, ex.remaining()))
-        ex.decision = plan.log_fields()
-    elif plan is not None and ctx.prefix is not None:
-        inst = ctx.prefix.pick(ctx.pool, "prefill", plan)
-        ex.decision = plan.log_fields()
-    else:
-        inst = ctx.pool.choose(("prefill",))
+    # a retry after a failed leg 1, whose prefill may have just died: another prefill
+    inst = ctx.router.retry_prefill(failed) if failed else None
+    if inst is None:
+        inst = await ctx.router.take_prefill(plan, max(0.05, ex.remaining()))
+        if plan is not None and ctx.router.by_request:
+            ex.decision = plan.log_fields()
     if inst is None:
         raise _no_instance(ctx, ("prefill",), "prefill")
     ex.in_leg1 = True
@@ -337,13 +328,7 @@ async def _leg1(
         )
     finally:
         ex.in_leg1 = False
-        if plan is not None and ctx.prefix is not None:  # the prefill's views learn the prompt; leg 1 ends once
-            if leg is not None and leg.reply is not None:
-                ctx.prefix.record(inst, plan)
-            if ctx.queue is not None:
-                ctx.queue.release(ctx.pool, inst, plan)
-            else:
-                ctx.prefix.leg1_done(inst, plan)
+        ctx.router.prefill_done(inst, plan, leg is not None and leg.reply is not None)  # leg 1 ends once
     if ex.client_gone:  # the client left during leg 1: free what the prefill now holds, then end as cancelled
         if leg.reply is not None:
             ctx.spawn(_release(ctx, leg, endpoint, body, ex))
@@ -414,17 +399,14 @@ async def _decode(
     roles: tuple[Role, ...],
     what: str,
     source: Instance | None = None,
-    plan: Decision | None = None,
+    plan: RoutePlan | None = None,
 ) -> None:
     """Leg 2 (or the whole colocated request) on the least-loaded of ``roles``; ``source``: the prefill holding
     the KV this request pulls; ``plan``: the adaptive decision, whose decode is taken while it is available and
     whose prompt blocks that decode then holds."""
-    inst = plan.decode if plan is not None and plan.decode is not None and plan.decode.available() else None
-    inst = inst if inst is not None and inst.role in roles else None
-    if inst is None and plan is not None and ctx.prefix is not None:  # routing.decode_policy, with the request
-        inst = ctx.prefix.pick(ctx.pool, "decode", plan)
+    inst = ctx.router.take_decode(roles, plan)
+    if plan is not None and ctx.router.by_request:
         ex.decision = plan.log_fields()
-    inst = inst or ctx.pool.choose(roles)
     if inst is None:
         raise _no_instance(ctx, roles, what)
     ex.decode = inst.name
@@ -460,7 +442,7 @@ async def _decode_call(
     roles: tuple[Role, ...],
     what: str,
     source: Instance | None,
-    plan: Decision | None,
+    plan: RoutePlan | None,
     span: Leg | None,
     kept: tuple[Mapping[str, Any], Kept] | None = None,
 ) -> None:
@@ -519,8 +501,7 @@ async def _decode_call(
         result.completion_tokens = ex.tokens
     if not failed:
         ctx.pool.record_success(inst)
-        if plan is not None and ctx.prefix is not None:
-            ctx.prefix.record(inst, plan)
+        ctx.router.decode_done(inst, plan)
     elif result.error is not None:
         ctx.metrics.stream_errors.labels(result.error.code or "error").inc()
     ex.tokens = result.completion_tokens
@@ -585,7 +566,7 @@ async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[
         return
     dbody = build_decode_body(body, check.params)
     cap_output(dbody, endpoint)
-    inst = ctx.pool.choose(("decode",))
+    inst = ctx.router.release_target()
     if inst is None:
         ctx.metrics.kv_release.labels("no_decode").inc()
         return

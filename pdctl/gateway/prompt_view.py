@@ -1,6 +1,7 @@
 """A request's prompt as vLLM renders it: the same rewrites, done on the gateway's own copy, before its prefix view.
 
-The gateway's prefix views (:mod:`pdctl.gateway.prefix`, the approximate text hashes and the exact token ids) must
+The gateway's prefix views (:mod:`pdctl.gateway.routing.chooser`, the approximate text hashes and the exact token ids)
+must
 see the prompt the engine computes, not the bytes the client sent, or a prompt the engine serves from its prefix
 cache looks new to the gateway (adaptive PD sends it over both legs, cache-aware routing loses the session). vLLM
 0.32 rewrites an agent's request before rendering it; this module does the same rewrites, in the same order, and
@@ -33,7 +34,7 @@ What vLLM does, and where (vllm-project/vllm v0.32.0):
 
 A request whose rewrite is not known exactly (images, an unknown item or block type, ``continue_final_message``,
 invalid shapes that vLLM answers with a 400) gives None: the exact view then declines the request and the
-approximate view reads the raw body (:func:`pdctl.gateway.prefix.prompt_text`).
+approximate view reads the raw body (:func:`pdctl.gateway.routing.approx_view.prompt_text`).
 
 Map: :func:`chat_request` (endpoint + body → :class:`ChatRequest`, the chat request vLLM renders),
 :func:`conversation` (→ the messages the template sees), :func:`strip_billing`, :func:`canonical_text` (the

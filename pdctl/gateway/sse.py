@@ -80,7 +80,7 @@ class Exchange:
     error_code: str | None = None
     fallback_reason: str | None = None
     decision: str | None = None
-    """``routing.pd_mode = "adaptive"``: the decision's access-log fields (``prefix.Decision.log_fields``)."""
+    """``routing.pd_mode = "adaptive"``: the decision's access-log fields (``RoutePlan.log_fields``)."""
     kv: dict[str, Any] = field(default_factory=dict)
     migrations: int = 0
     """Times the stream was continued on another worker (:mod:`pdctl.gateway.migration`)."""

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from pdctl.gateway.agent_sessions import MAX_SESSION_CHARS, session_hint
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.migration import read_sent, summary_event
-from pdctl.gateway.policy import MAX_SESSION_CHARS, session_hint
 from pdctl.gateway.request import (
     BODY_BYTES_PER_TOKEN,
     BODY_MARGIN_BYTES,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pdctl.gateway import prompt_view
 from pdctl.gateway.chat_template import ChatTemplate
-from pdctl.gateway.prefix import block_hashes, prompt_text
+from pdctl.gateway.routing.approx_view import block_hashes, prompt_text
 from tests.agent_corpus import TOOLS_TEMPLATE, claude_code, codex, opencode
 
 LINE = "x-anthropic-billing-header: cc_version=2.1.177.01c; cc_entrypoint=cli; cch=36ee5;"
