@@ -40,6 +40,7 @@ from pdctl.gateway.keys import KeyEntry, KeyRing
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
+from pdctl.gateway.record import RequestRecord
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
     COUNT_TOKENS_PATH,
@@ -58,7 +59,6 @@ from pdctl.gateway.request import (
 )
 from pdctl.gateway.routing import Choice, Pool, RoutePlan, Router
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.gateway.tracing import Tracing, answer_text
 from pdctl.gateway.upstream import Upstream
@@ -284,7 +284,7 @@ class Gateway:
         started = time.monotonic()
         rid_header = _header(scope, b"x-request-id")
         rid = _clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"  # the form of uuid4().hex, without a UUID object
-        ex = Exchange(send=send, request_id=rid, started=started,
+        ex = RequestRecord(send=send, request_id=rid, started=started,
                       deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint),
                       trace=self.tracing.start("POST", endpoint, _header(scope, b"traceparent"),
                                                _header(scope, b"tracestate")))  # fmt: skip
@@ -381,13 +381,13 @@ class Gateway:
                 self.router.finish(choice, ex)
             self._finish(ex, key_name)
 
-    async def _fail(self, ex: Exchange, err: ApiError) -> None:
+    async def _fail(self, ex: RequestRecord, err: ApiError) -> None:
         with contextlib.suppress(Exception):
             await ex.fail(err)
         if not ex.status:
             ex.status = err.status
 
-    def _finish(self, ex: Exchange, key_name: str) -> None:
+    def _finish(self, ex: RequestRecord, key_name: str) -> None:
         duration = time.monotonic() - ex.started
         status_label = ex.outcome()
         m = self.metrics
@@ -399,10 +399,10 @@ class Gateway:
         if ex.trace is not None and ex.trace.recording:
             if ex.transcript:
                 ex.trace.answer(answer_text(b"".join(ex.transcript), ex.stream))
-            ex.trace.end(_span_attributes(ex, status_label), status_label == "stream_error" or ex.status >= 500)
+            ex.trace.end(ex.span_attributes(status_label), status_label == "stream_error" or ex.status >= 500)
         access.info(ex.access_line(status_label, duration))
 
-    async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
+    async def _read_body(self, scope: Scope, receive: Receive, ex: RequestRecord) -> bytes:
         g = self.settings.gateway
         limit = body_limit(g.max_body_bytes, self.local_models().values(), self.upstream is not None)
         length = _header(scope, b"content-length")
@@ -430,7 +430,7 @@ class Gateway:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _passthrough(self, ex: Exchange, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
+    async def _passthrough(self, ex: RequestRecord, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
         """``/v1/embeddings``, ``/tokenize``, ``/v1/messages/count_tokens``: a local model's request to a worker,
         any other embeddings request to the upstream (when the key may use it)."""
         model = body.get("model")
@@ -452,7 +452,7 @@ class Gateway:
         await serve_colocated(self.legs, ex, endpoint, body, 1, ("decode", "prefill"))
 
     async def _check(
-        self, body: dict[str, Any], endpoint: str, ex: Exchange, entry: KeyEntry
+        self, body: dict[str, Any], endpoint: str, ex: RequestRecord, entry: KeyEntry
     ) -> tuple[CompletionRequest, Route, int]:
         """Validate ``body``, count its prompt tokens, route its model once and check the key may use it.
 
@@ -478,7 +478,7 @@ class Gateway:
         return req, route, prompt_tokens
 
     def _admit(
-        self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True, plan: RoutePlan | None = None
+        self, ex: RequestRecord, prompt_tokens: int, may_overflow: bool = True, plan: RoutePlan | None = None
     ) -> Route:
         """The SLO predictor's verdict on the load ahead of the request (:meth:`Router.load_ahead`)."""
         if self.settings.routing.strategy == "colocated":
@@ -500,7 +500,7 @@ class Gateway:
         )  # fmt: skip
 
 
-def _client_gone(ex: Exchange, task: asyncio.Task[Any] | None) -> Callable[[], None]:
+def _client_gone(ex: RequestRecord, task: asyncio.Task[Any] | None) -> Callable[[], None]:
     """What a client's disconnect does to its request: cancels the handler, or during leg 1 only marks it."""
 
     def gone() -> None:
@@ -519,29 +519,6 @@ async def _watch_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
         if message["type"] == "http.disconnect":
             gone()
             return
-
-
-def _span_attributes(ex: Exchange, outcome: str) -> dict[str, str | int | float | bool]:
-    """The server span's outcome attributes: names, counts and statuses, never request or response content."""
-    attrs: dict[str, str | int | float | bool] = {
-        "pdctl.request_id": ex.request_id, "gen_ai.request.model": ex.model, "pdctl.pd_path": ex.path,
-        "http.response.status_code": ex.status or 500, "pdctl.outcome": outcome, "pdctl.stream": ex.stream,
-    }  # fmt: skip
-    if ex.prefill:
-        attrs["pdctl.prefill"] = ex.prefill
-    if ex.decode:
-        attrs["pdctl.decode"] = ex.decode
-    if ex.error_code:
-        attrs["error.type"] = ex.error_code
-    if ex.fallback_reason:
-        attrs["pdctl.fallback_reason"] = ex.fallback_reason
-    if ex.ttft_s is not None:
-        attrs["pdctl.ttft_ms"] = round(ex.ttft_s * 1000.0, 3)
-    if ex.prompt_tokens is not None:
-        attrs["gen_ai.usage.input_tokens"] = ex.prompt_tokens
-    if ex.tokens is not None:
-        attrs["gen_ai.usage.output_tokens"] = ex.tokens
-    return attrs
 
 
 def _client_key(scope: Scope, endpoint: str) -> bytes | None:

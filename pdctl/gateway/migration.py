@@ -2,7 +2,7 @@
 
 The first leg asks vLLM for ``return_token_ids`` (:func:`first_leg_body`): its first event then carries the
 prompt's token ids (stripped from what the client sees unless it asked for them) and every event the ids of its
-tokens. The relay keeps the events it forwarded (:func:`pdctl.gateway.sse.relay`'s ``keep``); only when the stream
+tokens. The relay keeps the events it forwarded (:func:`pdctl.gateway.relay.relay`'s ``keep``); only when the stream
 breaks are they read (:func:`read_sent`), so an unbroken stream costs one list append per piece.
 
 :func:`resume` then re-issues the request, at most ``gateway.migration_limit`` times, as a ``/v1/completions``
@@ -35,9 +35,9 @@ from typing import Any, Protocol
 from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.record import RequestRecord
 from pdctl.gateway.routing import Instance, Pool, Router
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange
 from pdctl.vllm.transport import TransportError
 
 __all__ = ["MIGRATABLE", "Context", "Sent", "eligible", "first_leg_body", "read_sent", "resume", "summary_event"]
@@ -138,7 +138,7 @@ def _events(data: bytes) -> list[Any]:
 
 def read_sent(kept: list[bytes], prompt_ids: list[int] | None) -> Sent:
     """The forwarded events' ids, token ids, finish and usage; ``prompt_ids``: those the relay took out of the
-    first event (see :func:`pdctl.gateway.sse.relay`)."""
+    first event (see :func:`pdctl.gateway.relay.relay`)."""
     sent = Sent(prompt_ids=prompt_ids)
     for ev in _events(b"".join(kept)):
         _note(sent, ev)
@@ -146,7 +146,7 @@ def read_sent(kept: list[bytes], prompt_ids: list[int] | None) -> Sent:
 
 
 def summary_event(kept: list[bytes], prompt_ids: list[int] | None) -> bytes:
-    """One event that :func:`read_sent` reads as it reads ``kept`` (:class:`pdctl.gateway.sse.Kept` folds a long
+    """One event that :func:`read_sent` reads as it reads ``kept`` (:class:`pdctl.gateway.relay.Kept` folds a long
     stream's older pieces into it, so a migratable stream keeps its token ids, not every event)."""
     sent = read_sent(kept, prompt_ids)
     choice: dict[str, Any] = {"index": 0, "token_ids": sent.tokens, "finish_reason": sent.finish_reason}
@@ -288,7 +288,7 @@ def _wants_usage(body: Mapping[str, Any]) -> bool:
 
 
 async def resume(
-    ctx: Context, ex: Exchange, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
+    ctx: Context, ex: RequestRecord, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
     err: ApiError, with_ids: bool,
 ) -> None:  # fmt: skip
     """Continue a broken stream (module docstring); raises the last error when it cannot. ``body``: the first
@@ -338,14 +338,14 @@ def _count(ctx: Context, target: str, outcome: str) -> None:
     ctx.metrics.child(ctx.metrics.migrations, target, outcome).inc()
 
 
-async def _end(ex: Exchange, rw: _Rewriter, usage: bool) -> None:
+async def _end(ex: RequestRecord, rw: _Rewriter, usage: bool) -> None:
     # A worker killed between its [DONE] and the body's end breaks after the client has everything: nothing to add.
     if not rw.sent.done:
         await ex.body((rw.usage() if usage else b"") + b"data: [DONE]\n\n")
     ex.tokens = len(rw.sent.tokens)
 
 
-async def _continue(ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:
+async def _continue(ctx: Context, ex: RequestRecord, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:
     """One continuation call, its events rewritten into the client's stream; ApiError when it breaks."""
     rid = f"{ex.request_id}-migrated{ex.migrations}"
     headers = {"content-type": "application/json", "x-request-id": rid}
@@ -366,7 +366,7 @@ async def _continue(ctx: Context, ex: Exchange, inst: Instance, body: dict[str, 
 
 
 async def _call(
-    ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], headers: dict[str, str], rw: _Rewriter
+    ctx: Context, ex: RequestRecord, inst: Instance, body: dict[str, Any], headers: dict[str, str], rw: _Rewriter
 ) -> int:
     try:
         resp = await inst.client.request("POST", COMPLETIONS, body=codec.encode(body), headers=headers)
@@ -390,7 +390,7 @@ async def _call(
     return resp.status
 
 
-async def _relay_continuation(ctx: Context, ex: Exchange, inst: Instance, resp: Any, rw: _Rewriter) -> None:
+async def _relay_continuation(ctx: Context, ex: RequestRecord, inst: Instance, resp: Any, rw: _Rewriter) -> None:
     pending = b""
     while True:
         try:

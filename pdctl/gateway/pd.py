@@ -1,7 +1,7 @@
 """The PD two-leg flow (and ``colocated``), built on :mod:`pdctl.vllm.protocol`.
 
 Leg 1 goes to the least-loaded prefill, one attempt at a time, in the request's own task, which a client
-disconnect does not cancel meanwhile (:attr:`pdctl.gateway.sse.Exchange.in_leg1`): a prefill that finished holds
+disconnect does not cancel meanwhile (:attr:`pdctl.gateway.record.RequestRecord.in_leg1`): a prefill that finished holds
 KV blocks until decode reads them, so when the client left during leg 1 the gateway still finishes it and then
 sends a *release leg* (the decode body with ``max_tokens = 1``, not streamed) so decode pulls and frees the
 blocks at once instead of after ``kv_lease_duration``. No task of its own for leg 1: each task hand-over costs a
@@ -39,9 +39,10 @@ from pdctl.gateway import codec, migration
 from pdctl.gateway.admission import Admission
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.relay import Kept, relay
 from pdctl.gateway.routing import Instance, Pool, Role, RoutePlan, Router
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange, Kept, relay
 from pdctl.gateway.tracing import Leg
 from pdctl.gateway.upstream import Upstream
 from pdctl.vllm.protocol import ConnectorKind, build_decode_body, build_prefill_body, cap_output, check_kv_params
@@ -99,7 +100,7 @@ def _headers(request_id: str, leg: Leg | None = None) -> dict[str, str]:
     return headers
 
 
-def _leg(ex: Exchange, name: str, inst: Instance, request_id: str) -> Leg | None:
+def _leg(ex: RequestRecord, name: str, inst: Instance, request_id: str) -> Leg | None:
     """The worker call's trace headers and span (:mod:`pdctl.gateway.tracing`); None without a trace."""
     return ex.trace.leg(name, inst.name, request_id) if ex.trace is not None else None
 
@@ -195,7 +196,12 @@ class _DecodeFailed(ApiError):
 
 
 async def serve_pd(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: RoutePlan | None = None
+    ctx: PdContext,
+    ex: RequestRecord,
+    endpoint: str,
+    body: dict[str, Any],
+    prompt_tokens: int,
+    plan: RoutePlan | None = None,
 ) -> None:
     """Leg 1 on a prefill, leg 2 on a decode, decode's answer relayed to the client.
 
@@ -258,7 +264,7 @@ async def serve_pd(
 
 
 async def _serve_local(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: RoutePlan
+    ctx: PdContext, ex: RequestRecord, endpoint: str, body: dict[str, Any], prompt_tokens: int, plan: RoutePlan
 ) -> bool:
     """The whole request on the decode ``plan`` chose, no prefill leg. False when that decode failed before any
     byte reached the client (the caller then takes the two legs)."""
@@ -281,7 +287,7 @@ async def _serve_local(
 
 
 async def _fallback(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, err: ApiError
+    ctx: PdContext, ex: RequestRecord, endpoint: str, body: dict[str, Any], prompt_tokens: int, err: ApiError
 ) -> None:
     """No prefill could serve the request: ``gateway.fallback`` decides where it goes, or ``err`` is answered."""
     mode = ctx.settings.gateway.fallback
@@ -306,7 +312,7 @@ async def _fallback(
 
 
 async def _leg1(
-    ctx: PdContext, ex: Exchange, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str,
+    ctx: PdContext, ex: RequestRecord, endpoint: str, body: dict[str, Any], prompt_tokens: int, rid: str,
     plan: RoutePlan | None = None, failed: list[Instance] | None = None,
 ) -> LegResult:  # fmt: skip
     # a retry after a failed leg 1, whose prefill may have just died: another prefill
@@ -346,7 +352,7 @@ async def _leg1(
     return leg
 
 
-def _decode_body(ctx: PdContext, ex: Exchange, body: dict[str, Any], leg: LegResult) -> dict[str, Any]:
+def _decode_body(ctx: PdContext, ex: RequestRecord, body: dict[str, Any], leg: LegResult) -> dict[str, Any]:
     assert leg.reply is not None
     params: Mapping[str, Any] | None = None
     ex.path = "disagg"
@@ -378,7 +384,7 @@ def _decode_body(ctx: PdContext, ex: Exchange, body: dict[str, Any], leg: LegRes
 
 async def serve_colocated(
     ctx: PdContext,
-    ex: Exchange,
+    ex: RequestRecord,
     endpoint: str,
     body: dict[str, Any],
     prompt_tokens: int,
@@ -391,7 +397,7 @@ async def serve_colocated(
 
 async def _decode(
     ctx: PdContext,
-    ex: Exchange,
+    ex: RequestRecord,
     endpoint: str,
     body: Mapping[str, Any],
     request_id: str,
@@ -433,7 +439,7 @@ async def _decode(
 
 async def _decode_call(
     ctx: PdContext,
-    ex: Exchange,
+    ex: RequestRecord,
     inst: Instance,
     endpoint: str,
     payload: bytes,
@@ -520,7 +526,12 @@ async def _decode_call(
 
 
 async def _migrate(
-    ctx: PdContext, ex: Exchange, endpoint: str, kept: tuple[Mapping[str, Any], Kept], inst: Instance, err: ApiError
+    ctx: PdContext,
+    ex: RequestRecord,
+    endpoint: str,
+    kept: tuple[Mapping[str, Any], Kept],
+    inst: Instance,
+    err: ApiError,
 ) -> ApiError | None:
     """Continue a stream that broke after its first byte (:mod:`pdctl.gateway.migration`); the error, answered as
     the stream's last event, when it could not be."""
@@ -557,7 +568,7 @@ async def _blame(ctx: PdContext, decode: Instance, prefill: Instance) -> None:
         ctx.pool.record_failure(decode)
 
 
-async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[str, Any], ex: Exchange) -> None:
+async def _release(ctx: PdContext, leg: LegResult, endpoint: str, body: Mapping[str, Any], ex: RequestRecord) -> None:
     """The client left during leg 1, which finished: have decode pull (and so free) the blocks."""
     assert leg.reply is not None
     check = check_kv_params(leg.reply)

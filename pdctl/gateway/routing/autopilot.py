@@ -35,12 +35,12 @@ from typing import Literal
 
 from pdctl.config import SLOConfig
 from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.record import RequestRecord
 from pdctl.gateway.routing.chooser import Chooser
 from pdctl.gateway.routing.costs import CostModel, Path, Prediction
 from pdctl.gateway.routing.plan import RoutePlan
 from pdctl.gateway.routing.pool import Instance, Pool
 from pdctl.gateway.routing.prefill_queue import PrefillQueue
-from pdctl.gateway.sse import Exchange
 
 __all__ = ["RANK", "Autopilot", "Candidate", "Choice", "Kind", "log_fields"]
 
@@ -159,7 +159,7 @@ class Autopilot:
             self._streams[best.decode.name] = self._streams.get(best.decode.name, 0) + 1
         return Choice(chosen, best, cands, now)
 
-    def finish(self, choice: Choice, ex: Exchange) -> None:
+    def finish(self, choice: Choice, ex: RequestRecord) -> None:
         """The request ended: learn from what it took, observe the predictor's error (once per choice)."""
         if choice.done:
             return

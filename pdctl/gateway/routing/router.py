@@ -35,6 +35,7 @@ from typing import Any
 from pdctl.errors import ConfigError
 from pdctl.gateway import agent_sessions
 from pdctl.gateway.metrics import GatewayMetrics
+from pdctl.gateway.record import RequestRecord
 from pdctl.gateway.routing.autopilot import Autopilot, Choice
 from pdctl.gateway.routing.chooser import Chooser
 from pdctl.gateway.routing.kv_events import KvEventSubscriber
@@ -42,7 +43,6 @@ from pdctl.gateway.routing.plan import RoutePlan
 from pdctl.gateway.routing.pool import Instance, Pool, Role
 from pdctl.gateway.routing.prefill_queue import PrefillQueue
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange
 from pdctl.vllm.kv_events import bind_endpoint
 
 __all__ = ["PROBE_EVERY_S", "Router"]
@@ -116,7 +116,7 @@ class Router:
         choice = self.autopilot.choose(self.pool, plan) if self.autopilot is not None else None
         return (choice.plan if choice is not None else plan), choice
 
-    def finish(self, choice: Choice, ex: Exchange) -> None:
+    def finish(self, choice: Choice, ex: RequestRecord) -> None:
         """The request of an autopilot ``choice`` ended (:meth:`pdctl.gateway.routing.autopilot.Autopilot.finish`)."""
         if self.autopilot is not None:
             self.autopilot.finish(choice, ex)
