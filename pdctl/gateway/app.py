@@ -26,25 +26,25 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 from pdctl.errors import ConfigError
-from pdctl.gateway import agent_sessions
+from pdctl.gateway import agent_sessions, asgi
 from pdctl.gateway.admission import Admission
+from pdctl.gateway.asgi import Receive, Scope, Send
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
-from pdctl.gateway.errors import ApiError, Wire
+from pdctl.gateway.errors import ApiError
 from pdctl.gateway.keys import KeyEntry, KeyRing
+from pdctl.gateway.legs import PdContext
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
+from pdctl.gateway.pd import serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
 from pdctl.gateway.record import RequestRecord
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
-    COUNT_TOKENS_PATH,
-    MESSAGES_PATH,
     PASSTHROUGH_PATHS,
     CompletionRequest,
     Route,
@@ -67,15 +67,8 @@ from pdctl.vllm.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 log = logging.getLogger("pdctl.gateway")
 access = logging.getLogger("pdctl.gateway.access")
-
-_JSON = b"application/json"
 
 
 class Gateway:
@@ -218,11 +211,11 @@ class Gateway:
         if path in COMPLETION_PATHS or path in PASSTHROUGH_PATHS:
             if method != "POST":
                 err = ApiError(405, f"use POST for {path}", code="method_not_allowed")
-                await _plain_error(send, err, wire_of(path))
+                await asgi.plain_error(send, err, wire_of(path))
                 return
             await self._completion(scope, receive, send, path)
         elif path == "/health" and method in ("GET", "HEAD"):
-            await _json(send, 200, b'{"status":"ok"}')
+            await asgi.json_response(send, 200, b'{"status":"ok"}')
         elif path == "/ready" and method in ("GET", "HEAD"):
             ready = self.pool.ready() and not self.draining
             self.metrics.ready.set(1 if ready else 0)
@@ -230,23 +223,23 @@ class Gateway:
                 {"name": i.name, "role": i.role, "url": i.url, "state": i.state, "healthy": i.healthy,
                  "breaker_open": i.breaker_open, "in_flight": i.in_flight}
                 for i in self.pool.instances]}).encode()  # fmt: skip
-            await _json(send, 200 if ready else 503, body)
+            await asgi.json_response(send, 200 if ready else 503, body)
         elif path == "/metrics" and method == "GET":
-            if self.metrics_need_key and self.keys.identify(_header(scope, b"authorization")) is None:
-                await _plain_error(send, _auth_error())
+            if self.metrics_need_key and self.keys.identify(asgi.header(scope, b"authorization")) is None:
+                await asgi.plain_error(send, asgi.auth_error())
                 return
             self.metrics.tasks.set(len(asyncio.all_tasks()))
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})  # fmt: skip
             await send({"type": "http.response.body", "body": self.metrics.render()})
         elif path == "/v1/models" and method == "GET":
-            entry = self.keys.identify(_header(scope, b"authorization"))
+            entry = self.keys.identify(asgi.header(scope, b"authorization"))
             if entry is None:
-                await _plain_error(send, _auth_error())
+                await asgi.plain_error(send, asgi.auth_error())
                 return
             await self._models(send, entry)
         else:
-            await _plain_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
+            await asgi.plain_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -276,18 +269,19 @@ class Gateway:
                 if m["id"] not in local and entry.may_use(m["id"]):
                     data.append({"id": m["id"], "object": "model", "created": m.get("created", now),
                                  "owned_by": m.get("owned_by", "upstream")})  # fmt: skip
-        await _json(send, 200, json.dumps({"object": "list", "data": data}).encode())
+        await asgi.json_response(send, 200, json.dumps({"object": "list", "data": data}).encode())
 
     # ----------------------------------------------------------------------------------- completions
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         started = time.monotonic()
-        rid_header = _header(scope, b"x-request-id")
-        rid = _clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"  # the form of uuid4().hex, without a UUID object
+        rid_header = asgi.header(scope, b"x-request-id")
+        # the form of uuid4().hex, without a UUID object
+        rid = asgi.clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"
         ex = RequestRecord(send=send, request_id=rid, started=started,
-                      deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint),
-                      trace=self.tracing.start("POST", endpoint, _header(scope, b"traceparent"),
-                                               _header(scope, b"tracestate")))  # fmt: skip
+                           deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint),
+                           trace=self.tracing.start("POST", endpoint, asgi.header(scope, b"traceparent"),
+                                                    asgi.header(scope, b"tracestate")))  # fmt: skip
         self.in_flight += 1
         self.metrics.accepted.inc()
         self.metrics.gateway_in_flight.inc()
@@ -298,9 +292,9 @@ class Gateway:
         try:
             if self.draining:
                 raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
-            entry = self.keys.identify(_client_key(scope, endpoint))
+            entry = self.keys.identify(asgi.client_key(scope, endpoint))
             if entry is None:
-                raise _auth_error()
+                raise asgi.auth_error()
             key_name = entry.name
             ex.upstream_allowed = entry.upstream
             if (limiter := self.keys.limiters.get(entry.name)) is not None:
@@ -311,9 +305,9 @@ class Gateway:
             if ex.trace is not None and ex.trace.wants_content:
                 ex.trace.prompt(body)
                 ex.transcript = []
-            gone = _client_gone(ex, asyncio.current_task())
+            gone = asgi.client_gone(ex, asyncio.current_task())
             if not watch_disconnect(send, gone):
-                watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+                watcher = asyncio.ensure_future(asgi.watch_disconnect(receive, gone))
             if endpoint in PASSTHROUGH_PATHS:
                 await self._passthrough(ex, endpoint, body, entry)
                 return
@@ -321,7 +315,7 @@ class Gateway:
             tokens = prompt_tokens + (req.max_tokens or 0)
             limiter = self.keys.limiters.get(entry.name)
             if limiter is None:  # revoked by a reload while this request was being read
-                raise _auth_error()
+                raise asgi.auth_error()
             limiter.check(tokens, entry.name)
             self.limiter.check(tokens)
             limiter.charge(tokens)
@@ -333,7 +327,7 @@ class Gateway:
             plan = None
             if pd and self.router.by_request:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
-                who = agent_sessions.identify(lambda name: _header(scope, name), body)
+                who = agent_sessions.identify(lambda name: asgi.header(scope, name), body)
                 plan = self.router.plan(body, prompt_tokens, ids, endpoint, who)
                 if plan is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
                     plan, choice = self.router.steer(plan)
@@ -403,32 +397,10 @@ class Gateway:
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: RequestRecord) -> bytes:
-        g = self.settings.gateway
-        limit = body_limit(g.max_body_bytes, self.local_models().values(), self.upstream is not None)
-        length = _header(scope, b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                raise ApiError(400, "invalid Content-Length", code="invalid_request") from None
-            if declared > limit:
-                raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes "
-                               "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                ex.client_gone = True
-                raise asyncio.CancelledError
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes (gateway.max_body_bytes)",
-                               code="request_too_large")  # fmt: skip
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        limit = body_limit(
+            self.settings.gateway.max_body_bytes, self.local_models().values(), self.upstream is not None
+        )
+        return await asgi.read_body(scope, receive, ex, limit)
 
     async def _passthrough(self, ex: RequestRecord, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
         """``/v1/embeddings``, ``/tokenize``, ``/v1/messages/count_tokens``: a local model's request to a worker,
@@ -498,70 +470,6 @@ class Gateway:
             type="server_error", code="server_overloaded", retry_after_s=verdict.retry_after_s,
             should_retry=False, reason=f"slo_{verdict.reason}",
         )  # fmt: skip
-
-
-def _client_gone(ex: RequestRecord, task: asyncio.Task[Any] | None) -> Callable[[], None]:
-    """What a client's disconnect does to its request: cancels the handler, or during leg 1 only marks it."""
-
-    def gone() -> None:
-        if not ex.finished and task is not None:
-            ex.client_gone = True
-            if not ex.in_leg1:  # leg 1 runs on and frees its KV after (pdctl.gateway.pd)
-                task.cancel()
-
-    return gone
-
-
-async def _watch_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
-    """The ASGI way, under a server without :func:`pdctl.gateway.direct.watch_disconnect`: a task per request."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            gone()
-            return
-
-
-def _client_key(scope: Scope, endpoint: str) -> bytes | None:
-    """The client's ``Authorization``; on ``/v1/messages`` Anthropic's ``x-api-key`` too (the anthropic SDK's
-    default, and Claude Code's with ``ANTHROPIC_API_KEY``), as the same bearer key."""
-    auth = _header(scope, b"authorization")
-    if auth is None and endpoint in (MESSAGES_PATH, COUNT_TOKENS_PATH):
-        key = _header(scope, b"x-api-key")
-        return b"Bearer " + key if key is not None else None
-    return auth
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v)
-    return None
-
-
-def _clean_id(value: bytes | None) -> str | None:
-    if not value:
-        return None
-    text = value.decode("latin-1").strip()
-    if not text or len(text) > 128 or not all(c.isalnum() or c in "-_.:" for c in text):
-        return None
-    return text
-
-
-def _auth_error() -> ApiError:
-    return ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
-
-
-async def _json(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _plain_error(send: Send, err: ApiError, wire: Wire = "openai") -> None:
-    body = err.body(wire)
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *err.headers()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(

@@ -65,7 +65,7 @@ _NOT_MIGRATED_CHAT = ("logprobs", "top_logprobs")
 
 
 class Context(Protocol):
-    """What a migration uses of the gateway (:class:`pdctl.gateway.pd.PdContext` has it)."""
+    """What a migration uses of the gateway (:class:`pdctl.gateway.legs.PdContext` has it)."""
 
     @property
     def settings(self) -> GatewaySettings: ...

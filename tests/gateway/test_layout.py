@@ -11,7 +11,7 @@ import pdctl.gateway
 PACKAGE = Path(pdctl.gateway.__file__).parent
 PREFIX = "pdctl.gateway."
 #: The modules whose choice of instance goes through :class:`pdctl.gateway.routing.Router` alone.
-ROUTED = ("pd", "app", "migration")
+ROUTED = ("pd", "legs", "app", "migration")
 
 
 def _modules(path: Path) -> list[str]:
@@ -66,7 +66,7 @@ def test_gateway_package_has_no_import_cycle() -> None:
 
 
 def test_request_paths_choose_instances_only_through_the_router() -> None:
-    """pd, app and migration import the routing package itself (its facade), never its modules."""
+    """pd, legs, app and migration import the routing package itself (its facade), never its modules."""
     for name in ROUTED:
         deep = [m for m in _modules(PACKAGE / f"{name}.py") if m.startswith(f"{PREFIX}routing.")]
         assert deep == [], f"{name}.py imports routing internals {deep}: use pdctl.gateway.routing.Router"
