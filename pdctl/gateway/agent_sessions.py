@@ -141,7 +141,7 @@ class Break:
 
 
 def _parts(parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, Location, int, int]]:
-    """(name, location, hash, characters) of :func:`pdctl.gateway.prompt_view.prompt_parts`' parts."""
+    """(name, location, hash, characters) of :func:`pdctl.gateway.conversation.prompt_parts`' parts."""
     last_other = max((i for i, p in enumerate(parts) if p[1] not in ("system", "tools")), default=-1)
     out: list[tuple[str, Location, int, int]] = []
     for i, (name, role, text) in enumerate(parts):
@@ -176,7 +176,7 @@ class CacheBreaks:
         self, session: str, prompt: Sequence[tuple[str, str, str]], prompt_tokens: int,
         ids: Sequence[int] | None = None,
     ) -> Break | None:  # fmt: skip
-        """Compare this turn (its :func:`pdctl.gateway.prompt_view.prompt_parts`) with ``session``'s previous one
+        """Compare this turn (its :func:`pdctl.gateway.conversation.prompt_parts`) with ``session``'s previous one
         (None: its first turn here), then remember this one."""
         parts = _parts(prompt)
         turn = _Turn(parts, tuple(ids) if ids is not None else None)

@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pdctl.gateway import prompt_view
+from pdctl.gateway import conversation, prompt_view
 
 __all__ = ["ChatTemplate"]
 
@@ -76,9 +76,9 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self._template = env.from_string(source)
-        self.content_format = prompt_view.content_format(source)
+        self.content_format = conversation.content_format(source)
         """``string`` or ``openai``: how the template reads a message's content."""
-        self.merge_system = prompt_view.merge_inline_system(self._template)
+        self.merge_system = conversation.merge_inline_system(self._template)
         """Whether ``/v1/messages`` merges inline system messages into the leading one for this template."""
         self.developer_role = '"developer"' in source or "'developer'" in source
 
@@ -108,7 +108,7 @@ class ChatTemplate:
         req = prompt_view.chat_request(endpoint, body, self.merge_system)
         if req is None or not req.messages:
             return None
-        messages = prompt_view.conversation(req.messages, self.content_format, self.developer_role)
+        messages = conversation.conversation(req.messages, self.content_format, self.developer_role)
         if messages is None:
             return None
         try:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pdctl.gateway import prompt_view
+from pdctl.gateway import conversation, prompt_view
 from pdctl.gateway.routing.exact_view import leading
 
 __all__ = ["BLOCK_CHARS", "PrefixIndex", "block_hashes", "prompt_text"]
@@ -51,7 +51,7 @@ def prompt_text(body: Mapping[str, Any], endpoint: str | None = None) -> str:
     ``endpoint``, None, or a rewrite not known exactly) every prompt field of the raw body in order."""
     if endpoint is not None:
         req = prompt_view.chat_request(endpoint, body)
-        text = prompt_view.canonical_text(req) if req is not None else None
+        text = conversation.canonical_text(req) if req is not None else None
         if text is not None:
             return text
     out: list[str] = []

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdctl.config import RoutingConfig
-from pdctl.gateway import agent_sessions, prompt_view
+from pdctl.gateway import agent_sessions, conversation, prompt_view
 from pdctl.gateway.routing import policies as policy
 from pdctl.gateway.routing.approx_view import BLOCK_CHARS, PrefixIndex, block_hashes, prompt_text
 from pdctl.gateway.routing.exact_view import ExactIndex, token_block_hashes
@@ -289,7 +289,7 @@ class Chooser:
         :class:`~pdctl.gateway.agent_sessions.CacheBreaks`). Under
         ``pd_mode = "always"`` nothing is chosen yet (``decision=always``; :meth:`pick` chooses per leg)."""
         chat = prompt_view.chat_request(endpoint, body) if endpoint is not None else None
-        parts = prompt_view.prompt_parts(chat) if chat is not None else None
+        parts = conversation.prompt_parts(chat) if chat is not None else None
         text = ""
         if self._indexed:
             text = "\x1f".join(t for _, _, t in parts) if parts is not None else prompt_text(body)
