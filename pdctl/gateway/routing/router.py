@@ -1,7 +1,8 @@
 """The router: the one place the gateway's request paths ask which instance takes a request.
 
-The PD flow (:mod:`pdctl.gateway.pd`), the app (:mod:`pdctl.gateway.app`) and a stream's migration
-(:mod:`pdctl.gateway.migration`) choose instances only through a :class:`Router`; the pool
+The PD flow (:mod:`pdctl.gateway.pd` and its worker calls, :mod:`pdctl.gateway.legs`), the app
+(:mod:`pdctl.gateway.app`) and a stream's migration (:mod:`pdctl.gateway.migration`) choose instances only through
+a :class:`Router` (``tests/gateway/test_layout.py`` holds them to it); the pool
 (:mod:`~pdctl.gateway.routing.pool`) keeps membership and health and chooses nothing. What the router asks of its
 parts:
 
