@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdctl.gateway.prefix import ROUTED_TTL_S
+from pdctl.gateway.routing.chooser import ROUTED_TTL_S
 from pdctl.runtime.trace import parse_access
 from pdctl.testing.ports import free_port
 from tests.test_real_e2e import REQUEST_TIMEOUT_S, Deployment, _require_engine, root, scrape

@@ -19,7 +19,7 @@ import pytest
 from benchmarks.soak import SoakConfig, SoakReport, run_soak
 from pdctl.config.settings import PdMode
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.routing import Pool
+from pdctl.gateway.routing.pool import Pool
 from tests.fakes.gateway_harness import FakeProc, make_settings
 
 KEY = "sk-soak-test-key-0123456789abcdef"

@@ -28,12 +28,13 @@ Strategy = Literal["pd_disagg", "colocated"]
 PdMode = Literal["always", "adaptive", "auto"]
 PrefixView = Literal["approx", "exact"]
 """``routing.prefix_view``: what adaptive PD believes each worker holds: the blocks of the prompts the gateway sent
-there, or the workers' own KV cache events (:mod:`pdctl.gateway.kv_view`)."""
+there, or the workers' own KV cache events (:mod:`pdctl.gateway.routing.exact_view`)."""
 """``routing.pd_mode``: every request takes both legs, or the gateway decides per request from what the chosen
-decode already holds (:mod:`pdctl.gateway.prefix`), or from the SLO and the learned costs of each path
-(:mod:`pdctl.gateway.autopilot`)."""
+decode already holds (:mod:`pdctl.gateway.routing.chooser`), or from the SLO and the learned costs of each path
+(:mod:`pdctl.gateway.routing.autopilot`)."""
 Policy = Literal["least_loaded", "power_of_two", "round_robin", "cache_aware", "kv_aware"]
-"""``routing.prefill_policy`` / ``decode_policy``: how one pool's instance is chosen (:mod:`pdctl.gateway.policy`)."""
+"""``routing.prefill_policy`` / ``decode_policy``: how one pool's instance is chosen
+(:mod:`pdctl.gateway.routing.policies`)."""
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 Fallback = Literal["none", "decode", "upstream"]
 """``gateway.fallback``: no prefill can serve a PD request -> answer the error, let decode compute the prompt
@@ -301,7 +302,7 @@ class RoutingConfig:
 
     @property
     def routes_by_request(self) -> bool:
-        """Whether the gateway builds a per-request routing decision (:class:`pdctl.gateway.prefix.PrefixRouter`):
+        """Whether the gateway builds a per-request routing decision (:class:`pdctl.gateway.routing.chooser.Chooser`):
         adaptive PD, a policy other than ``least_loaded`` on the two legs, or the prefill queue."""
         return self.strategy == "pd_disagg" and (
             self.pd_mode != "always"

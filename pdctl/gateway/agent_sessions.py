@@ -5,7 +5,7 @@
 Codex ``session-id`` (some versions a ``session_id`` / ``conversation_id`` body field; vLLM's Responses request has
 ``session_id``), OpenCode ``x-session-id`` / ``x-parent-session-id``; NVIDIA Dynamo maps the same headers
 (docs/agents/session-ids.md in ai-dynamo/dynamo). The first present wins, in :data:`SESSION_HEADERS` order, then the
-body (:func:`pdctl.gateway.policy.session_hint`: a Responses ``conversation``, Anthropic's ``metadata.user_id``).
+body (:func:`session_hint`: a Responses ``conversation``, Anthropic's ``metadata.user_id``).
 Session ids break routing ties, go to the access log and ``pdctl trace``, never to a metric label. Each is capped:
 printable ASCII without spaces or ``=``, at most :data:`MAX_ID` characters (a longer one is cut and a hash of the
 whole appended, so two long ids still differ).
@@ -27,7 +27,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["LOCATIONS", "MAX_ID", "SESSION_HEADERS", "Break", "CacheBreaks", "Identity", "cap_id", "identify"]
+__all__ = [
+    "LOCATIONS",
+    "MAX_ID",
+    "MAX_SESSION_CHARS",
+    "SESSION_HEADERS",
+    "Break",
+    "CacheBreaks",
+    "Identity",
+    "cap_id",
+    "identify",
+    "session_hint",
+]
 
 #: Session headers, in the order they are read (the first present wins).
 SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id", b"session-id", b"session_id")
@@ -70,10 +81,35 @@ class Identity:
         return out
 
 
+#: A session id longer than this is kept as its digest: the same session still sticks, and 65,536 of them cost
+#: kilobytes each at most, not what a client chose to send.
+MAX_SESSION_CHARS = 128
+
+
+def _bounded(session: str) -> str:
+    if len(session) <= MAX_SESSION_CHARS:
+        return session
+    return "blake2b:" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def session_hint(body: Mapping[str, Any], header: str | None = None) -> str | None:
+    """The request's session, for tie-breaks: the ``x-session-id`` header, else a Responses ``conversation`` (a
+    string or ``{"id": ...}``), else Anthropic's ``metadata.user_id`` (Claude Code puts its session there); one
+    longer than :data:`MAX_SESSION_CHARS` as its digest."""
+    if header:
+        return _bounded(header)
+    conv = body.get("conversation")
+    if isinstance(conv, dict):
+        conv = conv.get("id")
+    if isinstance(conv, str) and conv:
+        return _bounded(conv)
+    meta = body.get("metadata")
+    user = meta.get("user_id") if isinstance(meta, dict) else None
+    return _bounded(user) if isinstance(user, str) and user else None
+
+
 def identify(header: Callable[[bytes], bytes | None], body: Mapping[str, Any]) -> Identity | None:
     """The session of a request from its headers (``header(name)``: the value or None), else its body."""
-    from pdctl.gateway.policy import session_hint
-
     session = next((v for n in SESSION_HEADERS if (v := cap_id(header(n))) is not None), None)
     if session is None:
         for name in ("session_id", "conversation_id"):
@@ -105,7 +141,7 @@ class Break:
 
 
 def _parts(parts: Sequence[tuple[str, str, str]]) -> list[tuple[str, Location, int, int]]:
-    """(name, location, hash, characters) of :func:`pdctl.gateway.prompt_view.prompt_parts`' parts."""
+    """(name, location, hash, characters) of :func:`pdctl.gateway.conversation.prompt_parts`' parts."""
     last_other = max((i for i, p in enumerate(parts) if p[1] not in ("system", "tools")), default=-1)
     out: list[tuple[str, Location, int, int]] = []
     for i, (name, role, text) in enumerate(parts):
@@ -140,7 +176,7 @@ class CacheBreaks:
         self, session: str, prompt: Sequence[tuple[str, str, str]], prompt_tokens: int,
         ids: Sequence[int] | None = None,
     ) -> Break | None:  # fmt: skip
-        """Compare this turn (its :func:`pdctl.gateway.prompt_view.prompt_parts`) with ``session``'s previous one
+        """Compare this turn (its :func:`pdctl.gateway.conversation.prompt_parts`) with ``session``'s previous one
         (None: its first turn here), then remember this one."""
         parts = _parts(prompt)
         turn = _Turn(parts, tuple(ids) if ids is not None else None)

@@ -6,7 +6,7 @@ errors in each route's own shape, :data:`pdctl.gateway.errors.Wire`)::
     draining? -> auth -> body (413 before reading it all) -> JSON/UTF-8/nesting (400)
       -> validation (400) -> model: local | upstream | 404 (routed once) -> fits the context (400)
       -> rate limit (429) -> adaptive PD's decision (``routing.pd_mode = "adaptive"``: local or both legs; ``"auto"``:
-         the SLO autopilot's, :mod:`pdctl.gateway.autopilot`: local, whole on a prefill engine, or both legs)
+         the SLO autopilot's, :mod:`pdctl.gateway.routing.autopilot`: local, whole on a prefill engine, or both legs)
       -> SLO admission (503 or overflow to upstream) -> pd_disagg | colocated | upstream
 
 A client that leaves cancels the handler, and with it the worker calls (vLLM aborts the request when the
@@ -26,28 +26,25 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 from pdctl.errors import ConfigError
-from pdctl.gateway import agent_sessions
+from pdctl.gateway import agent_sessions, asgi
 from pdctl.gateway.admission import Admission
-from pdctl.gateway.autopilot import Autopilot, Choice
+from pdctl.gateway.asgi import Receive, Scope, Send
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
-from pdctl.gateway.errors import ApiError, Wire
+from pdctl.gateway.errors import ApiError
 from pdctl.gateway.keys import KeyEntry, KeyRing
-from pdctl.gateway.kv_view import KvEventSubscriber
+from pdctl.gateway.legs import PdContext
 from pdctl.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from pdctl.gateway.pd import PdContext, serve_colocated, serve_pd
-from pdctl.gateway.prefill_queue import PrefillQueue
-from pdctl.gateway.prefix import Decision, PrefixRouter
+from pdctl.gateway.pd import serve_colocated, serve_pd
 from pdctl.gateway.ratelimit import RateLimiter
+from pdctl.gateway.record import RequestRecord
 from pdctl.gateway.request import (
     COMPLETION_PATHS,
-    COUNT_TOKENS_PATH,
-    MESSAGES_PATH,
     PASSTHROUGH_PATHS,
     CompletionRequest,
     Route,
@@ -60,27 +57,18 @@ from pdctl.gateway.request import (
     validate,
     wire_of,
 )
-from pdctl.gateway.routing import Pool
+from pdctl.gateway.routing import Choice, Pool, RoutePlan, Router
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.gateway.tracing import Tracing, answer_text
 from pdctl.gateway.upstream import Upstream
 from pdctl.gateway.workers import ClientFactory
-from pdctl.vllm.kv_events import bind_endpoint
 from pdctl.vllm.protocol import connector_kind
 
 __all__ = ["Gateway", "create_app"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 log = logging.getLogger("pdctl.gateway")
 access = logging.getLogger("pdctl.gateway.access")
-
-_JSON = b"application/json"
 
 
 class Gateway:
@@ -139,31 +127,11 @@ class Gateway:
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
-        prefix = None
-        self.kv_events: KvEventSubscriber | None = None
-        if settings.routing.routes_by_request:  # adaptive PD, or per-pool policies (pdctl.gateway.policy)
-            if settings.routing.reads_kv_events:
-                relay = settings.kv_events_connect
-                r = settings.routing
-                events = relay or bind_endpoint(r.kv_events_host, r.kv_events_port)
-                self.kv_events = KvEventSubscriber(
-                    events,
-                    self._count_kv_event,
-                    connect=relay is not None,
-                    allowed=self._known_instance,
-                    max_blocks=r.kv_events_max_blocks,
-                )
-            prefix = PrefixRouter(settings.routing, self.kv_events, lambda: self.admission.sec_per_token.mean)
-        limit = settings.routing.prefill_queue_tokens
-        queue = PrefillQueue(prefix, limit, self.metrics) if prefix is not None and limit is not None else None
-        self.legs = PdContext(settings, self.pool, self.metrics, self.admission, connector_kind(settings.connector),
-                              self.secrets, self.spawn, self.upstream, prefix, queue)  # fmt: skip
-        self.autopilot = (
-            Autopilot(settings.slo, prefix, self.metrics, queue)
-            if prefix is not None and settings.routing.pd_mode == "auto"
-            else None
-        )
-        """``routing.pd_mode = "auto"``: each request's path from the SLO and the learned costs."""
+        self.router = Router(settings, self.pool, self.metrics, lambda: self.admission.sec_per_token.mean)
+        self.kv_events = self.router.events
+        """The workers' KV cache events (``routing.prefix_view = "exact"``; None: not read)."""
+        self.legs = PdContext(settings, self.pool, self.router, self.metrics, self.admission,
+                              connector_kind(settings.connector), self.secrets, self.spawn, self.upstream)  # fmt: skip
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -186,13 +154,6 @@ class Gateway:
             sources.setdefault(name, name)
         sim = [m.name for m in self.settings.models if m.engine == "sim"]
         await asyncio.to_thread(self.tokens.load, sources, sim)
-
-    def _known_instance(self, name: str) -> bool:
-        """Whether ``name`` is one of this deployment's workers, configured or discovered (a KV events topic)."""
-        return any(i.name == name for i in self.pool.instances)
-
-    def _count_kv_event(self, instance: str, event: str) -> None:
-        self.metrics.child(self.metrics.kv_events, instance, event).inc()
 
     async def _watch_keys(self) -> None:
         """Reload the keys file when it changes (checked every second; SIGHUP reloads at once)."""
@@ -250,11 +211,11 @@ class Gateway:
         if path in COMPLETION_PATHS or path in PASSTHROUGH_PATHS:
             if method != "POST":
                 err = ApiError(405, f"use POST for {path}", code="method_not_allowed")
-                await _plain_error(send, err, wire_of(path))
+                await asgi.plain_error(send, err, wire_of(path))
                 return
             await self._completion(scope, receive, send, path)
         elif path == "/health" and method in ("GET", "HEAD"):
-            await _json(send, 200, b'{"status":"ok"}')
+            await asgi.json_response(send, 200, b'{"status":"ok"}')
         elif path == "/ready" and method in ("GET", "HEAD"):
             ready = self.pool.ready() and not self.draining
             self.metrics.ready.set(1 if ready else 0)
@@ -262,23 +223,23 @@ class Gateway:
                 {"name": i.name, "role": i.role, "url": i.url, "state": i.state, "healthy": i.healthy,
                  "breaker_open": i.breaker_open, "in_flight": i.in_flight}
                 for i in self.pool.instances]}).encode()  # fmt: skip
-            await _json(send, 200 if ready else 503, body)
+            await asgi.json_response(send, 200 if ready else 503, body)
         elif path == "/metrics" and method == "GET":
-            if self.metrics_need_key and self.keys.identify(_header(scope, b"authorization")) is None:
-                await _plain_error(send, _auth_error())
+            if self.metrics_need_key and self.keys.identify(asgi.header(scope, b"authorization")) is None:
+                await asgi.plain_error(send, asgi.auth_error())
                 return
             self.metrics.tasks.set(len(asyncio.all_tasks()))
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})  # fmt: skip
             await send({"type": "http.response.body", "body": self.metrics.render()})
         elif path == "/v1/models" and method == "GET":
-            entry = self.keys.identify(_header(scope, b"authorization"))
+            entry = self.keys.identify(asgi.header(scope, b"authorization"))
             if entry is None:
-                await _plain_error(send, _auth_error())
+                await asgi.plain_error(send, asgi.auth_error())
                 return
             await self._models(send, entry)
         else:
-            await _plain_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
+            await asgi.plain_error(send, ApiError(404, f"no route {method} {path}", code="not_found"))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -308,18 +269,19 @@ class Gateway:
                 if m["id"] not in local and entry.may_use(m["id"]):
                     data.append({"id": m["id"], "object": "model", "created": m.get("created", now),
                                  "owned_by": m.get("owned_by", "upstream")})  # fmt: skip
-        await _json(send, 200, json.dumps({"object": "list", "data": data}).encode())
+        await asgi.json_response(send, 200, json.dumps({"object": "list", "data": data}).encode())
 
     # ----------------------------------------------------------------------------------- completions
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         started = time.monotonic()
-        rid_header = _header(scope, b"x-request-id")
-        rid = _clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"  # the form of uuid4().hex, without a UUID object
-        ex = Exchange(send=send, request_id=rid, started=started,
-                      deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint),
-                      trace=self.tracing.start("POST", endpoint, _header(scope, b"traceparent"),
-                                               _header(scope, b"tracestate")))  # fmt: skip
+        rid_header = asgi.header(scope, b"x-request-id")
+        # the form of uuid4().hex, without a UUID object
+        rid = asgi.clean_id(rid_header) or f"pdctl-{os.urandom(16).hex()}"
+        ex = RequestRecord(send=send, request_id=rid, started=started,
+                           deadline=started + self.settings.gateway.request_timeout_s, wire=wire_of(endpoint),
+                           trace=self.tracing.start("POST", endpoint, asgi.header(scope, b"traceparent"),
+                                                    asgi.header(scope, b"tracestate")))  # fmt: skip
         self.in_flight += 1
         self.metrics.accepted.inc()
         self.metrics.gateway_in_flight.inc()
@@ -330,9 +292,9 @@ class Gateway:
         try:
             if self.draining:
                 raise ApiError(503, "the gateway is shutting down", code="server_shutting_down", retry_after_s=5)
-            entry = self.keys.identify(_client_key(scope, endpoint))
+            entry = self.keys.identify(asgi.client_key(scope, endpoint))
             if entry is None:
-                raise _auth_error()
+                raise asgi.auth_error()
             key_name = entry.name
             ex.upstream_allowed = entry.upstream
             if (limiter := self.keys.limiters.get(entry.name)) is not None:
@@ -343,9 +305,9 @@ class Gateway:
             if ex.trace is not None and ex.trace.wants_content:
                 ex.trace.prompt(body)
                 ex.transcript = []
-            gone = _client_gone(ex, asyncio.current_task())
+            gone = asgi.client_gone(ex, asyncio.current_task())
             if not watch_disconnect(send, gone):
-                watcher = asyncio.ensure_future(_watch_disconnect(receive, gone))
+                watcher = asyncio.ensure_future(asgi.watch_disconnect(receive, gone))
             if endpoint in PASSTHROUGH_PATHS:
                 await self._passthrough(ex, endpoint, body, entry)
                 return
@@ -353,7 +315,7 @@ class Gateway:
             tokens = prompt_tokens + (req.max_tokens or 0)
             limiter = self.keys.limiters.get(entry.name)
             if limiter is None:  # revoked by a reload while this request was being read
-                raise _auth_error()
+                raise asgi.auth_error()
             limiter.check(tokens, entry.name)
             self.limiter.check(tokens)
             limiter.charge(tokens)
@@ -363,13 +325,12 @@ class Gateway:
             pd = route == "local" and self.settings.routing.strategy != "colocated" and not req.colocated_only
             # Adaptive PD decides before admission: a request for the decode alone is judged without the prefill.
             plan = None
-            if pd and self.legs.prefix is not None:
+            if pd and self.router.by_request:
                 ids = await self.tokens.prompt_ids(req.model, endpoint, body) if self.kv_events is not None else None
-                who = agent_sessions.identify(lambda name: _header(scope, name), body)
-                plan = self.legs.prefix.decide(self.pool, body, prompt_tokens, ids, None, endpoint, who)
-                if self.autopilot is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
-                    choice = self.autopilot.choose(self.pool, plan)
-                    plan = choice.plan if choice is not None else plan
+                who = agent_sessions.identify(lambda name: asgi.header(scope, name), body)
+                plan = self.router.plan(body, prompt_tokens, ids, endpoint, who)
+                if plan is not None:  # the SLO autopilot: local, whole on a prefill, or both legs
+                    plan, choice = self.router.steer(plan)
             if route == "local":
                 route = self._admit(ex, prompt_tokens, entry.upstream, plan)
             if route == "upstream":
@@ -410,17 +371,17 @@ class Gateway:
                 self.limiter.release()
             self.in_flight -= 1
             self.metrics.gateway_in_flight.dec()
-            if choice is not None and self.autopilot is not None:
-                self.autopilot.finish(choice, ex)
+            if choice is not None:
+                self.router.finish(choice, ex)
             self._finish(ex, key_name)
 
-    async def _fail(self, ex: Exchange, err: ApiError) -> None:
+    async def _fail(self, ex: RequestRecord, err: ApiError) -> None:
         with contextlib.suppress(Exception):
             await ex.fail(err)
         if not ex.status:
             ex.status = err.status
 
-    def _finish(self, ex: Exchange, key_name: str) -> None:
+    def _finish(self, ex: RequestRecord, key_name: str) -> None:
         duration = time.monotonic() - ex.started
         status_label = ex.outcome()
         m = self.metrics
@@ -432,38 +393,16 @@ class Gateway:
         if ex.trace is not None and ex.trace.recording:
             if ex.transcript:
                 ex.trace.answer(answer_text(b"".join(ex.transcript), ex.stream))
-            ex.trace.end(_span_attributes(ex, status_label), status_label == "stream_error" or ex.status >= 500)
+            ex.trace.end(ex.span_attributes(status_label), status_label == "stream_error" or ex.status >= 500)
         access.info(ex.access_line(status_label, duration))
 
-    async def _read_body(self, scope: Scope, receive: Receive, ex: Exchange) -> bytes:
-        g = self.settings.gateway
-        limit = body_limit(g.max_body_bytes, self.local_models().values(), self.upstream is not None)
-        length = _header(scope, b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                raise ApiError(400, "invalid Content-Length", code="invalid_request") from None
-            if declared > limit:
-                raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes "
-                               "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                ex.client_gone = True
-                raise asyncio.CancelledError
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes (gateway.max_body_bytes)",
-                               code="request_too_large")  # fmt: skip
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+    async def _read_body(self, scope: Scope, receive: Receive, ex: RequestRecord) -> bytes:
+        limit = body_limit(
+            self.settings.gateway.max_body_bytes, self.local_models().values(), self.upstream is not None
+        )
+        return await asgi.read_body(scope, receive, ex, limit)
 
-    async def _passthrough(self, ex: Exchange, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
+    async def _passthrough(self, ex: RequestRecord, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
         """``/v1/embeddings``, ``/tokenize``, ``/v1/messages/count_tokens``: a local model's request to a worker,
         any other embeddings request to the upstream (when the key may use it)."""
         model = body.get("model")
@@ -485,7 +424,7 @@ class Gateway:
         await serve_colocated(self.legs, ex, endpoint, body, 1, ("decode", "prefill"))
 
     async def _check(
-        self, body: dict[str, Any], endpoint: str, ex: Exchange, entry: KeyEntry
+        self, body: dict[str, Any], endpoint: str, ex: RequestRecord, entry: KeyEntry
     ) -> tuple[CompletionRequest, Route, int]:
         """Validate ``body``, count its prompt tokens, route its model once and check the key may use it.
 
@@ -511,22 +450,12 @@ class Gateway:
         return req, route, prompt_tokens
 
     def _admit(
-        self, ex: Exchange, prompt_tokens: int, may_overflow: bool = True, plan: Decision | None = None
+        self, ex: RequestRecord, prompt_tokens: int, may_overflow: bool = True, plan: RoutePlan | None = None
     ) -> Route:
-        """The SLO predictor's verdict. When adaptive PD's ``plan`` serves the request on its decode alone, no
-        prefill queue is ahead of it and that decode computes only the prompt's uncached tokens; otherwise the
-        least loaded prefill's tokens are ahead, and a share of those waiting in the gateway's prefill queue."""
+        """The SLO predictor's verdict on the load ahead of the request (:meth:`Router.load_ahead`)."""
         if self.settings.routing.strategy == "colocated":
             return "local"
-        if plan is not None and plan.local and plan.decode is not None:
-            tokens, ahead, concurrency = plan.uncached_tokens, 0, plan.decode.in_flight
-        else:
-            prefill = self.pool.least_loaded(("prefill",))
-            tokens, ahead = prompt_tokens, prefill.in_flight_tokens if prefill is not None else 0
-            if self.legs.queue is not None and len(self.legs.queue):  # waiting in the gateway: ahead of it too
-                serving = sum(i.available() for i in self.pool.by_role("prefill"))  # (those down take none)
-                ahead += self.legs.queue.waiting_tokens() // max(1, serving)
-            concurrency = min((i.in_flight for i in self.pool.by_role("decode") if i.available()), default=0)
+        tokens, ahead, concurrency = self.router.load_ahead(plan, prompt_tokens)
         verdict = self.admission.decide(tokens, ahead, concurrency)
         if verdict.admit:
             return "local"
@@ -541,93 +470,6 @@ class Gateway:
             type="server_error", code="server_overloaded", retry_after_s=verdict.retry_after_s,
             should_retry=False, reason=f"slo_{verdict.reason}",
         )  # fmt: skip
-
-
-def _client_gone(ex: Exchange, task: asyncio.Task[Any] | None) -> Callable[[], None]:
-    """What a client's disconnect does to its request: cancels the handler, or during leg 1 only marks it."""
-
-    def gone() -> None:
-        if not ex.finished and task is not None:
-            ex.client_gone = True
-            if not ex.in_leg1:  # leg 1 runs on and frees its KV after (pdctl.gateway.pd)
-                task.cancel()
-
-    return gone
-
-
-async def _watch_disconnect(receive: Receive, gone: Callable[[], None]) -> None:
-    """The ASGI way, under a server without :func:`pdctl.gateway.direct.watch_disconnect`: a task per request."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            gone()
-            return
-
-
-def _span_attributes(ex: Exchange, outcome: str) -> dict[str, str | int | float | bool]:
-    """The server span's outcome attributes: names, counts and statuses, never request or response content."""
-    attrs: dict[str, str | int | float | bool] = {
-        "pdctl.request_id": ex.request_id, "gen_ai.request.model": ex.model, "pdctl.pd_path": ex.path,
-        "http.response.status_code": ex.status or 500, "pdctl.outcome": outcome, "pdctl.stream": ex.stream,
-    }  # fmt: skip
-    if ex.prefill:
-        attrs["pdctl.prefill"] = ex.prefill
-    if ex.decode:
-        attrs["pdctl.decode"] = ex.decode
-    if ex.error_code:
-        attrs["error.type"] = ex.error_code
-    if ex.fallback_reason:
-        attrs["pdctl.fallback_reason"] = ex.fallback_reason
-    if ex.ttft_s is not None:
-        attrs["pdctl.ttft_ms"] = round(ex.ttft_s * 1000.0, 3)
-    if ex.prompt_tokens is not None:
-        attrs["gen_ai.usage.input_tokens"] = ex.prompt_tokens
-    if ex.tokens is not None:
-        attrs["gen_ai.usage.output_tokens"] = ex.tokens
-    return attrs
-
-
-def _client_key(scope: Scope, endpoint: str) -> bytes | None:
-    """The client's ``Authorization``; on ``/v1/messages`` Anthropic's ``x-api-key`` too (the anthropic SDK's
-    default, and Claude Code's with ``ANTHROPIC_API_KEY``), as the same bearer key."""
-    auth = _header(scope, b"authorization")
-    if auth is None and endpoint in (MESSAGES_PATH, COUNT_TOKENS_PATH):
-        key = _header(scope, b"x-api-key")
-        return b"Bearer " + key if key is not None else None
-    return auth
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v)
-    return None
-
-
-def _clean_id(value: bytes | None) -> str | None:
-    if not value:
-        return None
-    text = value.decode("latin-1").strip()
-    if not text or len(text) > 128 or not all(c.isalnum() or c in "-_.:" for c in text):
-        return None
-    return text
-
-
-def _auth_error() -> ApiError:
-    return ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
-
-
-async def _json(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _plain_error(send: Send, err: ApiError, wire: Wire = "openai") -> None:
-    body = err.body(wire)
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *err.headers()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(

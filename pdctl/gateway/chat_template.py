@@ -7,7 +7,7 @@ the ``loopcontrols`` extension, a ``tojson`` that does not escape HTML, ``raise_
 renders it with ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the tokenizer's special
 tokens (``bos_token``, ``eos_token``, ...), then encodes the text with ``add_special_tokens=False``. This module
 does the same with jinja2 alone, so the gateway knows a chat's exact prompt token ids (adaptive PD's exact view,
-:mod:`pdctl.gateway.kv_view`) without importing transformers.
+:mod:`pdctl.gateway.routing.exact_view`) without importing transformers.
 
 Map:
 
@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pdctl.gateway import prompt_view
+from pdctl.gateway import conversation, prompt_view
 
 __all__ = ["ChatTemplate"]
 
@@ -76,9 +76,9 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self._template = env.from_string(source)
-        self.content_format = prompt_view.content_format(source)
+        self.content_format = conversation.content_format(source)
         """``string`` or ``openai``: how the template reads a message's content."""
-        self.merge_system = prompt_view.merge_inline_system(self._template)
+        self.merge_system = conversation.merge_inline_system(self._template)
         """Whether ``/v1/messages`` merges inline system messages into the leading one for this template."""
         self.developer_role = '"developer"' in source or "'developer'" in source
 
@@ -108,7 +108,7 @@ class ChatTemplate:
         req = prompt_view.chat_request(endpoint, body, self.merge_system)
         if req is None or not req.messages:
             return None
-        messages = prompt_view.conversation(req.messages, self.content_format, self.developer_role)
+        messages = conversation.conversation(req.messages, self.content_format, self.developer_role)
         if messages is None:
             return None
         try:

@@ -1,6 +1,6 @@
 """The client's connection under uvicorn: the stream relay's direct path, and the request's disconnect.
 
-**Direct path** (:func:`pdctl.gateway.sse.relay`).
+**Direct path** (:func:`pdctl.gateway.relay.relay`).
 ASGI's ``send`` is a coroutine, so relaying a piece of decode's stream through it costs the relay task one
 wake-up per piece. Once a stream's headers are out, :func:`client_socket` gives a writer that frames a piece
 in HTTP/1.1 chunked encoding, byte for byte what uvicorn's ``send`` writes, and writes it to the client's

@@ -37,7 +37,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
-from pdctl.gateway.routing import Instance, Pool, Role
+from pdctl.gateway.routing.pool import Instance, Pool, Role
 from pdctl.gateway.settings import InstanceSpec
 from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params, connector_kind
 from pdctl.vllm.transport import TransportError

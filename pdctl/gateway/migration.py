@@ -2,7 +2,7 @@
 
 The first leg asks vLLM for ``return_token_ids`` (:func:`first_leg_body`): its first event then carries the
 prompt's token ids (stripped from what the client sees unless it asked for them) and every event the ids of its
-tokens. The relay keeps the events it forwarded (:func:`pdctl.gateway.sse.relay`'s ``keep``); only when the stream
+tokens. The relay keeps the events it forwarded (:func:`pdctl.gateway.relay.relay`'s ``keep``); only when the stream
 breaks are they read (:func:`read_sent`), so an unbroken stream costs one list append per piece.
 
 :func:`resume` then re-issues the request, at most ``gateway.migration_limit`` times, as a ``/v1/completions``
@@ -24,7 +24,6 @@ carrying token ids (a reasoning parser hides them). docs/reliability.md ("Migrat
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -36,9 +35,9 @@ from typing import Any, Protocol
 from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, translate_worker_error
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.routing import Instance, Pool
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.routing import Instance, Pool, Router
 from pdctl.gateway.settings import GatewaySettings
-from pdctl.gateway.sse import Exchange
 from pdctl.vllm.transport import TransportError
 
 __all__ = ["MIGRATABLE", "Context", "Sent", "eligible", "first_leg_body", "read_sent", "resume", "summary_event"]
@@ -66,12 +65,14 @@ _NOT_MIGRATED_CHAT = ("logprobs", "top_logprobs")
 
 
 class Context(Protocol):
-    """What a migration uses of the gateway (:class:`pdctl.gateway.pd.PdContext` has it)."""
+    """What a migration uses of the gateway (:class:`pdctl.gateway.legs.PdContext` has it)."""
 
     @property
     def settings(self) -> GatewaySettings: ...
     @property
     def pool(self) -> Pool: ...
+    @property
+    def router(self) -> Router: ...
     @property
     def metrics(self) -> GatewayMetrics: ...
     @property
@@ -79,8 +80,6 @@ class Context(Protocol):
 
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
-#: How often the wait for a restarted decode probes it.
-_PROBE_EVERY_S = 0.5
 
 
 def eligible(endpoint: str, body: Mapping[str, Any], stream: bool, limit: int) -> bool:
@@ -139,7 +138,7 @@ def _events(data: bytes) -> list[Any]:
 
 def read_sent(kept: list[bytes], prompt_ids: list[int] | None) -> Sent:
     """The forwarded events' ids, token ids, finish and usage; ``prompt_ids``: those the relay took out of the
-    first event (see :func:`pdctl.gateway.sse.relay`)."""
+    first event (see :func:`pdctl.gateway.relay.relay`)."""
     sent = Sent(prompt_ids=prompt_ids)
     for ev in _events(b"".join(kept)):
         _note(sent, ev)
@@ -147,7 +146,7 @@ def read_sent(kept: list[bytes], prompt_ids: list[int] | None) -> Sent:
 
 
 def summary_event(kept: list[bytes], prompt_ids: list[int] | None) -> bytes:
-    """One event that :func:`read_sent` reads as it reads ``kept`` (:class:`pdctl.gateway.sse.Kept` folds a long
+    """One event that :func:`read_sent` reads as it reads ``kept`` (:class:`pdctl.gateway.relay.Kept` folds a long
     stream's older pieces into it, so a migratable stream keeps its token ids, not every event)."""
     sent = read_sent(kept, prompt_ids)
     choice: dict[str, Any] = {"index": 0, "token_ids": sent.tokens, "finish_reason": sent.finish_reason}
@@ -289,7 +288,7 @@ def _wants_usage(body: Mapping[str, Any]) -> bool:
 
 
 async def resume(
-    ctx: Context, ex: Exchange, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
+    ctx: Context, ex: RequestRecord, endpoint: str, body: Mapping[str, Any], sent: Sent, failed: Instance,
     err: ApiError, with_ids: bool,
 ) -> None:  # fmt: skip
     """Continue a broken stream (module docstring); raises the last error when it cannot. ``body``: the first
@@ -314,7 +313,7 @@ async def resume(
             await ex.body(_frame({**rw.head(), "choices": [rw.choice("", [], "length", None)]}), more=True)
             sent.finish_reason = "length"
             continue
-        target, kind = await _target(ctx, broken, deadline)
+        target, kind = await ctx.router.migration_target(broken, deadline)
         if target is None:
             _count(ctx, "-", "no_target")
             raise err
@@ -339,34 +338,14 @@ def _count(ctx: Context, target: str, outcome: str) -> None:
     ctx.metrics.child(ctx.metrics.migrations, target, outcome).inc()
 
 
-async def _end(ex: Exchange, rw: _Rewriter, usage: bool) -> None:
+async def _end(ex: RequestRecord, rw: _Rewriter, usage: bool) -> None:
     # A worker killed between its [DONE] and the body's end breaks after the client has everything: nothing to add.
     if not rw.sent.done:
         await ex.body((rw.usage() if usage else b"") + b"data: [DONE]\n\n")
     ex.tokens = len(rw.sent.tokens)
 
 
-async def _target(ctx: Context, failed: list[Instance], deadline: float) -> tuple[Instance | None, str]:
-    """Another decode; else a prefill serving the rest whole; else a decode (the dead one, restarted) once it
-    answers ``/health``. ``failed``: the workers this stream already broke on."""
-    pool = ctx.pool
-    others = [i for i in pool.by_role("decode") if i not in failed and i.available()]
-    if others:
-        return pool.choose(("decode",), among=others), "decode"
-    prefills = [i for i in pool.by_role("prefill") if i not in failed and i.available()]
-    if prefills:
-        return pool.choose(("prefill",), among=prefills), "prefill"
-    while time.monotonic() < deadline:
-        decodes = pool.by_role("decode")
-        await asyncio.gather(*(pool.probe(i) for i in decodes))
-        back = [i for i in decodes if i.healthy and i.available()]
-        if back:
-            return pool.choose(("decode",), among=back), "restarted"
-        await asyncio.sleep(_PROBE_EVERY_S)
-    return None, "-"
-
-
-async def _continue(ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:
+async def _continue(ctx: Context, ex: RequestRecord, inst: Instance, body: dict[str, Any], rw: _Rewriter) -> None:
     """One continuation call, its events rewritten into the client's stream; ApiError when it breaks."""
     rid = f"{ex.request_id}-migrated{ex.migrations}"
     headers = {"content-type": "application/json", "x-request-id": rid}
@@ -387,7 +366,7 @@ async def _continue(ctx: Context, ex: Exchange, inst: Instance, body: dict[str, 
 
 
 async def _call(
-    ctx: Context, ex: Exchange, inst: Instance, body: dict[str, Any], headers: dict[str, str], rw: _Rewriter
+    ctx: Context, ex: RequestRecord, inst: Instance, body: dict[str, Any], headers: dict[str, str], rw: _Rewriter
 ) -> int:
     try:
         resp = await inst.client.request("POST", COMPLETIONS, body=codec.encode(body), headers=headers)
@@ -411,7 +390,7 @@ async def _call(
     return resp.status
 
 
-async def _relay_continuation(ctx: Context, ex: Exchange, inst: Instance, resp: Any, rw: _Rewriter) -> None:
+async def _relay_continuation(ctx: Context, ex: RequestRecord, inst: Instance, resp: Any, rw: _Rewriter) -> None:
     pending = b""
     while True:
         try:

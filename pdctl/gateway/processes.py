@@ -44,7 +44,7 @@ from pathlib import Path
 from types import FrameType
 
 from pdctl.errors import LaunchError
-from pdctl.gateway.kv_view import EventsRelay
+from pdctl.gateway.routing.kv_events import EventsRelay
 from pdctl.gateway.settings import GatewaySettings
 from pdctl.vllm.kv_events import bind_endpoint
 

@@ -54,7 +54,7 @@ class GatewaySettings:
     max_nesting: int = 64
     kv_events_connect: str | None = None
     """The parent's relay of the workers' KV cache events to connect to (``gateway.workers`` > 1), instead of binding
-    ``routing.kv_events_port`` (:class:`pdctl.gateway.kv_view.EventsRelay`)."""
+    ``routing.kv_events_port`` (:class:`pdctl.gateway.routing.kv_events.EventsRelay`)."""
     process: tuple[int, int] = (0, 1)
     """This gateway process's index and the number of processes (``gateway.workers``), for the limits' shares."""
 

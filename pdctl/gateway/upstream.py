@@ -27,7 +27,8 @@ import httpx
 from pdctl.gateway import codec
 from pdctl.gateway.errors import ApiError, sanitize
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.sse import Exchange, relay
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.relay import relay
 from pdctl.vllm.transport import TransportError
 
 __all__ = ["MAX_RETRY_AFTER_WAIT_S", "Upstream", "upstream_url"]
@@ -58,7 +59,7 @@ def _retry_after(resp: httpx.Response) -> float | None:
 
 
 class _HttpxBody:
-    """An httpx response as the relay reads it (:class:`pdctl.gateway.sse.Body`), failures as ``TransportError``."""
+    """An httpx response as the relay reads it (:class:`pdctl.gateway.relay.Body`), failures as ``TransportError``."""
 
     def __init__(self, resp: httpx.Response) -> None:
         self._resp = resp
@@ -135,7 +136,7 @@ class Upstream:
         self._models = (time.monotonic(), data)
         return data
 
-    async def serve(self, ex: Exchange, endpoint: str, body: dict[str, Any]) -> None:
+    async def serve(self, ex: RequestRecord, endpoint: str, body: dict[str, Any]) -> None:
         """Send the request upstream and relay the answer."""
         ex.path = "upstream"
         url = upstream_url(self.base_url, endpoint.removeprefix("/v1"))

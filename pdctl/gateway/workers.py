@@ -4,7 +4,7 @@
   options (body, headers, the call's total timeout) are :class:`RequestOptions`.
 * :class:`WorkerResponse` — the body on demand, whole (``read``, ``json``) or piece by piece (``chunk``, ``b""``
   at its end); ``close()`` before the end drops the connection, which makes vLLM abort the request.
-* :data:`ClientFactory` — how :class:`pdctl.gateway.routing.Pool` gets a client per instance:
+* :data:`ClientFactory` — how :class:`pdctl.gateway.routing.pool.Pool` gets a client per instance:
   :func:`http_clients` in production, :class:`pdctl.gateway.memory.MemoryWorkers` in tests (no processes).
 
 Failures below HTTP raise :class:`pdctl.vllm.transport.TransportError`, whose ``kind`` the PD legs read to decide

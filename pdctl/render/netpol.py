@@ -3,7 +3,7 @@ worker pods reach the KV cache events port, whose messages steer routing and car
 publisher has no CURVE: docs/multi-node.md, The KV events port); the HTTP port stays open to every client.
 
 It takes effect where the cluster's network plugin enforces NetworkPolicy (Calico, Cilium, ...); elsewhere the
-gateway's topic allowlist (:mod:`pdctl.gateway.kv_view`) is what is left.
+gateway's topic allowlist (:mod:`pdctl.gateway.routing.exact_view`) is what is left.
 """
 
 from __future__ import annotations

@@ -89,6 +89,11 @@ class ExitInfo:
             lines.extend(f"  {t}" for t in self.tail)
         return "\n".join(lines)
 
+    def diagnosed(self) -> str:
+        """``port 5700 is already in use (decode.log: zmq.error.ZMQError: ...)``: the diagnosis and its line."""
+        assert self.diagnosis is not None
+        return f"{self.diagnosis.message} ({Path(self.log_file).name}: {self.diagnosis.line})"
+
 
 class ProcessExitedError(LaunchError):
     """A process exited while pdctl waited for it to become ready."""

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pdctl.runtime.supervisor import SupervisorOptions
+from pdctl.config import SupervisorConfig
 
 __all__ = ["RestartDecision", "Run", "decide_restart"]
 
@@ -39,9 +37,11 @@ class RestartDecision:
     reason: str = ""
 
 
-def decide_restart(policy: str, history: Sequence[Run], now: float, options: SupervisorOptions) -> RestartDecision:
+def decide_restart(
+    policy: str, history: Sequence[Run], now: float, config: SupervisorConfig, backoff_base_s: float = 1.0
+) -> RestartDecision:
     """The restart rule, a pure function of the run ``history`` (oldest first, the run that just ended
-    last) and ``now``.
+    last) and ``now``, under ``[supervisor]``'s ``config``.
 
     A run shorter than ``start_secs`` is a failure; the trailing failures count. More than
     ``max_restarts`` of them in a row gives up; otherwise the delay doubles from ``backoff_base_s`` with
@@ -52,12 +52,12 @@ def decide_restart(policy: str, history: Sequence[Run], now: float, options: Sup
         return RestartDecision(False, 0, reason="its restart policy is 'never'")
     failures = 0
     for run in reversed(history):
-        if run.ended - run.started >= options.config.start_secs:
+        if run.ended - run.started >= config.start_secs:
             break
         failures += 1
-    if failures > options.config.max_restarts:
+    if failures > config.max_restarts:
         return RestartDecision(False, failures, reason=(
-            f"failed {failures} time(s) in a row, each within start_secs ({options.config.start_secs:g} s); "
-            f"max_restarts = {options.config.max_restarts} reached"))  # fmt: skip
-    delay = min(options.config.backoff_max_s, options.backoff_base_s * 2 ** (max(failures, 1) - 1))
+            f"failed {failures} time(s) in a row, each within start_secs ({config.start_secs:g} s); "
+            f"max_restarts = {config.max_restarts} reached"))  # fmt: skip
+    delay = min(config.backoff_max_s, backoff_base_s * 2 ** (max(failures, 1) - 1))
     return RestartDecision(True, failures, delay, now + delay)

@@ -27,9 +27,10 @@ in that state is stopped at once and counts as a failed run.
 Every few seconds the supervisor also records each process tree's new descendants and, for a worker
 with ``cpu_ids``, moves any thread running outside them back (:meth:`ManagedProcess.pin_threads`). Once a vLLM
 CPU engine is READY (after the warm-up, and again after each restart) and has no request running or waiting
-(its ``/metrics``), threads other than a process's main thread that used at least :data:`SPIN_SHARE` of a core
-in two such looks in a row are put at ``SCHED_IDLE`` (``[supervisor] idle_spinning_threads``): NIXL's UCX
-progress thread polls without ever sleeping (docs/cpu.md), an engine's other threads sleep when it is idle.
+(its ``/metrics``), threads other than a process's main thread that used at least
+:data:`~pdctl.runtime.idle_threads.SPIN_SHARE` of a core in two such looks in a row are put at ``SCHED_IDLE``
+(``[supervisor] idle_spinning_threads``, :mod:`pdctl.runtime.idle_threads`): NIXL's UCX progress thread polls
+without ever sleeping (docs/cpu.md), an engine's other threads sleep when it is idle.
 GPU engines are left as they are (not measured there).
 
 With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
@@ -64,12 +65,12 @@ import httpx
 
 from pdctl.config import SupervisorConfig
 from pdctl.errors import LaunchError
+from pdctl.runtime.idle_threads import engine_idle, hot_threads
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.plan import Plan, ProcessSpec
 from pdctl.runtime.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
 from pdctl.runtime.restart import RestartDecision, Run, decide_restart
 from pdctl.runtime.watchdog import Watchdog
-from pdctl.vllm.promtext import metric_value, samples
 
 __all__ = [
     "Event",
@@ -89,8 +90,6 @@ REFRESH_S = 2.0
 NEVER_READY_STOP_S = 5.0
 # A released gateway listens within tens of ms (it is woken by SIGCONT): poll it faster than the engines.
 RELEASE_POLL_S = 0.01
-#: A thread of an idle engine busier than this share of a core, in two looks in a row, spins (docs/cpu.md).
-SPIN_SHARE = 0.25
 
 
 class ProcState(enum.StrEnum):
@@ -334,7 +333,7 @@ class Supervisor:
                 if (stuck := proc.never_ready()) is not None:
                     slot.state, slot.last_exit = ProcState.FATAL, stuck
                     self._emit("fatal", slot.spec.name, f"{slot.spec.name} can never become ready: "
-                               f"{_said(stuck)}", exit=stuck)  # fmt: skip
+                               f"{stuck.diagnosed()}", exit=stuck)  # fmt: skip
                     raise NeverReadyError(stuck)
             for slot in list(pending):
                 proc = slot.proc
@@ -399,10 +398,9 @@ class Supervisor:
         last, slot.spin_look = slot.spin_look, (now, cpu)
         if last is None or now <= last[0]:
             return
-        then, before = last
-        hot = frozenset(k for k, v in cpu.items() if k in before and (v - before[k]) / (now - then) >= SPIN_SHARE)
+        hot = hot_threads(last, (now, cpu))
         twice, slot.spin_hot = hot & slot.spin_hot, hot
-        if not twice or not self._engine_idle(slot.spec):
+        if not twice or not engine_idle(self._http, slot.spec.url):
             return
         changed = slot.proc.idle_threads([tid for _, tid in sorted(twice)])
         slot.idled = True
@@ -410,17 +408,6 @@ class Supervisor:
             self._emit("info", slot.spec.name, f"put {len(changed)} thread(s) of {slot.spec.name} that spin while it "
                        f"is idle at SCHED_IDLE (tid {', '.join(map(str, changed))}; NIXL's progress thread; "
                        "[supervisor] idle_spinning_threads)")  # fmt: skip
-
-    def _engine_idle(self, spec: ProcessSpec) -> bool:
-        """No request running or waiting in the engine, by its ``/metrics`` (False when it does not answer)."""
-        try:
-            r = self._http.get(spec.url + "/metrics", timeout=1.0)
-            parsed = samples(r.text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-        except (httpx.HTTPError, ValueError):
-            return False
-        running = metric_value(parsed, "vllm:num_requests_running")
-        waiting = metric_value(parsed, "vllm:num_requests_waiting") or 0.0
-        return r.status_code == 200 and running is not None and running + waiting == 0
 
     def watch_once(self) -> bool:
         """One supervision step; False once the deployment must stop (see :attr:`failure`)."""
@@ -464,7 +451,7 @@ class Supervisor:
     def _hopeless(self, proc: ManagedProcess) -> str | None:
         """Why a restarted process that is not ready yet will not be: a dead-end line, or the deadline passed."""
         if (stuck := proc.never_ready()) is not None:
-            return f"can never become ready: {_said(stuck)}"
+            return f"can never become ready: {stuck.diagnosed()}"
         if proc.uptime_s() > self.options.config.ready_timeout_s:
             return f"not ready after {self.options.config.ready_timeout_s:g} s"
         return None
@@ -480,7 +467,9 @@ class Supervisor:
         name = slot.spec.name
         self._emit("exited", name, f"{name} exited ({signal_name(info.returncode)}) after {ran_s:.1f} s", exit=info)
         slot.history = [*slot.history[-(self.options.config.max_restarts + 1) :], Run(slot.started, now)]
-        decision = decide_restart(slot.spec.restart, slot.history, now, self.options)
+        decision = decide_restart(
+            slot.spec.restart, slot.history, now, self.options.config, self.options.backoff_base_s
+        )
         if not decision.restart:
             if slot.spec.restart != "on-failure":  # fail fast
                 slot.state = ProcState.EXITED
@@ -597,12 +586,6 @@ class Supervisor:
                 }
             )
         return out
-
-
-def _said(info: ExitInfo) -> str:
-    """``port 5700 is already in use (decode.log: zmq.error.ZMQError: ...)``: the diagnosis and its line."""
-    assert info.diagnosis is not None
-    return f"{info.diagnosis.message} ({Path(info.log_file).name}: {info.diagnosis.line})"
 
 
 def _remove_go_file(path: Path) -> None:

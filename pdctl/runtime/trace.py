@@ -314,10 +314,11 @@ def _gateway_rows(
             decision += f" view={a['view']}"
     else:
         decision += "; decision reason not recorded (routing.pd_mode is not adaptive)"
-    for role in ("decode", "prefill"):  # routing policies (pdctl.gateway.policy): policy:rule, then name:score
+    # routing policies (pdctl.gateway.routing.policies): policy:rule, then name:score
+    for role in ("decode", "prefill"):
         if f"{role}_pick" in a:
             decision += f"; {role} by {a[f'{role}_pick']} scores {a.get(f'{role}_scores', '-')}"
-    if "auto" in a:  # the SLO autopilot (pdctl.gateway.autopilot): each path's predicted TTFT/TPOT/others' TPOT
+    if "auto" in a:  # the SLO autopilot (pdctl.gateway.routing.autopilot): each path's predicted TTFT/TPOT/others' TPOT
         shown = [f"{k} {a[f'auto_{k}']}" for k in ("local", "whole", "disagg") if f"auto_{k}" in a]
         decision += f"; auto chose {a['auto']} (predicted ttft/tpot/others' tpot ms: {'; '.join(shown)})"
     if "fallback" in a:

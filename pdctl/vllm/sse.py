@@ -8,7 +8,7 @@
 Lines end in CRLF, LF or CR (a CRLF split across two chunks counts once); ``data`` lines of one event are
 joined by LF, one leading space after the colon is dropped; comments (``:`` lines, vLLM's and proxies'
 keep-alive pings) and other fields are skipped. ``[DONE]`` is an ordinary payload here: what it means is
-the caller's business. The gateway's relay (``pdctl.gateway.sse``) does not parse events at all.
+the caller's business. The gateway's relay (``pdctl.gateway.relay``) does not parse events at all.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 from pdctl.config import RateLimitConfig, RoutingConfig, SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
-from pdctl.gateway.prefix import BLOCK_CHARS, PrefixIndex, block_hashes, prompt_text
+from pdctl.gateway.routing.approx_view import BLOCK_CHARS, PrefixIndex, block_hashes, prompt_text
 from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 from tests.fakes.gateway_harness import KEY, AsgiReply, asgi_request, make_settings, run_app
 

@@ -12,8 +12,9 @@ from prometheus_client import generate_latest
 
 from pdctl.gateway.agent_sessions import MAX_ID, CacheBreaks, Identity, cap_id, identify
 from pdctl.gateway.app import Gateway
+from pdctl.gateway.conversation import prompt_parts
 from pdctl.gateway.memory import MemoryWorkers
-from pdctl.gateway.prompt_view import chat_request, prompt_parts
+from pdctl.gateway.prompt_view import chat_request
 from tests.agent_corpus import claude_code, codex
 from tests.fakes.gateway_harness import AsgiReply, asgi_request
 from tests.gateway.test_adaptive import _prefill, _run

@@ -2,7 +2,7 @@
 gateway in front of simulator workers.
 
 The choice tests build the gateway's own pool and router and hold calls in flight on an instance the way a running
-stream does (:meth:`~pdctl.gateway.routing.Instance.track`); the costs start from the simulator's h100 profile
+stream does (:meth:`~pdctl.gateway.routing.pool.Instance.track`); the costs start from the simulator's h100 profile
 (:mod:`pdctl.sim.timing`) and learn through the cost model's observation API.
 """
 
@@ -21,8 +21,8 @@ import pytest
 
 from pdctl.config import SLOConfig
 from pdctl.gateway.app import Gateway, create_app
-from pdctl.gateway.costs import BUSY_WINDOW_S, CostModel, Path, Seed
 from pdctl.gateway.memory import MemoryWorkers
+from pdctl.gateway.routing.costs import BUSY_WINDOW_S, CostModel, Path, Seed
 from pdctl.runtime.trace import parse_access
 from pdctl.sim.timing import get_profile
 from pdctl.testing import SimProcess, start_sim
@@ -84,8 +84,8 @@ def _gateway(ttft_ms: float = 1000.0, tpot_ms: float = 10.0) -> Gateway:
                              slo=SLOConfig(ttft_ms=ttft_ms, tpot_ms=tpot_ms, admission=False))  # fmt: skip
     settings = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, pd_mode="auto"))
     app = create_app(settings, KEY, clients=MemoryWorkers())
-    assert app.autopilot is not None
-    app.autopilot.model = CostModel(SEED)
+    assert app.router.autopilot is not None
+    app.router.autopilot.model = CostModel(SEED)
     return app
 
 
@@ -104,9 +104,9 @@ def _streams(app: Gateway, role: str, n: int) -> Iterator[None]:
 
 
 def _choose(app: Gateway, tokens: int) -> tuple[str, str]:
-    assert app.autopilot is not None and app.legs.prefix is not None
-    plan = app.legs.prefix.decide(app.pool, _body(tokens), tokens)
-    choice = app.autopilot.choose(app.pool, plan)
+    assert app.router.autopilot is not None and app.router.chooser is not None
+    plan = app.router.chooser.decide(app.pool, _body(tokens), tokens)
+    choice = app.router.autopilot.choose(app.pool, plan)
     assert choice is not None
     return choice.chosen.kind, choice.plan.log_fields()
 
@@ -123,7 +123,7 @@ def test_a_saturated_decode_sends_the_whole_request_to_an_idle_prefill() -> None
     with _streams(app, "decode", 128):  # one more stream there: a step of 12.4 ms
         kind, fields = _choose(app, 200)
     assert kind == "whole", fields
-    assert app.autopilot is not None and app.autopilot.streams(app.pool.by_role("prefill")[0]) == 1
+    assert app.router.autopilot is not None and app.router.autopilot.streams(app.pool.by_role("prefill")[0]) == 1
 
 
 def test_a_long_prompt_on_a_busy_decode_under_a_tight_tpot_takes_both_legs() -> None:
@@ -136,18 +136,18 @@ def test_a_long_prompt_on_a_busy_decode_under_a_tight_tpot_takes_both_legs() -> 
 
 def test_a_prefill_busy_with_leg_1s_slows_a_stream_placed_there() -> None:
     app = _gateway(tpot_ms=10.0)
-    assert app.autopilot is not None and app.legs.prefix is not None
+    assert app.router.autopilot is not None and app.router.chooser is not None
 
     def whole_tpot() -> float:
-        assert app.autopilot is not None and app.legs.prefix is not None
-        plan = app.legs.prefix.decide(app.pool, _body(200), 200)
-        cands = app.autopilot.candidates(app.pool, plan, time.monotonic())
+        assert app.router.autopilot is not None and app.router.chooser is not None
+        plan = app.router.chooser.decide(app.pool, _body(200), 200)
+        cands = app.router.autopilot.candidates(app.pool, plan, time.monotonic())
         return next(c.prediction.tpot_s for c in cands if c.kind == "whole")
 
     idle = whole_tpot()
     now = time.monotonic()
     for i in range(5):  # the prefill spent half of the last seconds on leg 1s: every step of a stream there waits
-        app.autopilot.model.observe_prefill("prefill", 0, 0.5, 16000, now=now - i * 0.5)
+        app.router.autopilot.model.observe_prefill("prefill", 0, 0.5, 16000, now=now - i * 0.5)
     assert whole_tpot() == pytest.approx(2 * idle, rel=0.05)
 
 
@@ -160,14 +160,14 @@ def test_safety_keeps_the_running_streams_within_their_tpot_unless_every_path_br
 
 def test_a_restarted_engine_is_predicted_from_the_seeds_again() -> None:
     app = _gateway()
-    assert app.autopilot is not None
+    assert app.router.autopilot is not None
     decode = app.pool.by_role("decode")[0]
-    app.autopilot.model.observe_prefill("decode", decode.epoch, 2.0, 1000, now=0.0)
-    assert app.autopilot.model.prefill_s_per_token("decode") == pytest.approx(2e-3)
+    app.router.autopilot.model.observe_prefill("decode", decode.epoch, 2.0, 1000, now=0.0)
+    assert app.router.autopilot.model.prefill_s_per_token("decode") == pytest.approx(2e-3)
     decode.set_healthy(False)  # the health probe saw it down, then back: a new epoch
     decode.set_healthy(True)
     _choose(app, 200)
-    assert app.autopilot.model.prefill_s_per_token("decode") == SEED.prefill_s_per_token
+    assert app.router.autopilot.model.prefill_s_per_token("decode") == SEED.prefill_s_per_token
 
 
 # ------------------------------------------------------------------------------------------------ on the simulator
@@ -217,7 +217,7 @@ def test_auto_on_the_simulator_streams_learns_and_logs_its_predictions(
             assert a["auto_local"].startswith("decode:") and a["auto_disagg"].startswith("prefill:")
             ttft_ms, tpot_ms, others = a["auto_local"].split(":")[1].split("/")
             assert float(ttft_ms) > 0 and float(tpot_ms) >= 0 and others == "-"  # one stream at a time
-        autopilot = g.app.autopilot
+        autopilot = g.app.router.autopilot
         assert autopilot is not None
         learned = autopilot.model.engines["decode"]
         assert len(learned.steps) == 4  # every stream taught the model its step time

@@ -1,6 +1,6 @@
 """The stream relay's direct path (pdctl.gateway.direct) under the gateway's own server, uvicorn with httptools.
 
-Each test serves a small ASGI app that relays one worker response with :func:`pdctl.gateway.sse.relay`, through
+Each test serves a small ASGI app that relays one worker response with :func:`pdctl.gateway.relay.relay`, through
 :class:`pdctl.vllm.transport.Client`, from a fake worker (an asyncio server in the same loop) to a raw socket client.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 import uvicorn
 
 from pdctl.gateway.direct import HttpProtocol, client_socket, watch_disconnect
-from pdctl.gateway.sse import Exchange, RelayResult, relay
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.relay import RelayResult, relay
 from pdctl.testing import free_port
 from pdctl.vllm.transport import Client
 from tests.fakes._http import chunked
@@ -86,7 +87,7 @@ async def _setup(
             send.__self__.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         resp = await client.request("POST", "/v1/completions", body=b"{}")
         try:
-            ex = Exchange(send=send, request_id="r", started=0.0, deadline=1e12)
+            ex = RequestRecord(send=send, request_id="r", started=0.0, deadline=1e12)
             results.append(await relay(ex, resp, True))
         finally:
             resp.close()

@@ -1,4 +1,4 @@
-"""F2: Hypothesis on the gateway's SSE relay (``pdctl.gateway.sse.relay``), fed by a fake decode stream.
+"""F2: Hypothesis on the gateway's SSE relay (``pdctl.gateway.relay.relay``), fed by a fake decode stream.
 
 Arbitrary chunk splits (inside ``\\r\\n`` and inside UTF-8 sequences), LF or CRLF line ends, comments,
 streams that end with ``[DONE]``, end cleanly without it, break with a transport error, or stop in the
@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from pdctl.config.settings import PdMode
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers, Part
-from pdctl.gateway.sse import Exchange, relay
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.relay import relay
 from pdctl.testing.invariants import client_outcome
 from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 from pdctl.vllm.sse import sse_events as parse_sse
@@ -77,7 +78,7 @@ async def _relay(chunks: list[bytes], error: bool, peek: bool = False) -> tuple[
         sent.append(message)
 
     now = time.monotonic()
-    ex = Exchange(send=send, request_id="fuzz", started=now, deadline=now + 30, stream=True)
+    ex = RequestRecord(send=send, request_id="fuzz", started=now, deadline=now + 30, stream=True)
     resp = FakeDecodeStream(chunks, error, peek)
     result = await relay(ex, resp, stream=True)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200

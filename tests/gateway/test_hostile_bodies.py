@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
+from pdctl.gateway.agent_sessions import MAX_SESSION_CHARS, session_hint
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
 from pdctl.gateway.migration import read_sent, summary_event
-from pdctl.gateway.policy import MAX_SESSION_CHARS, session_hint
+from pdctl.gateway.relay import KEEP_PIECES, MAX_PENDING, Kept, _Stream
 from pdctl.gateway.request import (
     BODY_BYTES_PER_TOKEN,
     BODY_MARGIN_BYTES,
@@ -27,7 +28,6 @@ from pdctl.gateway.request import (
     validate,
 )
 from pdctl.gateway.settings import LocalModel
-from pdctl.gateway.sse import KEEP_PIECES, MAX_PENDING, Kept, _Stream
 from tests.fakes.gateway_harness import KEY, AsgiReply, RateLimitConfig, asgi_request, make_settings, run_app
 
 CHAT = "/v1/chat/completions"

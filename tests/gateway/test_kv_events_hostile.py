@@ -1,6 +1,6 @@
 """The KV events port under hostile publishers (docs/reliability.md, Hostile clients and hostile networks): topics
 that are none of the deployment's workers, forged block sizes, unhashable ``extra_keys``, impossible block
-counts, and a Hypothesis fuzzer feeding arbitrary msgpack to :meth:`~pdctl.gateway.kv_view.KvEventSubscriber.feed`;
+counts, and a Hypothesis fuzzer feeding arbitrary msgpack to :meth:`~pdctl.gateway.routing.kv_events.KvEventSubscriber.feed`;
 then the loop failing through a real ZMQ socket and coming back.
 
 ``PDCTL_FUZZ_EXAMPLES=2000 pytest tests/gateway/test_kv_events_hostile.py`` runs a longer search.
@@ -20,7 +20,8 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdctl.gateway.kv_view import ExactIndex, KvEventSubscriber, token_block_hashes
+from pdctl.gateway.routing.exact_view import ExactIndex, token_block_hashes
+from pdctl.gateway.routing.kv_events import KvEventSubscriber
 from pdctl.vllm.kv_events import BlockStored, KVEventBatch
 
 BS = 16

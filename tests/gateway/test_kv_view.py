@@ -23,8 +23,9 @@ import zmq.asyncio
 from pdctl.errors import LaunchError
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.chat_template import ChatTemplate
-from pdctl.gateway.kv_view import EventsRelay, ExactIndex, KvEventSubscriber, token_block_hashes
 from pdctl.gateway.memory import MemoryWorkers
+from pdctl.gateway.routing.exact_view import ExactIndex, token_block_hashes
+from pdctl.gateway.routing.kv_events import EventsRelay, KvEventSubscriber
 from pdctl.gateway.settings import LocalModel
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.sim.text import Tokenizer, apply_chat_template

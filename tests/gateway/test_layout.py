@@ -1,4 +1,5 @@
-"""The gateway package's import graph is one-way: no module imports one that imports it back (TYPE_CHECKING too)."""
+"""The gateway package's import graph is one-way: no module imports one that imports it back (TYPE_CHECKING too);
+a subpackage (``routing``) is one node, and the request paths reach routing only through its facade."""
 
 from __future__ import annotations
 
@@ -9,16 +10,31 @@ import pdctl.gateway
 
 PACKAGE = Path(pdctl.gateway.__file__).parent
 PREFIX = "pdctl.gateway."
+#: The modules whose choice of instance goes through :class:`pdctl.gateway.routing.Router` alone.
+ROUTED = ("pd", "legs", "app", "migration")
+
+
+def _modules(path: Path) -> list[str]:
+    """Every ``pdctl.*`` module ``path`` imports, dotted in full (``from pdctl.gateway import x`` names ``x``)."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+            out.extend(f"{node.module}.{a.name}" for a in node.names if node.module in ("pdctl.gateway",))
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+    return [n for n in out if n.startswith("pdctl.")]
 
 
 def _imports(path: Path) -> set[str]:
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        out.update(n.removeprefix(PREFIX).split(".")[0] for n in names if n.startswith(PREFIX))
-    return out
+    return {n.removeprefix(PREFIX).split(".")[0] for n in _modules(path) if n.startswith(PREFIX)}
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {p.stem: _imports(p) for p in PACKAGE.glob("*.py")}
+    for sub in (d for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()):
+        graph[sub.name] = set().union(*(_imports(p) for p in sub.glob("*.py"))) - {sub.name}
+    return graph
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -44,6 +60,24 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_gateway_package_has_no_import_cycle() -> None:
-    graph = {p.stem: _imports(p) for p in PACKAGE.glob("*.py")}
-    assert "pd" in graph["app"] and "routing" in graph["pd"]  # the graph was read
+    graph = _graph()
+    assert "pd" in graph["app"] and "routing" in graph["pd"] and "record" in graph["routing"]  # the graph was read
     assert _cycles(graph) == []
+
+
+def test_request_paths_choose_instances_only_through_the_router() -> None:
+    """pd, legs, app and migration import the routing package itself (its facade), never its modules."""
+    for name in ROUTED:
+        deep = [m for m in _modules(PACKAGE / f"{name}.py") if m.startswith(f"{PREFIX}routing.")]
+        assert deep == [], f"{name}.py imports routing internals {deep}: use pdctl.gateway.routing.Router"
+    assert _modules(PACKAGE / "pd.py").count(f"{PREFIX}routing") == 1  # the check reads the imports
+
+
+def test_the_routing_facade_is_the_only_chooser() -> None:
+    """No module outside the routing package picks by policy, and the pool chooses nothing."""
+    pool = (PACKAGE / "routing" / "pool.py").read_text()
+    assert "def choose" not in pool and "least_loaded" not in pool and "policies" not in pool
+    for path in PACKAGE.glob("*.py"):
+        text = path.read_text().replace("admission.decide(", "")  # the SLO predictor's verdict, not a choice
+        for call in (".by_load(", ".pick(", ".decide(", ".choose("):
+            assert call not in text, f"{path.name} calls {call}: choose through pdctl.gateway.routing.Router"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdctl.gateway.migration import Sent, _Rewriter, continuation_body, eligible, read_sent
-from pdctl.gateway.sse import Kept
+from pdctl.gateway.relay import Kept
 from pdctl.testing import SimProcess, start_sim
 from pdctl.vllm.promtext import metric_value, samples
 from tests.fakes.gateway_harness import GatewayThread, make_settings, wait_for

@@ -16,12 +16,13 @@ import pytest
 
 from pdctl.config import RoutingConfig
 from pdctl.errors import ConfigError
+from pdctl.gateway.agent_sessions import session_hint
 from pdctl.gateway.app import Gateway, create_app
-from pdctl.gateway.kv_view import KvEventSubscriber
 from pdctl.gateway.memory import MemoryWorkers
-from pdctl.gateway.policy import Sessions, session_hint
-from pdctl.gateway.prefix import PrefixRouter
-from pdctl.gateway.routing import Instance, Pool
+from pdctl.gateway.routing.chooser import Chooser
+from pdctl.gateway.routing.kv_events import KvEventSubscriber
+from pdctl.gateway.routing.policies import Sessions
+from pdctl.gateway.routing.pool import Instance, Pool
 from pdctl.gateway.settings import InstanceSpec, LocalModel
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.trace import build_trace, parse_access
@@ -62,19 +63,21 @@ def test_least_loaded_is_the_default_and_rotates_ties() -> None:
     assert RoutingConfig().policies == ("least_loaded", "least_loaded")
     gw = _gateway(n_prefill=3)
     p = _role(gw.pool, "prefill")
-    assert gw.legs.prefix is None  # the default builds no per-request router: today's path, unchanged
-    assert [gw.pool.choose(("prefill",)) for _ in range(3)] == p  # all idle: in turn
+    assert not gw.router.by_request  # the default plans no request: today's path, unchanged
+    assert [gw.router.chooser.by_load(gw.pool, ("prefill",)) for _ in range(3)] == p  # all idle: in turn
     with _busy(p[0], 2), _busy(p[1], 1, tokens=50), _busy(p[2], 1, tokens=80):
-        assert {gw.pool.choose(("prefill",)) for _ in range(4)} == {p[1]}  # fewest requests, then tokens
+        assert {gw.router.chooser.by_load(gw.pool, ("prefill",)) for _ in range(4)} == {
+            p[1]
+        }  # fewest requests, then tokens
 
 
 def test_round_robin_ignores_load_and_power_of_two_never_takes_the_busiest() -> None:
     gw = _gateway(n_prefill=4, prefill_policy="round_robin", decode_policy="power_of_two", n_decode=4)
     p, d = _role(gw.pool, "prefill"), _role(gw.pool, "decode")
     with _busy(p[0], 5):
-        assert [gw.pool.choose(("prefill",)) for _ in range(8)] == p + p
+        assert [gw.router.chooser.by_load(gw.pool, ("prefill",)) for _ in range(8)] == p + p
     with _busy(d[0], 9), _busy(d[1], 3), _busy(d[2], 1):
-        picks = Counter(gw.pool.choose(("decode",)) for _ in range(300))
+        picks = Counter(gw.router.chooser.by_load(gw.pool, ("decode",)) for _ in range(300))
     assert d[0] not in picks  # the less loaded of any two is never the busiest
     assert picks[d[3]] > picks[d[2]] > picks[d[1]] > 0  # the idlest wins every pair it is in
 
@@ -82,16 +85,16 @@ def test_round_robin_ignores_load_and_power_of_two_never_takes_the_busiest() -> 
 def test_discovered_instances_join_the_policy_once_serving() -> None:
     gw = _gateway(n_prefill=1, prefill_policy="round_robin")
     new = gw.pool.add(InstanceSpec("prefill-new", "prefill", "http://p9.invalid"), "warming")
-    assert {gw.pool.choose(("prefill",)) for _ in range(4)} == {_role(gw.pool, "prefill")[0]}
+    assert {gw.router.chooser.by_load(gw.pool, ("prefill",)) for _ in range(4)} == {_role(gw.pool, "prefill")[0]}
     gw.pool.serve(new)
-    assert new in {gw.pool.choose(("prefill",)) for _ in range(4)}
+    assert new in {gw.router.chooser.by_load(gw.pool, ("prefill",)) for _ in range(4)}
     gw.pool.retire(new)
-    assert new not in {gw.pool.choose(("prefill",)) for _ in range(4)}
+    assert new not in {gw.router.chooser.by_load(gw.pool, ("prefill",)) for _ in range(4)}
 
 
-def _router(gw: Gateway) -> PrefixRouter:
-    assert gw.legs.prefix is not None
-    return gw.legs.prefix
+def _router(gw: Gateway) -> Chooser:
+    assert gw.router.chooser is not None
+    return gw.router.chooser
 
 
 def test_cache_aware_follows_the_prefix_until_the_pool_is_imbalanced() -> None:

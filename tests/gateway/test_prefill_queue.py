@@ -18,9 +18,10 @@ from pdctl.config import SLOConfig
 from pdctl.gateway.app import Gateway, create_app
 from pdctl.gateway.errors import ApiError
 from pdctl.gateway.memory import MemoryReply, MemoryWorkers
-from pdctl.gateway.prefill_queue import PrefillQueue
-from pdctl.gateway.prefix import Decision, PrefixRouter
-from pdctl.gateway.routing import Instance
+from pdctl.gateway.routing.chooser import Chooser
+from pdctl.gateway.routing.plan import RoutePlan
+from pdctl.gateway.routing.pool import Instance
+from pdctl.gateway.routing.prefill_queue import PrefillQueue
 from pdctl.gateway.settings import LocalModel
 from pdctl.runtime.trace import parse_access
 from tests.fakes.gateway_harness import KEY, asgi_request, make_settings, run_app
@@ -32,8 +33,8 @@ B = "Style guide for the support desk, second edition. " * 40
 C = "Release checklist for the platform group, draft. " * 40
 
 
-def _parts(gw: Gateway) -> tuple[PrefixRouter, PrefillQueue, Instance, Instance]:
-    router, queue = gw.legs.prefix, gw.legs.queue
+def _parts(gw: Gateway) -> tuple[Chooser, PrefillQueue, Instance, Instance]:
+    router, queue = gw.router.chooser, gw.router.queue
     assert router is not None and queue is not None
     p0, p1 = _role(gw.pool, "prefill")
     return router, queue, p0, p1
@@ -46,7 +47,7 @@ def _run(gw: Gateway, test: Callable[[Gateway], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def _plan(router: PrefixRouter, gw: Gateway, prefix: str, question: str, tokens: int = 600) -> Decision:
+def _plan(router: Chooser, gw: Gateway, prefix: str, question: str, tokens: int = 600) -> RoutePlan:
     return router.decide(gw.pool, _body(question, prefix), tokens)
 
 
@@ -55,9 +56,9 @@ def _waiting(gw: Gateway) -> float | None:
 
 
 def test_the_queue_is_off_by_default_and_needs_the_per_request_router() -> None:
-    assert _gateway().legs.queue is None
+    assert _gateway().router.queue is None
     gw = _gateway(prefill_queue_tokens=1000)
-    assert gw.legs.prefix is not None and gw.legs.queue is not None and gw.legs.queue.limit == 1000
+    assert gw.router.chooser is not None and gw.router.queue is not None and gw.router.queue.limit == 1000
 
 
 def test_a_leg_1_ends_once_where_its_caller_says_so_not_when_its_prompt_is_recorded() -> None:
@@ -219,7 +220,7 @@ def test_the_slo_predictor_counts_the_requests_waiting_in_the_queue_as_ahead() -
         while not workers["prefill"].completions():
             await asyncio.sleep(0.01)
         waits = asyncio.ensure_future(send(2))  # one prompt ahead: 0.6 s predicted, admitted; waits in the queue
-        while app.legs.queue is None or not len(app.legs.queue):
+        while app.router.queue is None or not len(app.router.queue):
             await asyncio.sleep(0.01)
         replies.append(await send(3))  # one in leg 1 and one waiting ahead: 0.9 s predicted
         replies.extend(await asyncio.gather(leg1, waits))
@@ -266,7 +267,7 @@ def test_a_release_that_binds_many_waiting_requests_looks_each_up_once() -> None
     leg 1 binds all 64 there in one dispatch, which looks each waiting prompt up in the 8 views once (it used
     to rebuild the window x prefills matrix for every bind: about 12,000 lookups, 62 ms on the event loop)."""
     gw = _gateway(n_prefill=8, prefill_queue_tokens=1_000_000)
-    router, queue = gw.legs.prefix, gw.legs.queue
+    router, queue = gw.router.chooser, gw.router.queue
     assert router is not None and queue is not None
 
     async def test(gw: Gateway) -> None:
@@ -315,7 +316,7 @@ def test_a_failed_leg_1_gives_its_room_back() -> None:
     run_app(app, test)
     assert [r.status for r in replies] == [200, 200]
     assert [c.request_id for c in workers["prefill"].completions()] == ["r0", "r0-retry1", "r1"]
-    router = app.legs.prefix
+    router = app.router.chooser
     assert router is not None and router.prefilling_tokens(app.pool.by_role("prefill")[0]) == 0
 
 
@@ -327,12 +328,12 @@ def test_a_request_that_waits_past_its_deadline_gets_a_503_with_retry_after_thro
     replies: list[Any] = []
 
     async def test(app: Gateway) -> None:
-        router, [prefill] = app.legs.prefix, app.pool.by_role("prefill")
+        router, [prefill] = app.router.chooser, app.pool.by_role("prefill")
         assert router is not None
         busy = _plan(router, app, C, "busy")  # computing on the one prefill for the whole test: no room
         assert router.pick(app.pool, "prefill", busy) is prefill
         replies.append(await asgi_request(app, "/v1/completions", _body("Late?", A), request_id="late"))
-        assert app.legs.queue is not None and len(app.legs.queue) == 0 and _waiting(app) == 0
+        assert app.router.queue is not None and len(app.router.queue) == 0 and _waiting(app) == 0
 
     run_app(app, test)
     [late] = replies

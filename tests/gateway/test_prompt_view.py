@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdctl.gateway import prompt_view
+from pdctl.gateway import conversation, prompt_view
 from pdctl.gateway.chat_template import ChatTemplate
-from pdctl.gateway.prefix import block_hashes, prompt_text
+from pdctl.gateway.routing.approx_view import block_hashes, prompt_text
 from tests.agent_corpus import TOOLS_TEMPLATE, claude_code, codex, opencode
 
 LINE = "x-anthropic-billing-header: cc_version=2.1.177.01c; cc_entrypoint=cli; cch=36ee5;"
@@ -91,7 +91,7 @@ def test_chat_system_messages_lose_the_billing_line_as_in_vllm() -> None:
         {"type": "text", "text": "rest", "x": 1}
     ]
     assert prompt_view.strip_billing(["Hello\n" + LINE]) == ["Hello\n" + LINE]  # only a leading line
-    conv = prompt_view.conversation([{"role": "system", "content": LINE + "\nBe brief."},
+    conv = conversation.conversation([{"role": "system", "content": LINE + "\nBe brief."},
                                      {"role": "user", "content": LINE}], "string")  # fmt: skip
     assert conv == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LINE}]  # users' kept
 

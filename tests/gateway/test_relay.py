@@ -9,7 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.gateway.sse import Exchange, relay
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.relay import relay
 from pdctl.vllm.transport import Client
 from tests.fakes._http import chunked
 
@@ -34,7 +35,7 @@ def _run(chunks: list[bytes]) -> tuple[bytes, Any]:
         sent.append(message)
 
     async def go() -> Any:
-        ex = Exchange(send=send, request_id="r", started=0.0, deadline=1e12)
+        ex = RequestRecord(send=send, request_id="r", started=0.0, deadline=1e12)
         return await relay(ex, _Chunks(chunks), True)
 
     result = asyncio.run(go())
@@ -116,7 +117,7 @@ def test_last_chunk_goes_with_the_end_only_when_the_body_is_complete() -> None:
 
         resp = await client.request("POST", path, body=b"{}")
         try:
-            ex = Exchange(send=send, request_id="r", started=0.0, deadline=1e12)
+            ex = RequestRecord(send=send, request_id="r", started=0.0, deadline=1e12)
             result = await relay(ex, resp, True)
         finally:
             resp.close()

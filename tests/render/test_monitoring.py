@@ -32,7 +32,8 @@ import yaml
 
 from pdctl.config import load
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.render.monitoring import MonitoringOptions, Rendered, alerts, dashboard_queries, render, targets, write
+from pdctl.render.dashboard import dashboard_queries
+from pdctl.render.monitoring import MonitoringOptions, Rendered, alerts, render, targets, write
 from pdctl.runtime.plan import VllmInstall, build_plan
 from pdctl.testing import free_port, stop_group
 from pdctl.testing.procs import wait_until_ready

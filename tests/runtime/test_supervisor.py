@@ -316,7 +316,7 @@ HISTORIES = [
 
 @pytest.mark.parametrize(("history", "now", "expected"), HISTORIES)
 def test_decide_restart(history: list[tuple[float, float]], now: float, expected: tuple[bool, int, float]) -> None:
-    d = decide_restart("on-failure", [Run(a, b) for a, b in history], now, POLICY)
+    d = decide_restart("on-failure", [Run(a, b) for a, b in history], now, POLICY.config, POLICY.backoff_base_s)
     assert (d.restart, d.failures, d.delay_s) == expected
     if d.restart:
         assert d.at == now + d.delay_s
@@ -327,9 +327,11 @@ def test_decide_restart(history: list[tuple[float, float]], now: float, expected
 def test_decide_restart_caps_the_delay_and_never_gives_up_on_never() -> None:
     opts = SupervisorOptions(SupervisorConfig(start_secs=10, max_restarts=10, backoff_max_s=5), backoff_base_s=1)
     runs = [Run(i, i + 1) for i in range(0, 20, 2)]
-    delays = [decide_restart("on-failure", runs[: n + 1], 0, opts).delay_s for n in range(6)]
+    delays = [
+        decide_restart("on-failure", runs[: n + 1], 0, opts.config, opts.backoff_base_s).delay_s for n in range(6)
+    ]
     assert delays == [1, 2, 4, 5, 5, 5]
-    never = decide_restart("never", [Run(0, 1000)], 1000, opts)
+    never = decide_restart("never", [Run(0, 1000)], 1000, opts.config, opts.backoff_base_s)
     assert not never.restart and "'never'" in never.reason
 
 

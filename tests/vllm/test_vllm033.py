@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdctl.gateway.sse import Exchange, relay
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.relay import relay
 from pdctl.vllm.diagnose import diagnose
 from pdctl.vllm.kv_events import BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from pdctl.vllm.kvlog import classify
@@ -47,7 +48,7 @@ async def _relay(pieces: list[bytes]) -> tuple[bytes, Any]:
         sent.append(message)
 
     now = time.monotonic()
-    ex = Exchange(send=send, request_id="r", started=now, deadline=now + 30, stream=True, wire="responses")
+    ex = RequestRecord(send=send, request_id="r", started=now, deadline=now + 30, stream=True, wire="responses")
     result = await relay(ex, _Body(pieces), stream=True)
     return b"".join(m["body"] for m in sent[1:]), result
 

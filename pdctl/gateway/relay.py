@@ -1,4 +1,4 @@
-"""The response side of one request: headers, bodies, and the chunk-by-chunk SSE relay.
+"""The chunk-by-chunk relay of a worker's (or the upstream's) response to the client, SSE or whole.
 
 The relay forwards each chunk as it arrives, decode's bytes as they are (no re-framing); the chunk holding a
 stream's final event goes out with the end of the response in one write when the worker's body is already
@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdctl.gateway.direct import ClientSocket, client_socket
 from pdctl.gateway.errors import ApiError, Wire, error_event
+from pdctl.gateway.record import RequestRecord
 from pdctl.vllm.transport import TransportError
 
 if TYPE_CHECKING:
-    from pdctl.gateway.tracing import RequestTrace
+    pass
 
-__all__ = ["END_EVENTS", "Body", "Exchange", "Kept", "RelayResult", "relay"]
+__all__ = ["END_EVENTS", "Body", "Kept", "RelayResult", "relay"]
 
 ASGISend = Any
 _TAIL = 4096
@@ -52,124 +53,6 @@ END_EVENTS: dict[Wire, tuple[bytes, ...]] = {
     "responses": (b"event: response.completed", b"event: response.incomplete", b"event: response.failed"),
     "anthropic": (b"event: message_stop",),
 }
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One client request as it goes through the gateway: ids, timings and what was answered."""
-
-    send: ASGISend
-    request_id: str
-    started: float
-    deadline: float
-    model: str = "-"
-    path: str = "-"
-    stream: bool = False
-    prefill: str | None = None
-    decode: str | None = None
-    prefill_ms: float | None = None
-    status: int = 0
-    headers_sent: bool = False
-    finished: bool = False
-    client_gone: bool = False
-    in_leg1: bool = False
-    """While leg 1 runs a client disconnect only sets ``client_gone``; leg 1 finishes and its KV is released."""
-    ttft_s: float | None = None
-    tokens: int | None = None
-    prompt_tokens: int | None = None
-    error_code: str | None = None
-    fallback_reason: str | None = None
-    decision: str | None = None
-    """``routing.pd_mode = "adaptive"``: the decision's access-log fields (``prefix.Decision.log_fields``)."""
-    kv: dict[str, Any] = field(default_factory=dict)
-    migrations: int = 0
-    """Times the stream was continued on another worker (:mod:`pdctl.gateway.migration`)."""
-    migrated_to: str | None = None
-    """The last continuation's ``target:instance`` (target ``decode``, ``prefill`` or ``restarted``)."""
-    trace: RequestTrace | None = None
-    """The request's trace context (:mod:`pdctl.gateway.tracing`): the headers each worker call carries, and
-    spans when tracing; None: no trace headers at all."""
-    wire: Wire = "openai"
-    transcript: list[bytes] | None = None
-    """The response body's bytes as the client got them, kept only for ``logging.trace_content``
-    (:meth:`pdctl.gateway.tracing.RequestTrace.answer`)."""
-    upstream_allowed: bool = True
-    """Whether the client's key may use the upstream channel (``gateway.fallback = "upstream"`` asks it too)."""
-    """The route's dialect: error bodies, mid-stream error events and the end of a stream follow it."""
-
-    def remaining(self) -> float:
-        """Seconds left before the request's first-byte deadline."""
-        return self.deadline - time.monotonic()
-
-    def outcome(self) -> str:
-        """The status as metrics and the access log name it: the HTTP status, or ``stream_error`` for a 200 stream
-        that ended with an error event."""
-        status = self.status or 500
-        return "stream_error" if self.error_code and self.headers_sent and status == 200 else str(status)
-
-    def access_line(self, outcome: str, duration_s: float) -> str:
-        """The request's one access-log line (``key=value`` pairs; no request or response content)."""
-        parts = [
-            f"request_id={self.request_id}", f"model={self.model}", f"path={self.path}",
-            f"prefill={self.prefill or '-'}", f"decode={self.decode or '-'}", f"status={outcome}",
-            f"ttft_ms={self.ttft_s * 1000:.1f}" if self.ttft_s is not None else "ttft_ms=-",
-            f"prefill_ms={self.prefill_ms:.1f}" if self.prefill_ms is not None else "prefill_ms=-",
-            f"prompt_tokens={self.prompt_tokens if self.prompt_tokens is not None else '-'}",
-            f"tokens={self.tokens if self.tokens is not None else '-'}", f"duration_ms={duration_s * 1000:.1f}",
-        ]  # fmt: skip
-        if self.error_code:
-            parts.append(f"error={self.error_code}")
-        if self.fallback_reason:
-            parts.append(f"fallback={self.fallback_reason}")
-        if self.decision:
-            parts.append(self.decision)
-        if self.migrations:
-            parts.append(f"migrations={self.migrations} migrated={self.migrated_to}")
-        if self.kv:
-            parts.append(f"kv_engine={self.kv['engine']} kv_blocks={self.kv['blocks']} kv_remote={self.kv['remote']}")
-        return " ".join(parts)
-
-    def _headers(self, content_type: bytes, extra: list[tuple[bytes, bytes]] | None) -> list[tuple[bytes, bytes]]:
-        h = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]
-        if self.path in ("disagg", "local", "fallback", "upstream", "colocated"):
-            h.append((b"x-pd-path", self.path.encode()))
-        if self.prefill:
-            h.append((b"x-pd-prefill", self.prefill.encode()))
-        if self.decode:
-            h.append((b"x-pd-decode", self.decode.encode()))
-        if self.prefill_ms is not None:
-            h.append((b"x-pd-prefill-ms", f"{self.prefill_ms:.2f}".encode()))
-        if extra:
-            h.extend(extra)
-        return h
-
-    async def start(self, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Send the response headers."""
-        headers = self._headers(content_type, extra)
-        if content_type.startswith(b"text/event-stream"):
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        self.status = status
-        self.headers_sent = True
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def body(self, data: bytes, more: bool = False) -> None:
-        """Send body bytes."""
-        if not more:
-            self.finished = True
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-
-    async def respond(self, status: int, data: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        """A whole JSON response."""
-        await self.start(status, b"application/json", [(b"content-length", str(len(data)).encode()), *(extra or [])])
-        await self.body(data)
-
-    async def fail(self, err: ApiError) -> None:
-        """Answer an error: a JSON error before headers, one SSE error event after them."""
-        self.error_code = err.code or err.type
-        if not self.headers_sent:
-            await self.respond(err.status, err.body(self.wire), err.headers())
-        elif not self.finished:
-            await self.body(error_event(err, self.wire))
 
 
 class Body(Protocol):
@@ -299,7 +182,7 @@ class _Stream:
 
 
 async def relay(
-    ex: Exchange, resp: Body, stream: bool, first_timeout_s: float | None = None, keep: Kept | None = None
+    ex: RequestRecord, resp: Body, stream: bool, first_timeout_s: float | None = None, keep: Kept | None = None
 ) -> RelayResult:
     """Forward a 200 response to the client; a failure after headers ends with one SSE error event, or, with
     ``keep`` (a migratable stream: the events forwarded are kept there), leaves the response open for the caller

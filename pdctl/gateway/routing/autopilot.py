@@ -1,8 +1,8 @@
 """The SLO autopilot (``routing.pd_mode = "auto"``): each request's path, chosen from ``slo.ttft_ms`` / ``tpot_ms``.
 
 For each request :meth:`Autopilot.choose` takes the decode that ``routing.decode_policy`` chose
-(:meth:`pdctl.gateway.prefix.PrefixRouter.decide`) and the prompt's cached tokens on each engine, asks the
-learned cost model (:mod:`pdctl.gateway.costs`) what each path would give, and takes one::
+(:meth:`pdctl.gateway.routing.chooser.Chooser.decide`) and the prompt's cached tokens on each engine, asks the
+learned cost model (:mod:`pdctl.gateway.routing.costs`) what each path would give, and takes one::
 
     local    the whole request on that decode (its uncached tokens prefilled there, stalling its streams)
     whole    the whole request on a prefill engine (as colocated does: no prefill leg, no KV moved)
@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdctl.config import SLOConfig
-from pdctl.gateway.costs import CostModel, Path, Prediction
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.prefill_queue import PrefillQueue
-from pdctl.gateway.prefix import Decision, PrefixRouter
-from pdctl.gateway.routing import Instance, Pool
-from pdctl.gateway.sse import Exchange
+from pdctl.gateway.record import RequestRecord
+from pdctl.gateway.routing.chooser import Chooser
+from pdctl.gateway.routing.costs import CostModel, Path, Prediction
+from pdctl.gateway.routing.plan import RoutePlan
+from pdctl.gateway.routing.pool import Instance, Pool
+from pdctl.gateway.routing.prefill_queue import PrefillQueue
 
 __all__ = ["RANK", "Autopilot", "Candidate", "Choice", "Kind", "log_fields"]
 
@@ -81,7 +82,7 @@ def log_fields(best: Candidate, cands: list[Candidate]) -> str:
 class Choice:
     """The autopilot's decision for one request: the plan handed to the PD flow, and what was predicted."""
 
-    plan: Decision
+    plan: RoutePlan
     chosen: Candidate
     candidates: list[Candidate] = field(default_factory=list)
     at: float = 0.0
@@ -92,7 +93,7 @@ class Autopilot:
     """The per-request path choice and the learned costs, for one gateway process."""
 
     def __init__(
-        self, slo: SLOConfig, router: PrefixRouter, metrics: GatewayMetrics, queue: PrefillQueue | None = None,
+        self, slo: SLOConfig, router: Chooser, metrics: GatewayMetrics, queue: PrefillQueue | None = None,
         model: CostModel | None = None,
     ) -> None:  # fmt: skip
         self.slo = slo
@@ -107,7 +108,7 @@ class Autopilot:
         """Streams decoding on ``inst`` now: a decode's calls in flight; a prefill's whole requests."""
         return inst.in_flight if inst.role == "decode" else self._streams.get(inst.name, 0)
 
-    def candidates(self, pool: Pool, plan: Decision, now: float) -> list[Candidate]:
+    def candidates(self, pool: Pool, plan: RoutePlan, now: float) -> list[Candidate]:
         """Every path ``plan``'s request can take now, each with its prediction."""
         prompt = plan.cached_tokens + plan.uncached_tokens
         out: list[Candidate] = []
@@ -135,7 +136,7 @@ class Autopilot:
         for i in insts:
             self.model.observe_epoch(i.name, i.epoch)
 
-    def choose(self, pool: Pool, plan: Decision) -> Choice | None:
+    def choose(self, pool: Pool, plan: RoutePlan) -> Choice | None:
         """The path for ``plan``'s request (module docstring); None when no path is open (no instance available:
         the PD flow then answers as it would). The returned plan is ``local`` for ``local`` and ``whole`` (its
         decode set to the engine), and carries every candidate's prediction in its log fields."""
@@ -158,7 +159,7 @@ class Autopilot:
             self._streams[best.decode.name] = self._streams.get(best.decode.name, 0) + 1
         return Choice(chosen, best, cands, now)
 
-    def finish(self, choice: Choice, ex: Exchange) -> None:
+    def finish(self, choice: Choice, ex: RequestRecord) -> None:
         """The request ended: learn from what it took, observe the predictor's error (once per choice)."""
         if choice.done:
             return

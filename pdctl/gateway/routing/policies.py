@@ -2,9 +2,9 @@
 request goes to.
 
 Each policy is a function of the pool's available instances, the load this gateway process counts on them
-(:attr:`~pdctl.gateway.routing.Instance.in_flight` requests and
-:attr:`~pdctl.gateway.routing.Instance.in_flight_tokens` prompt tokens) and, for the request-aware ones, a score
-per instance that :class:`pdctl.gateway.prefix.PrefixRouter` computes from its prefix views. Each returns a
+(:attr:`~pdctl.gateway.routing.pool.Instance.in_flight` requests and
+:attr:`~pdctl.gateway.routing.pool.Instance.in_flight_tokens` prompt tokens) and, for the request-aware ones, a score
+per instance that :class:`pdctl.gateway.routing.chooser.Chooser` computes from its prefix views. Each returns a
 :class:`Pick`: the instance, the rule that chose it and the candidates' scores, which the access log carries
 (``<role>_pick=<policy>:<rule> <role>_scores=<name>:<score>,...``).
 
@@ -25,7 +25,8 @@ kv_aware        exact view (events), in-flight tokens        the least Dynamo co
                                                              ``max(new - overlap, 0) + in-flight``; ties at random
 =============== ============================================ ==========================================================
 
-A session hint (:func:`session_hint`: ``x-session-id``, a Responses ``conversation``, Anthropic's
+A session hint (:func:`pdctl.gateway.agent_sessions.session_hint`: ``x-session-id``, a Responses ``conversation``,
+Anthropic's
 ``metadata.user_id``) only breaks ties, in favour of the instance that served the session last
 (:class:`Sessions`); it never overrides a score (sticky sessions measured worse than KV-aware routing in
 Dynamo's replay, ai-dynamo/dynamo ``docs/benchmarks/aiperf-session-routing-replay/README.md``).
@@ -33,12 +34,11 @@ Dynamo's replay, ai-dynamo/dynamo ``docs/benchmarks/aiperf-session-routing-repla
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from pdctl.config import RoutingConfig
 
@@ -52,15 +52,15 @@ __all__ = [
     "kv_aware",
     "least_loaded",
     "prefix_first",
-    "session_hint",
 ]
 
-#: The policies that read only the load (:meth:`pdctl.gateway.routing.Pool.choose` applies them with no request).
+#: The policies that read only the load (:meth:`pdctl.gateway.routing.chooser.Chooser.by_load` applies them with no
+#: request).
 LOAD_POLICIES = ("least_loaded", "power_of_two", "round_robin")
 
 
 class Candidate(Protocol):
-    """What a policy reads of an instance (:class:`pdctl.gateway.routing.Instance` has it)."""
+    """What a policy reads of an instance (:class:`pdctl.gateway.routing.pool.Instance` has it)."""
 
     @property
     def name(self) -> str: ...
@@ -206,33 +206,6 @@ def kv_aware(cands: Sequence[C], cost: Callable[[C], float], rng: random.Random,
     if held is not None:
         return Pick(held, "kv_aware", "session", shown)
     return Pick(rng.choice(tied), "kv_aware", "cost" if len(tied) == 1 else "random", shown)
-
-
-#: A session id longer than this is kept as its digest: the same session still sticks, and 65,536 of them cost
-#: kilobytes each at most, not what a client chose to send.
-MAX_SESSION_CHARS = 128
-
-
-def _bounded(session: str) -> str:
-    if len(session) <= MAX_SESSION_CHARS:
-        return session
-    return "blake2b:" + hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-def session_hint(body: Mapping[str, Any], header: str | None = None) -> str | None:
-    """The request's session, for tie-breaks: the ``x-session-id`` header, else a Responses ``conversation`` (a
-    string or ``{"id": ...}``), else Anthropic's ``metadata.user_id`` (Claude Code puts its session there); one
-    longer than :data:`MAX_SESSION_CHARS` as its digest."""
-    if header:
-        return _bounded(header)
-    conv = body.get("conversation")
-    if isinstance(conv, dict):
-        conv = conv.get("id")
-    if isinstance(conv, str) and conv:
-        return _bounded(conv)
-    meta = body.get("metadata")
-    user = meta.get("user_id") if isinstance(meta, dict) else None
-    return _bounded(user) if isinstance(user, str) and user else None
 
 
 class Sessions:

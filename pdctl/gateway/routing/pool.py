@@ -1,10 +1,5 @@
-"""The instance pool: each pool's load policy, health probing in and out, a per-instance circuit breaker.
-
-:meth:`Pool.choose` applies ``routing.prefill_policy`` / ``routing.decode_policy`` when it reads only the load
-(:data:`pdctl.gateway.policy.LOAD_POLICIES`); the request-aware policies, and every choice when the gateway decides
-per request, go through :class:`pdctl.gateway.prefix.PrefixRouter`, which uses :meth:`Pool.turn` and
-:attr:`Pool.rng` for its tie-breaks. Calls with no request at hand (a release leg, a retry, ``gateway.fallback``)
-fall back to ``least_loaded``.
+"""The instance pool: membership, health probing in and out, a per-instance circuit breaker; no choosing (which
+instance takes a request is :class:`pdctl.gateway.routing.router.Router`'s).
 
 An instance is *available* when it is ``serving``, its last ``/health`` probe succeeded and its breaker is closed.
 Static endpoints are ``serving`` from the start; :mod:`pdctl.gateway.discovery` adds instances as ``warming``,
@@ -23,14 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import random
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.policy import LOAD_POLICIES, by_load, least_loaded
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
 from pdctl.gateway.workers import ClientFactory, WorkerClient, http_clients
 from pdctl.vllm.transport import TransportError
@@ -103,23 +95,19 @@ class Instance:
 
 
 class Pool:
-    """All instances, the choice among them and the background health probe.
+    """All instances and the background health probe.
 
-    ``connect`` makes each instance's client (default: :func:`pdctl.gateway.workers.http_clients`); ``rng``: the
-    random tie-breaks' source (seeded in tests).
+    ``connect`` makes each instance's client (default: :func:`pdctl.gateway.workers.http_clients`).
     """
 
     def __init__(
-        self, settings: GatewaySettings, metrics: GatewayMetrics, connect: ClientFactory | None = None,
-        rng: random.Random | None = None,
-    ) -> None:  # fmt: skip
+        self, settings: GatewaySettings, metrics: GatewayMetrics, connect: ClientFactory | None = None
+    ) -> None:
         self.settings = settings
-        self.rng = rng or random.Random()
         self._connect = connect or http_clients(settings)
         self._metrics = metrics
         self.instances = [Instance(spec, self._connect(spec), metrics) for spec in settings.instances]
         self._count_states()
-        self._rr: dict[tuple[Role, ...], itertools.count[int]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def add(self, spec: InstanceSpec, state: State) -> Instance:
@@ -160,29 +148,6 @@ class Pool:
     def by_role(self, role: Role) -> list[Instance]:
         """Instances of one role."""
         return [i for i in self.instances if i.role == role]
-
-    def choose(self, roles: tuple[Role, ...], among: list[Instance] | None = None) -> Instance | None:
-        """The pool's load policy (least in-flight requests then tokens, ties rotating; ``power_of_two``;
-        ``round_robin``); a request-aware policy, and a choice over both roles (``colocated``), fall back to least
-        loaded. None when no instance is available. ``among``: the least loaded of these."""
-        candidates = among if among is not None else [i for i in self.instances if i.role in roles and i.available()]
-        if not candidates:
-            return None
-        r = self.settings.routing
-        policy = r.prefill_policy if roles == ("prefill",) else r.decode_policy if roles == ("decode",) else None
-        turn = self.turn(roles)
-        if among is not None or policy is None or policy not in LOAD_POLICIES:
-            return least_loaded(candidates, turn).instance
-        return by_load(policy, candidates, turn, self.rng).instance
-
-    def turn(self, roles: tuple[Role, ...]) -> int:
-        """The next turn of ``roles``' rotation (ties under ``least_loaded``, the order under ``round_robin``)."""
-        return next(self._rr.setdefault(roles, itertools.count()))
-
-    def least_loaded(self, roles: tuple[Role, ...]) -> Instance | None:
-        """The instance :meth:`choose` would favour, without advancing the tie rotation."""
-        candidates = [i for i in self.instances if i.role in roles and i.available()]
-        return min(candidates, key=lambda i: (i.in_flight, i.in_flight_tokens), default=None)
 
     def retry_after_s(self, roles: tuple[Role, ...]) -> float:
         """How long until an instance of ``roles`` may be back (breaker cooldown or probe interval)."""

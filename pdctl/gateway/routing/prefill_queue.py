@@ -3,7 +3,7 @@
 Without the queue a request's prefill is chosen when it arrives (``routing.prefill_policy``) and the request waits
 in that engine's own queue. With it a request waits in the gateway while no prefill has *room* (room: fewer than
 ``prefill_queue_tokens`` uncached prompt tokens of requests still in leg 1,
-:meth:`~pdctl.gateway.prefix.PrefixRouter.prefilling_tokens`), and is bound to a prefill only when one has: Dynamo's
+:meth:`~pdctl.gateway.routing.chooser.Chooser.prefilling_tokens`), and is bound to a prefill only when one has: Dynamo's
 ``--router-queue-threshold``, with the choice turned around: the prefill with room takes the waiting request it
 holds most of. At saturation the gateway holds requests of many prefixes, so a prefill with room mostly finds one
 whose prefix it holds, and a prefix is computed where it is cached rather than where the load was lowest when its
@@ -36,10 +36,12 @@ import time
 from dataclasses import dataclass, field
 
 from pdctl.gateway.errors import ApiError
-from pdctl.gateway.kv_view import leading
 from pdctl.gateway.metrics import GatewayMetrics
-from pdctl.gateway.prefix import BLOCK_CHARS, Decision, PrefixRouter
-from pdctl.gateway.routing import Instance, Pool
+from pdctl.gateway.routing.approx_view import BLOCK_CHARS
+from pdctl.gateway.routing.chooser import Chooser
+from pdctl.gateway.routing.exact_view import leading
+from pdctl.gateway.routing.plan import RoutePlan
+from pdctl.gateway.routing.pool import Instance, Pool
 
 __all__ = ["WINDOW", "PrefillQueue"]
 
@@ -49,18 +51,18 @@ WINDOW = 32
 
 @dataclass(eq=False, slots=True)
 class _Waiter:
-    plan: Decision
+    plan: RoutePlan
     bound: asyncio.Future[Instance | None]
     since: float
     rule: str = ""
     memo: dict[int, list[int]] = field(default_factory=dict)
-    """The prompt's token block hashes per block size (:meth:`PrefixRouter.held` fills it)."""
+    """The prompt's token block hashes per block size (:meth:`Chooser.held` fills it)."""
 
 
 class PrefillQueue:
     """The requests waiting for a prefill with room, in arrival order, for one gateway process."""
 
-    def __init__(self, router: PrefixRouter, limit: int, metrics: GatewayMetrics) -> None:
+    def __init__(self, router: Chooser, limit: int, metrics: GatewayMetrics) -> None:
         self.router = router
         self.limit = limit
         """``routing.prefill_queue_tokens``."""
@@ -76,7 +78,7 @@ class PrefillQueue:
         """The prompt tokens of the requests waiting (for the SLO predictor: they are ahead of a new request)."""
         return sum(w.plan.cached_tokens + w.plan.uncached_tokens for w in self._waiting)
 
-    async def pick(self, pool: Pool, plan: Decision, timeout_s: float) -> Instance | None:
+    async def pick(self, pool: Pool, plan: RoutePlan, timeout_s: float) -> Instance | None:
         """Wait until ``plan``'s request is bound to a prefill (None: no prefill is available at all); its rule and
         wait join ``plan.picks``. The caller ends the leg with :meth:`release`."""
         if not self._prefills(pool):
@@ -103,7 +105,7 @@ class PrefillQueue:
         inst = w.bound.result()
         return self._bound(w, inst) if inst is not None else None
 
-    def release(self, pool: Pool, inst: Instance, plan: Decision) -> None:
+    def release(self, pool: Pool, inst: Instance, plan: RoutePlan) -> None:
         """``plan``'s leg 1 on ``inst`` ended (done, failed or abandoned): its room goes to the waiting requests."""
         self.router.leg1_done(inst, plan)
         self._dispatch(pool)

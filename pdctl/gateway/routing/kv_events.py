@@ -1,20 +1,12 @@
-"""The exact view (``routing.prefix_view = "exact"``, read by adaptive PD and the ``kv_aware`` and ``cache_aware``
-routing policies): what each worker's prefix cache holds, from the worker's own vLLM KV cache events.
+"""The workers' KV cache events, received (``routing.prefix_view = "exact"``): the subscriber that feeds each worker's
+exact view (:class:`pdctl.gateway.routing.exact_view.ExactIndex`), and the relay to a multi-process gateway's
+children.
 
 The plan starts every worker with ``--kv-events-config`` whose ``endpoint`` is ``tcp://<gateway host>:<
 routing.kv_events_port>`` and whose ``topic`` is the worker's name (:func:`pdctl.vllm.args.kv_events_config`).
 vLLM's PUB socket *connects* to such an address (:mod:`pdctl.vllm.kv_events`), so the gateway *binds* one SUB
 socket there and every worker dials in, as llm-d's KV cache manager does; the topic tells the workers apart.
 
-Map:
-
-- :func:`token_block_hashes`: a prompt's token ids -> chained hashes of its full blocks, the keys of the view.
-- :class:`ExactIndex`: one worker's cached blocks. vLLM's block hashes depend on its hash algorithm and seed, so
-  each ``BlockStored`` is re-hashed here from its ``token_ids``, chained from the parent's (llm-d does the same);
-  the engine's hashes are kept only to find a parent and to apply ``BlockRemoved``. A stored block whose parent
-  is unknown (published before the gateway listened, or lost) cannot be chained and is left out: the view then
-  under-counts, and the decision errs towards the prefill leg. Blocks stored with ``extra_keys`` (a LoRA, a
-  ``cache_salt``, multimodal inputs) hash with them and never match a plain prompt, as in the engine.
 - :class:`EventsRelay`: with several gateway processes (``gateway.workers``) only one can bind the port, so the
   parent binds it and relays every message, unchanged, to its children over an ipc socket (ZMQ's XSUB/XPUB
   proxy); each child's subscriber connects there and keeps its own view, as with one process.
@@ -28,16 +20,10 @@ Who may speak (docs/reliability.md, Hostile clients and hostile networks): the p
 configured; a NetworkPolicy guards it on Kubernetes), and the subscriber accepts only the topics its ``allowed``
 callable names (the gateway's: its own and discovered instances'); an unknown topic gets no view, no tracker and
 no metric label of its own. Every frame is at most :data:`MAX_MESSAGE_BYTES` (libzmq drops the connection of a
-larger one) and at most :data:`RCV_HWM` messages wait per publisher. Each view holds at most
-``routing.kv_events_max_blocks`` blocks (more than an engine can hold: the view starts over). A message is
-applied alone: one that cannot be read or applied is counted (``malformed``), logged once and dropped, and its
-worker's view starts over. Should the loop itself fail, it is logged and counted (``subscriber_error``), every
-view reads as absent (the approximate view serves) and the socket is opened again.
-
-The prefix router (:mod:`pdctl.gateway.prefix`) reads the views, for the decision and for the policies' scores
-(:mod:`pdctl.gateway.policy`); a worker with no events yet, or a request whose
-exact token ids are unknown (:meth:`pdctl.gateway.tokens.TokenCounter.prompt_ids`), is judged by the approximate
-view instead.
+larger one) and at most :data:`RCV_HWM` messages wait per publisher. A message is applied alone: one that cannot
+be read or applied is counted (``malformed``), logged once and dropped, and its worker's view starts over. Should
+the loop itself fail, it is logged and counted (``subscriber_error``), every view reads as absent (the
+approximate view serves) and the socket is opened again.
 """
 
 from __future__ import annotations
@@ -45,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +39,15 @@ import msgspec
 
 from pdctl.config.settings import DEFAULT_KV_EVENTS_MAX_BLOCKS
 from pdctl.errors import LaunchError
+from pdctl.gateway.routing.exact_view import ExactIndex
 from pdctl.vllm.kv_events import (
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
     SeqStatus,
     SequenceTracker,
     decode_batch_skipping_unknown,
     split_message,
 )
 
-__all__ = ["EventsRelay", "ExactIndex", "KvEventSubscriber", "leading", "token_block_hashes"]
+__all__ = ["EventsRelay", "KvEventSubscriber"]
 
 log = logging.getLogger("pdctl.gateway")
 
@@ -75,116 +58,6 @@ RCV_HWM = 64
 """``ZMQ_RCVHWM``: messages queued per publisher before libzmq drops more (a loss is a gap: the view starts over)."""
 RESTART_S = 1.0
 """How long the subscriber waits before opening its socket again after a failure."""
-
-
-def _frozen(x: object) -> object:
-    """A hashable form of an ``extra_keys`` entry: msgpack has no tuples, so nested ones arrive as lists."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_frozen(y) for y in x)
-    if isinstance(x, dict):
-        return tuple((_frozen(k), _frozen(v)) for k, v in x.items())
-    return x
-
-
-def _chain(parent: int, block: Sequence[int], extra: object = None) -> int:
-    return hash((parent, tuple(block), extra))
-
-
-def leading(hashes: Sequence[int], held: Container[int]) -> int:
-    """How many of ``hashes``, from the first, are in ``held`` (a chained block matches only after its prefix)."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
-
-
-def token_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full ``block_size`` blocks of ``ids`` (vLLM caches full blocks only)."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = _chain(parent, ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
-
-
-class ExactIndex:
-    """One worker's prefix cache, as its events describe it (module docstring)."""
-
-    __slots__ = ("_held", "_ours", "block_size", "max_blocks", "orphans", "overflows")
-
-    def __init__(self, max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS) -> None:
-        self.block_size: int | None = None
-        """The engine's block size, from its latest ``BlockStored`` (None: no event yet)."""
-        self.max_blocks = max_blocks
-        """At most this many blocks are held; one more empties the view (an engine holds fewer: the events lie)."""
-        self._ours: dict[BlockHash, int] = {}
-        self._held: dict[int, int] = {}
-        self.orphans = 0
-        """Stored blocks left out because their parent was unknown."""
-        self.overflows = 0
-        """How often the view started over because it would have held more than ``max_blocks``."""
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def apply(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
-        """Apply one event."""
-        if isinstance(event, AllBlocksCleared):
-            self.clear()
-        elif isinstance(event, BlockRemoved):
-            for eh in event.block_hashes:
-                ours = self._ours.pop(eh, None)
-                if ours is not None:
-                    left = self._held[ours] - 1
-                    if left:
-                        self._held[ours] = left
-                    else:
-                        del self._held[ours]
-        else:
-            self._store(event)
-
-    def _store(self, ev: BlockStored) -> None:
-        if ev.group_idx not in (None, 0):  # hybrid models' other KV groups (sliding window): not the prefix's
-            return
-        bs = ev.block_size
-        if bs < 1:
-            raise ValueError(f"block_size {bs}")
-        if bs != self.block_size:  # the latest size wins: a first message cannot pin a wrong one
-            self.clear()
-            self.block_size = bs
-        if ev.parent_block_hash is None:
-            parent: int | None = 0
-        else:
-            parent = self._ours.get(ev.parent_block_hash)
-        if parent is None:
-            self.orphans += len(ev.block_hashes)
-            return
-        extras = ev.extra_keys or ()
-        for i, eh in enumerate(ev.block_hashes):
-            block = ev.token_ids[i * bs : (i + 1) * bs]
-            if len(block) != bs:
-                return
-            extra = extras[i] if i < len(extras) else None
-            parent = _chain(parent, block, _frozen(extra) if extra is not None else None)
-            if eh not in self._ours:
-                if len(self._ours) >= self.max_blocks:
-                    self.clear()
-                    self.overflows += 1
-                    return
-                self._ours[eh] = parent
-                self._held[parent] = self._held.get(parent, 0) + 1
-
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many of ``hashes``' leading blocks (:func:`token_block_hashes`, this index's block size) are held."""
-        return leading(hashes, self._held)
-
-    def clear(self) -> None:
-        """Forget every block (the block size stays: it is the engine's)."""
-        self._ours.clear()
-        self._held.clear()
 
 
 class KvEventSubscriber:
