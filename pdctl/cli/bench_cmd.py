@@ -184,6 +184,10 @@ def bench(
         err_console.print(Text(f"warning: ${cx.api_key_env} is not set; the gateway will answer 401", style="yellow"))
     if endpoint not in ("chat", "completions"):
         raise BenchError(f"--endpoint: expected chat or completions, got {endpoint!r}")
+    if endpoint != "chat" and workload in ("claude-code", "codex"):
+        api = "/v1/messages" if workload == "claude-code" else "/v1/responses"
+        raise BenchError(f"--endpoint {endpoint} does not apply to -w {workload}: it sends {api}, as the client does",
+                         hint="drop --endpoint")  # fmt: skip
     slo = goodput_slo(goodput or [], ctx.args, attainment)
     if slo is None and not no_slo:
         slo = cx.slo
