@@ -124,7 +124,7 @@ class ClientPlan:
         s = self.sessions[session]
         sub, _ = s.role(k)
         kind: RequestKind = "subagent" if sub else "claude-code" if self.client == "claude-code" else "codex"
-        # A new billing line per request and run, yet the same for the same seed: the run's tag is not in it.
+        # A billing line of its own for every request, the same for the same seed (as the rest of the request).
         rng = random.Random(f"{self.client}-{self.seed}-{session}-{k}")
         if self.client == "claude-code":
             body, headers = self._claude(s, k, answers, rng)
@@ -152,8 +152,9 @@ class ClientPlan:
                 messages.append({"role": "user", "content": blocks})
             else:
                 prev = own[n - 1]
-                result = s.outputs[prev] if not (not sub and prev == s.spawn and s.sub_turns) else (
-                    answers[s.spawn + s.sub_turns] or "Done.")  # fmt: skip
+                result = s.outputs[prev]
+                if not sub and s.sub_turns and prev == s.spawn:  # the Task call's result: the sub-agent's last answer
+                    result = answers[s.spawn + s.sub_turns] or "Done."
                 messages.append({"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": self._tool_id(s, prev), "content": result},
                     {"type": "text", "text": "<system-reminder>\nThe TodoWrite tool hasn't been used recently.\n"
