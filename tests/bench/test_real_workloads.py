@@ -75,8 +75,8 @@ def test_agent_and_shared_prefix_on_real_vllm(pd: Deployment, tmp_path: Path) ->
 def test_claude_code_sessions_on_real_vllm_under_adaptive_pd(root: Path, tmp_path: Path) -> None:
     """``-w claude-code`` (billing line, tools, a sub-agent, a trailing system turn) through /v1/messages on real
     vLLM: each session's first request over both legs, every later main-agent turn local on the decode that holds its
-    history, and the decode's own prefix cache hits. The tiny model's tokenizer spends about 1,600 tokens on the eight
-    tools alone, so the workers get ``max_model_len = 4096`` (the model's limit)."""
+    history, and the decode's own prefix cache hits. A session's prompts reach about 720 tokens here, so the workers
+    get ``max_model_len = 4096`` (the model's limit) instead of the example's 1,024, for room."""
     dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive"})
     config = dep.dir / "config.toml"
     config.write_text(config.read_text(encoding="utf-8").replace("max_model_len = 1024", "max_model_len = 4096"))
