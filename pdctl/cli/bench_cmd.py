@@ -52,7 +52,12 @@ def bench(
     conversations: Annotated[
         int, typer.Option("--conversations", help="agent, claude-code, codex: sessions per run.")
     ] = 24,
-    turns: Annotated[str, typer.Option("--turns", help="agent: requests per conversation, N or MIN:MAX.")] = "6:9",
+    turns: Annotated[
+        str,
+        typer.Option(
+            "--turns", help="agent, codex: requests per conversation (claude-code: main-agent turns), N or MIN:MAX."
+        ),
+    ] = "6:9",
     system_len: Annotated[
         int | None,
         typer.Option("--system-len", help="agent: shared system prompt (500); shared-prefix: per group (2048)."),
