@@ -7,6 +7,13 @@ Timing (``time.perf_counter``, seconds; ``t0`` is the run's start):
 * ``latency_s`` (E2EL) send -> the last chunk that carried ``choices``
 * ``output_tokens`` from the usage chunk (``stream_options.include_usage``), else the count of content chunks
 
+An agent client's request (``BenchRequest.route``) goes to its own API with its own headers, streamed:
+``/v1/messages`` (Anthropic events: content is a ``content_block_delta``; usage from ``message_start`` and
+``message_delta``; the end is ``message_stop``) or ``/v1/responses`` (content is ``response.output_text.delta``,
+``response.function_call_arguments.delta`` or ``response.reasoning_text.delta``; the end, with usage, is
+``response.completed`` or ``response.incomplete``). Their prompt tokens are the input tokens plus any the server
+reports as cache reads or writes (Anthropic's usage counts them apart).
+
 "send" is the moment the built body is handed to the HTTP client (which encodes and writes it), as in
 ``vllm bench serve``. A chunk's time is when its bytes are read, before its JSON is parsed; vLLM takes it
 after parsing the event, a few microseconds later (docs/performance.md, section 3).
@@ -27,7 +34,7 @@ from typing import Any, Literal
 import httpx
 
 from pdctl.bench.aiohttp_transport import AiohttpTransport
-from pdctl.bench.workload import BenchRequest
+from pdctl.bench.workload import BenchRequest, Route
 from pdctl.vllm.sse import SSEParser
 
 __all__ = ["BenchClient", "Endpoint", "RequestResult", "raise_if_cancelled"]
@@ -104,6 +111,18 @@ def _content(choice: dict[str, Any]) -> str:
     return ""
 
 
+_ROUTES = {"messages": "/v1/messages", "responses": "/v1/responses"}
+#: Each route's end of stream, as the failure message names it.
+_ENDS = {"": "data: [DONE]", "messages": "message_stop", "responses": "response.completed"}
+#: Anthropic's usage counts cache reads and writes apart from ``input_tokens``: the prompt is their sum.
+_ANTHROPIC_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta", "response.reasoning_text.delta")
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _error_message(body: bytes) -> str:
     try:
         obj = json.loads(body)
@@ -167,6 +186,8 @@ class BenchClient:
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         """The JSON body sent for ``req``."""
+        if req.body is not None:
+            return {"model": self.model, **req.body, "stream": True, **self.extra_body}
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": True}
         if self.endpoint == "chat" and req.messages:
             body["messages"] = [{"role": role, "content": content} for role, content in req.messages]
@@ -182,8 +203,12 @@ class BenchClient:
 
     @property
     def path(self) -> str:
-        """The API path requests go to."""
+        """The API path requests go to (an agent client's requests: :meth:`path_for`)."""
         return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    def path_for(self, req: BenchRequest) -> str:
+        """The API path ``req`` goes to: its own route's, else the client's endpoint's."""
+        return _ROUTES[req.route] if req.route else self.path
 
     async def send(
         self,
@@ -203,7 +228,7 @@ class BenchClient:
         res.conversation, res.turn = req.conversation, req.turn
         begin = time.perf_counter()
         res.sent_s = begin - t0
-        state = _StreamState(res, begin, keep_text)
+        state = _StreamState(res, begin, keep_text, req.route)
         try:
             await asyncio.wait_for(self._stream(req, state, t0), timeout=self.timeout_s)
         except TimeoutError:
@@ -219,14 +244,16 @@ class BenchClient:
 
     async def _stream(self, req: BenchRequest, state: _StreamState, t0: float) -> None:
         res = state.res
-        headers = {"x-request-id": res.request_id} if res.request_id else {}
+        headers = dict(req.headers)
+        if res.request_id:
+            headers["x-request-id"] = res.request_id
         request_body = self.body(req)
         # The clock starts once the body is built and before the HTTP call encodes and sends it, as in
         # vllm bench serve (its payload dict is built before ``st``; aiohttp encodes it inside ``post``).
         start = time.perf_counter()
         res.sent_s = start - t0
         state.start = start
-        async with self._client.stream("POST", self.path, json=request_body, headers=headers) as resp:
+        async with self._client.stream("POST", self.path_for(req), json=request_body, headers=headers) as resp:
             res.status = resp.status_code
             h = resp.headers
             res.request_id = h.get("x-request-id", res.request_id)
@@ -267,8 +294,9 @@ class BenchClient:
 class _StreamState:
     """Per-request bookkeeping while its SSE events arrive."""
 
-    def __init__(self, res: RequestResult, start: float, keep_text: bool = False) -> None:
+    def __init__(self, res: RequestResult, start: float, keep_text: bool = False, route: Route = "") -> None:
         self.res = res
+        self.route: Route = route
         self.start = start
         self.done = False
         self.last_content = 0.0
@@ -287,6 +315,9 @@ class _StreamState:
             return
         if not isinstance(obj, dict):
             return
+        if self.route:
+            self._event(obj, now)
+            return
         if "error" in obj:
             err = obj["error"]
             msg = err.get("message", err) if isinstance(err, dict) else err
@@ -302,11 +333,15 @@ class _StreamState:
         choices = obj.get("choices")
         if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
             return
+        self._piece(_content(choices[0]), now, True)
+
+    def _piece(self, content: str, now: float, text: bool) -> None:
+        """A chunk that carries the answer (``content`` may be empty); ``text``: part of the answer's text."""
+        res = self.res
         res.latency_s = now - self.start
-        content = _content(choices[0])
         if not content:
             return
-        if self.pieces is not None:
+        if self.pieces is not None and text:
             self.pieces.append(content)
         if self.content_chunks == 0:
             res.ttft_s = now - self.start
@@ -315,12 +350,41 @@ class _StreamState:
         self.last_content = now
         self.content_chunks += 1
 
+    def _event(self, obj: dict[str, Any], now: float) -> None:
+        """One event of an Anthropic or Responses stream (the ``type`` field names it, as the ``event:`` line)."""
+        res, kind = self.res, obj.get("type")
+        if kind == "error" or kind == "response.failed":
+            err = obj.get("error") or (obj.get("response") or {}).get("error") or obj
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            res.error = f"stream error: {msg}"
+        elif kind == "message_start":
+            usage = (obj.get("message") or {}).get("usage") or {}
+            res.prompt_tokens = sum(_int(usage.get(k)) for k in _ANTHROPIC_INPUT)
+        elif kind == "content_block_delta":
+            delta = obj.get("delta") or {}
+            piece = delta.get("text") or delta.get("partial_json") or delta.get("thinking") or ""
+            self._piece(piece if isinstance(piece, str) else "", now, delta.get("type") == "text_delta")
+        elif kind == "message_delta":
+            res.latency_s = now - self.start
+            out = _int((obj.get("usage") or {}).get("output_tokens"))
+            res.output_tokens = out or res.output_tokens
+        elif kind == "message_stop":
+            self.done = True
+        elif kind in _DELTAS:
+            delta = obj.get("delta")
+            self._piece(delta if isinstance(delta, str) else "", now, kind == _DELTAS[0])
+        elif kind in ("response.completed", "response.incomplete"):
+            usage = (obj.get("response") or {}).get("usage") or {}
+            res.prompt_tokens = _int(usage.get("input_tokens")) or res.prompt_tokens
+            res.output_tokens = _int(usage.get("output_tokens")) or res.output_tokens
+            self.done = True
+
     def finish(self) -> None:
         res = self.res
         if res.error:
             return
         if not self.done:
-            res.error = "stream ended without data: [DONE]"
+            res.error = f"stream ended without {_ENDS[self.route]}"
         elif self.content_chunks == 0:
             res.error = "no content in the stream"
         else:

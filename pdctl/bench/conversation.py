@@ -13,6 +13,10 @@ tag ``[bench RUN-ID SEED]``), ``user`` (the conversation's context, then its fir
 k's answer has ended. A failed turn ends its conversation: its later turns would need its answer. On the
 completions endpoint the prompt is the messages' contents joined by blank lines, which grows the same way.
 
+The loop itself (:func:`run_conversations`) takes any :class:`TurnSource`: this module's :class:`ConversationPlan`,
+or the agent clients' sessions (:class:`pdctl.bench.agent_clients.ClientPlan`), which build each request from the
+answers before it.
+
 Arrivals: conversations start at the run's arrival times (``--rate`` conversations per second, ``--burstiness``)
 or all at once (no rate); ``--concurrency N`` lets at most N conversations run at once, the wait for a slot being
 the first turn's queue time; ``--duration S`` sends no turn after S seconds.
@@ -24,18 +28,43 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdctl.bench.arrivals import arrival_offsets
 from pdctl.bench.client import BenchClient, RequestResult, raise_if_cancelled
 from pdctl.bench.workload import BenchRequest, WorkloadSpec, estimate_tokens, random_words
 
-__all__ = ["Conversation", "ConversationPlan", "context_lengths", "plan_conversations", "run_conversations"]
+__all__ = [
+    "Conversation",
+    "ConversationPlan",
+    "TurnSource",
+    "context_lengths",
+    "plan_conversations",
+    "run_conversations",
+]
 
 # vLLM's lognormal "average" form: median = 0.85 x mean, and no sample above MAX_FACTOR x the mean.
 MEDIAN_RATIO = 0.85
 MAX_FACTOR = 5
+
+
+class TurnSource(Protocol):
+    """Conversations sent turn by turn: how many requests each has, and each request given the answers before it."""
+
+    @property
+    def total(self) -> int:
+        """How many requests the run sends when every turn succeeds."""
+        ...
+
+    def steps(self) -> list[int]:
+        """Per conversation, how many requests it sends."""
+        ...
+
+    def request(self, conversation: int, k: int, answers: Sequence[str]) -> BenchRequest:
+        """Request ``k`` (0-based) of ``conversation``; ``answers``: the texts of its requests before ``k``."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +89,21 @@ class ConversationPlan:
     def total(self) -> int:
         """How many requests the run sends when every turn succeeds."""
         return sum(len(c.users) for c in self.conversations)
+
+    def steps(self) -> list[int]:
+        """Per conversation, its turns."""
+        return [len(c.users) for c in self.conversations]
+
+    def request(self, conversation: int, k: int, answers: Sequence[str]) -> BenchRequest:
+        """Turn ``k`` of ``conversation``: the system prompt, then user and assistant messages alternating."""
+        conv = self.conversations[conversation]
+        history: tuple[tuple[str, str], ...] = (("system", self.system),)
+        for j in range(k + 1):
+            user = conv.users[j]
+            history += (("user", f"{conv.context}\n\n{user}" if j == 0 and conv.context else user),)
+            if j < k:
+                history += (("assistant", answers[j]),)
+        return _turn_request(conv, k, history)
 
 
 def context_lengths(n: int, mean: int, rng: random.Random) -> list[int]:
@@ -101,7 +145,7 @@ def _turn_request(conv: Conversation, k: int, history: tuple[tuple[str, str], ..
 
 
 async def run_conversations(
-    plan: ConversationPlan,
+    plan: TurnSource,
     client: BenchClient,
     *,
     t0: float,
@@ -115,19 +159,19 @@ async def run_conversations(
     record: Callable[[RequestResult], None],
 ) -> None:
     """Send every conversation's turns in order (see the module docstring), handing each result to ``record``."""
-    n = len(plan.conversations)
+    steps = plan.steps()
+    n = len(steps)
     offsets = [0.0] * n if math.isinf(rate) else arrival_offsets(n, rate, burstiness, seed)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     deadline = t0 + duration_s if duration_s is not None else math.inf
 
-    async def turns(conv: Conversation, offset: float, waited: float) -> None:
-        history: tuple[tuple[str, str], ...] = (("system", plan.system),)
-        for k, user in enumerate(conv.users):
+    async def turns(conv: int, offset: float, waited: float) -> None:
+        answers: list[str] = []
+        for k in range(steps[conv]):
             now = time.perf_counter()
             if now >= deadline:
                 return
-            history += (("user", f"{conv.context}\n\n{user}" if k == 0 and conv.context else user),)
-            req = _turn_request(conv, k, history)
+            req = plan.request(conv, k, answers)
             on_send()
             res = await client.send(
                 req,
@@ -141,9 +185,9 @@ async def run_conversations(
             raise_if_cancelled()
             if not res.success:
                 return
-            history += (("assistant", res.text),)
+            answers.append(res.text)
 
-    async def converse(conv: Conversation, offset: float) -> None:
+    async def converse(conv: int, offset: float) -> None:
         # The event loop's timer may wake up to a millisecond early: never start before the schedule.
         while (delay := t0 + offset - time.perf_counter()) > 0:
             await asyncio.sleep(delay)
@@ -154,4 +198,4 @@ async def run_conversations(
         async with slots:
             await turns(conv, offset, time.perf_counter() - before)
 
-    await asyncio.gather(*(converse(c, off) for c, off in zip(plan.conversations, offsets, strict=True)))
+    await asyncio.gather(*(converse(c, off) for c, off in enumerate(offsets)))

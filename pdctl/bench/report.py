@@ -99,16 +99,20 @@ def _rate(value: float) -> float | str:
     return "inf" if math.isinf(value) else value
 
 
+#: The API an agent client's workload speaks (``endpoint_type`` / ``backend`` in the results).
+_API = {"claude-code": "anthropic-messages", "codex": "openai-responses"}
+
+
 def result_json(run: RunResult) -> dict[str, Any]:
     """One run as a ``vllm bench serve`` result object plus ``"pdctl"`` extras."""
     s: Summary = run.summary
     t, shape = run.target, run.shape
-    chat = t.endpoint == "chat"
+    api = _API.get(t.workload.name) or ("openai-chat" if t.endpoint == "chat" else "openai")
     measured = [r for r in run.results if not r.warmup]
     out: dict[str, Any] = {
         "date": run.date,
-        "endpoint_type": "openai-chat" if chat else "openai",
-        "backend": "openai-chat" if chat else "openai",
+        "endpoint_type": api,
+        "backend": api,
         "label": t.label or None,
         "model_id": t.model,
         "tokenizer_id": t.model,
@@ -217,7 +221,7 @@ def _workload_params(run: RunResult) -> dict[str, Any]:
         return {"short_len": spec.short_len, "output_len": spec.output_len, "long_len": spec.long_len,
                 "long_output_len": spec.long_output_len, "long_fraction": spec.long_fraction,
                 "range_ratio": spec.range_ratio}  # fmt: skip
-    if name == "agent":
+    if name in ("agent", "claude-code", "codex"):
         return {"conversations": spec.conversations, "turns": list(spec.turns), "system_len": spec.system_len,
                 "context_len": spec.context_len, "user_len": list(spec.user_len),
                 "answer_len": list(spec.answer_len)}  # fmt: skip

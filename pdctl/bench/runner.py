@@ -6,8 +6,9 @@ One run = warm-up requests (sent one by one, excluded), then the measured reques
   (the wait for a slot is reported as queue time, as vLLM's ``client_queue_time``);
 * closed loop: ``rate = inf`` with ``concurrency`` N keeps N requests in flight;
 * a trace replays its own timestamps;
-* ``agent`` conversations start at the arrival times (or all at once) and send their turns one after another
-  (:mod:`pdctl.bench.conversation`); ``concurrency`` caps the conversations in flight.
+* ``agent`` conversations (and ``claude-code`` / ``codex`` sessions, :mod:`pdctl.bench.agent_clients`) start at the
+  arrival times (or all at once) and send their turns one after another (:mod:`pdctl.bench.conversation`);
+  ``concurrency`` caps the conversations in flight.
 
 A run is bounded by ``num_requests`` or ``duration_s``. Around it, the workers' and the gateway's ``/metrics``
 are scraped before and after, and the engines' batch gauges sampled while it runs (:mod:`pdctl.bench.engine_metrics`).
@@ -37,9 +38,10 @@ from typing import Any, TypeVar
 
 import httpx
 
+from pdctl.bench.agent_clients import CLIENTS, plan_clients
 from pdctl.bench.arrivals import arrival_offsets
 from pdctl.bench.client import BenchClient, Endpoint, RequestResult, raise_if_cancelled
-from pdctl.bench.conversation import plan_conversations, run_conversations
+from pdctl.bench.conversation import TurnSource, plan_conversations, run_conversations
 from pdctl.bench.engine_metrics import GaugeSeries, kv_summary, metric_deltas, sample_gauges, scrape
 from pdctl.bench.metrics import SLO, Summary, percentile, summarize, tpot_s
 from pdctl.bench.workload import Workload, new_run_id
@@ -54,6 +56,7 @@ __all__ = [
     "RunResult",
     "SearchResult",
     "discover_model",
+    "plan_turns",
     "run_ab",
     "run_async",
     "run_once",
@@ -208,10 +211,10 @@ def _plan(target: BenchTarget, shape: LoadShape) -> tuple[int | None, list[float
     if wl.conversational:
         if shape.num_requests is not None:
             raise BenchError(
-                "-n/--num-requests does not apply to -w agent",
+                f"-n/--num-requests does not apply to -w {wl.name}",
                 hint="its requests are --conversations x --turns; bound the run with --duration S instead",
             )
-        return plan_conversations(wl.spec).total, None
+        return plan_turns(wl, "").total, None
     if wl.timed:
         n = shape.num_requests or wl.size or 0
         offsets = [wl.request(i).arrival_s or 0.0 for i in range(n)]
@@ -236,6 +239,13 @@ def _plan(target: BenchTarget, shape: LoadShape) -> tuple[int | None, list[float
     return n, arrival_offsets(n, shape.rate, shape.burstiness, shape.seed)
 
 
+def plan_turns(wl: Workload, run_id: str) -> TurnSource:
+    """A conversational workload's turns for the run ``run_id``."""
+    if wl.name in CLIENTS:
+        return plan_clients(wl.spec, run_id)
+    return plan_conversations(wl.spec, run_id)
+
+
 async def run_once(
     target: BenchTarget,
     shape: LoadShape,
@@ -255,7 +265,7 @@ async def run_once(
     pool = shape.concurrency if shape.concurrency is not None else None
     date = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_id = new_run_id() if run_id is None else run_id
-    plan = plan_conversations(target.workload.spec, run_id) if target.workload.conversational else None
+    plan = plan_turns(target.workload, run_id) if target.workload.conversational else None
     run_tag = f"{request_id_prefix}-{date}-{run_id.replace(' ', '-')}-{shape.seed}"
     wl = target.workload
     async with (

@@ -16,6 +16,8 @@ alone.
 * ``shared-prefix`` -- SGLang's generated shared prefix: groups of prompts, each group behind one system prompt.
 * ``agent``    -- multi-turn conversations, sent turn by turn by :mod:`pdctl.bench.conversation` (closed loop);
   this module only validates their spec and makes their warm-up prompts.
+* ``claude-code``, ``codex`` -- sessions as those clients send them (``/v1/messages``, ``/v1/responses``), sent turn
+  by turn like ``agent``, each request built by :mod:`pdctl.bench.agent_clients`.
 
 The tag of a ``shared-prefix`` prompt names its group, not the request (``[bench RUN-ID SEED-gGROUP]``), and
 starts the group's system prompt, so a group's prompts share that prompt within a run and no run shares it with
@@ -41,11 +43,14 @@ from pdctl.config.recipe import RECIPE_REQUESTS
 from pdctl.errors import PdctlError
 
 __all__ = [
+    "CONVERSATIONAL",
     "DOC_PROMPTS",
     "WARMUP_BASE",
     "WORDS",
     "WORKLOADS",
     "BenchRequest",
+    "RequestKind",
+    "Route",
     "Workload",
     "WorkloadError",
     "WorkloadSpec",
@@ -55,8 +60,13 @@ __all__ = [
     "random_words",
 ]
 
-RequestKind = Literal["doc", "random", "short", "long", "sharegpt", "trace", "shared-prefix", "agent"]
-WORKLOADS = ("doc", "random", "mixed", "sharegpt", "trace", "shared-prefix", "agent")
+RequestKind = Literal[
+    "doc", "random", "short", "long", "sharegpt", "trace", "shared-prefix", "agent", "claude-code", "codex", "subagent"
+]
+WORKLOADS = ("doc", "random", "mixed", "sharegpt", "trace", "shared-prefix", "agent", "claude-code", "codex")
+#: Workloads sent turn by turn (:mod:`pdctl.bench.conversation`).
+CONVERSATIONAL = ("agent", "claude-code", "codex")
+Route = Literal["", "messages", "responses"]
 
 # The recipe's two verification requests (section 4), in its own words.
 DOC_PROMPTS: tuple[tuple[str, int], ...] = tuple((r.prompt, r.max_tokens) for r in RECIPE_REQUESTS)
@@ -104,6 +114,11 @@ class BenchRequest:
     messages: tuple[tuple[str, str], ...] = ()
     conversation: int | None = None
     turn: int | None = None
+    # An agent client's request: its API (``""``: the client's ``--endpoint``), its JSON body less ``model`` and
+    # ``stream``, and its own headers (the session's).
+    route: Route = ""
+    body: dict[str, Any] | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +210,9 @@ class Workload:
 
     @property
     def conversational(self) -> bool:
-        """True for ``agent``: its requests come turn by turn from :mod:`pdctl.bench.conversation`."""
-        return self.spec.name == "agent"
+        """True for ``agent``, ``claude-code`` and ``codex``: their requests come turn by turn from
+        :mod:`pdctl.bench.conversation`."""
+        return self.spec.name in CONVERSATIONAL
 
     @property
     def timed(self) -> bool:
@@ -210,16 +226,24 @@ class Workload:
 
     def warmup_request(self, k: int, run_id: str = "") -> BenchRequest:
         """The ``k``-th warm-up request: like the run's own, but for ``agent`` and ``shared-prefix`` a lone prompt
-        with a tag of its own, so the warm-up does not put a shared system prompt into a cache before the run."""
+        with a tag of its own, so the warm-up does not put a shared system prompt into a cache before the run (for
+        ``claude-code`` and ``codex`` on their own API)."""
         spec = self.spec
         index = WARMUP_BASE + k
-        if spec.name not in ("agent", "shared-prefix"):
+        if spec.name not in (*CONVERSATIONAL, "shared-prefix"):
             return self.request(index, run_id)
-        agent = spec.name == "agent"
+        agent = spec.name in CONVERSATIONAL
         n_in = spec.user_len[0] if agent else spec.question_len
         n_out = spec.answer_len[0] if agent else spec.output_len
         kind: RequestKind = "agent" if agent else "shared-prefix"
         prompt = self._tag(index, run_id) + random_words(random.Random(f"warmup-{spec.seed}-{k}"), n_in)
+        if spec.name == "claude-code":
+            body = {"max_tokens": n_out, "messages": [{"role": "user", "content": prompt}]}
+            return BenchRequest(index, prompt, n_out, estimate_tokens(prompt), "claude-code", route="messages",
+                                body=body)  # fmt: skip
+        if spec.name == "codex":
+            body = {"max_output_tokens": n_out, "input": prompt, "store": False}
+            return BenchRequest(index, prompt, n_out, estimate_tokens(prompt), "codex", route="responses", body=body)
         return BenchRequest(index, prompt, n_out, estimate_tokens(prompt), kind, ignore_eos=True)
 
     def group_prompt(self, group: int, run_id: str = "") -> str:
@@ -235,8 +259,8 @@ class Workload:
         """The request at ``index`` of the run ``run_id`` (the same every time for the same spec and run id)."""
         spec = self.spec
         rng = random.Random(spec.seed * 1_000_003 + index)
-        if spec.name == "agent":
-            raise WorkloadError("agent requests come turn by turn from pdctl.bench.conversation, not by index")
+        if spec.name in CONVERSATIONAL:
+            raise WorkloadError(f"{spec.name} requests come turn by turn from pdctl.bench.conversation, not by index")
         if spec.name == "shared-prefix":
             group, nth = divmod(self._order[index % len(self._order)], spec.prompts_per_group)
             question = random_words(random.Random(f"question-{spec.seed}-{group}-{nth}"), spec.question_len)
@@ -281,9 +305,9 @@ def make_workload(spec: WorkloadSpec) -> Workload:
     if spec.name not in WORKLOADS:
         raise WorkloadError(
             f"unknown workload {spec.name!r}",
-            hint="use one of doc, random, mixed, sharegpt:FILE, trace:FILE, shared-prefix, agent",
+            hint="use one of doc, random, mixed, sharegpt:FILE, trace:FILE, shared-prefix, agent, claude-code, codex",
         )
-    if spec.name == "agent":
+    if spec.name in CONVERSATIONAL:
         _check_agent(spec)
     elif spec.name == "shared-prefix":
         _check_shared_prefix(spec)

@@ -32,7 +32,9 @@ def bench(
     workload: Annotated[
         str,
         typer.Option(
-            "--workload", "-w", help="doc | random | mixed | sharegpt:FILE | trace:FILE | shared-prefix | agent."
+            "--workload",
+            "-w",
+            help="doc | random | mixed | sharegpt:FILE | trace:FILE | shared-prefix | agent | claude-code | codex.",
         ),
     ] = "doc",
     input_len: Annotated[int, typer.Option("--input-len", help="random: mean input tokens.")] = 1024,
@@ -47,8 +49,15 @@ def bench(
     long_output_len: Annotated[int, typer.Option("--long-output-len", help="mixed: long prompts' output.")] = 16,
     long_fraction: Annotated[float, typer.Option("--long-fraction", help="mixed: share of long prompts.")] = 0.1,
     trace_speed: Annotated[float, typer.Option("--trace-speed", help="trace: replay speed factor.")] = 1.0,
-    conversations: Annotated[int, typer.Option("--conversations", help="agent: conversations per run.")] = 24,
-    turns: Annotated[str, typer.Option("--turns", help="agent: requests per conversation, N or MIN:MAX.")] = "6:9",
+    conversations: Annotated[
+        int, typer.Option("--conversations", help="agent, claude-code, codex: sessions per run.")
+    ] = 24,
+    turns: Annotated[
+        str,
+        typer.Option(
+            "--turns", help="agent, codex: requests per conversation (claude-code: main-agent turns), N or MIN:MAX."
+        ),
+    ] = "6:9",
     system_len: Annotated[
         int | None,
         typer.Option("--system-len", help="agent: shared system prompt (500); shared-prefix: per group (2048)."),
@@ -56,7 +65,9 @@ def bench(
     context_len: Annotated[
         int, typer.Option("--context-len", help="agent: mean per-conversation context tokens (lognormal).")
     ] = 1000,
-    user_len: Annotated[str, typer.Option("--user-len", help="agent: user turn tokens, N or MIN:MAX.")] = "120:160",
+    user_len: Annotated[
+        str, typer.Option("--user-len", help="agent: user turn tokens (claude-code, codex: tool output), N or MIN:MAX.")
+    ] = "120:160",
     answer_len: Annotated[str, typer.Option("--answer-len", help="agent: answer tokens, N or MIN:MAX.")] = "80:120",
     groups: Annotated[int, typer.Option("--groups", help="shared-prefix: groups (system prompts).")] = 64,
     prompts_per_group: Annotated[
@@ -178,6 +189,10 @@ def bench(
         err_console.print(Text(f"warning: ${cx.api_key_env} is not set; the gateway will answer 401", style="yellow"))
     if endpoint not in ("chat", "completions"):
         raise BenchError(f"--endpoint: expected chat or completions, got {endpoint!r}")
+    if endpoint != "chat" and workload in ("claude-code", "codex"):
+        api = "/v1/messages" if workload == "claude-code" else "/v1/responses"
+        raise BenchError(f"--endpoint {endpoint} does not apply to -w {workload}: it sends {api}, as the client does",
+                         hint="drop --endpoint")  # fmt: skip
     slo = goodput_slo(goodput or [], ctx.args, attainment)
     if slo is None and not no_slo:
         slo = cx.slo

@@ -53,7 +53,9 @@ class Trickle(httpx.AsyncByteStream):
             yield part
 
 
-def run(handler: Callable[[httpx.Request], Any], endpoint: str = "chat", timeout_s: float = 10.0) -> RequestResult:
+def run(
+    handler: Callable[[httpx.Request], Any], endpoint: str = "chat", timeout_s: float = 10.0, req: BenchRequest = REQ
+) -> RequestResult:
     seen: list[httpx.Request] = []
 
     async def app(request: httpx.Request) -> httpx.Response:
@@ -70,7 +72,7 @@ def run(handler: Callable[[httpx.Request], Any], endpoint: str = "chat", timeout
             timeout_s=timeout_s,
             transport=httpx.MockTransport(app),
         ) as client:
-            return await client.send(REQ, t0=time.perf_counter(), request_id="rid-7")
+            return await client.send(req, t0=time.perf_counter(), request_id="rid-7", keep_text=True)
 
     res = asyncio.run(main())
     run.last_request = seen[-1] if seen else None  # type: ignore[attr-defined]
@@ -207,3 +209,63 @@ def test_the_clock_starts_after_the_body_is_built() -> None:
     assert res.success, res.error
     assert len(built_at) == 1
     assert t0 + res.sent_s >= built_at[0]
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+AGENT = {"max_tokens": 16, "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=00000;"}],
+         "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+MESSAGES = BenchRequest(3, "hi", 16, 1, "claude-code", route="messages", body=AGENT,
+                        headers=(("x-claude-code-session-id", "s-1"),))  # fmt: skip
+
+
+def test_anthropic_stream_is_timed_from_its_first_content_delta() -> None:
+    usage = {"input_tokens": 5, "cache_read_input_tokens": 100, "output_tokens": 0}
+    start = event({"type": "message_start", "message": {"id": "m", "role": "assistant", "content": [], "usage": usage}})
+    body = (
+        start
+        + event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+        + b": ping\n\n"
+        + event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}})
+        + event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo"}})
+        + event({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{"}})
+        + event({"type": "content_block_stop", "index": 0})
+        + event({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}})
+        + event({"type": "message_stop"})
+    )
+    res = run(lambda req: httpx.Response(200, content=body), req=MESSAGES)
+    sent = run.last_request  # type: ignore[attr-defined]
+    assert sent.url.path == "/v1/messages" and sent.headers["x-claude-code-session-id"] == "s-1"
+    assert json.loads(sent.content) == {"model": "m", **AGENT, "stream": True}
+    assert res.success, res.error
+    assert (res.prompt_tokens, res.output_tokens, res.text) == (105, 3, "Hello")  # cache reads count in the prompt
+    assert res.ttft_s > 0 and len(res.itl_s) == 2  # the tool-call fragment is content too, not the answer's text
+    cut = run(lambda req: httpx.Response(200, content=body.rsplit(b"event: message_stop", 1)[0]), req=MESSAGES)
+    assert not cut.success and cut.error == "stream ended without message_stop"
+    failed = event({"type": "error", "error": {"type": "overloaded_error", "message": "decode died"}})
+    res = run(lambda req: httpx.Response(200, content=start + failed), req=MESSAGES)
+    assert not res.success and "decode died" in res.error
+
+
+def test_responses_stream_ends_at_completed_or_incomplete_and_fails_on_failed() -> None:
+    req = BenchRequest(4, "hi", 16, 1, "codex", route="responses", body={"input": "hi", "max_output_tokens": 16},
+                       headers=(("session-id", "s-2"),))  # fmt: skip
+
+    def delta(text: str, n: int) -> bytes:
+        return event({"type": "response.output_text.delta", "delta": text, "sequence_number": n})
+
+    usage = {"input_tokens": 9, "output_tokens": 2}
+    for end in ("response.completed", "response.incomplete"):
+        body = (event({"type": "response.created", "response": {"status": "in_progress"}}) + delta("a", 1)
+                + delta("b", 2) + event({"type": end, "response": {"usage": usage}}))  # fmt: skip
+        res = run(lambda r, body=body: httpx.Response(200, content=body), req=req)  # type: ignore[misc]
+        assert run.last_request.url.path == "/v1/responses"  # type: ignore[attr-defined]
+        assert run.last_request.headers["session-id"] == "s-2"  # type: ignore[attr-defined]
+        assert res.success and (res.prompt_tokens, res.output_tokens, res.text) == (9, 2, "ab"), res.error
+    failed = event({"type": "response.failed", "response": {"error": {"message": "no KV"}}})
+    res = run(lambda r: httpx.Response(200, content=delta("a", 1) + failed), req=req)
+    assert not res.success and "no KV" in res.error
+    res = run(lambda r: httpx.Response(200, content=delta("a", 1)), req=req)
+    assert not res.success and res.error == "stream ended without response.completed"

@@ -70,3 +70,30 @@ def test_agent_and_shared_prefix_on_real_vllm(pd: Deployment, tmp_path: Path) ->
     assert (gsp["completed"], gsp["failed"]) == (4, 0), gsp["errors"]
     # The second prompt of each group finds the group's system prompt cached on prefill.
     assert _hits(gsp, "prefill") > 0, gsp["pdctl"]["prefix_cache"]
+
+
+def test_claude_code_sessions_on_real_vllm_under_adaptive_pd(root: Path, tmp_path: Path) -> None:
+    """``-w claude-code`` (billing line, tools, a sub-agent, a trailing system turn) through /v1/messages on real
+    vLLM: each session's first request over both legs, every later main-agent turn local on the decode that holds its
+    history, and the decode's own prefix cache hits. A session's prompts reach about 720 tokens here, so the workers
+    get ``max_model_len = 4096`` (the model's limit) instead of the example's 1,024, for room."""
+    dep = Deployment(root, "cpu", {"routing.pd_mode": "adaptive"})
+    config = dep.dir / "config.toml"
+    config.write_text(config.read_text(encoding="utf-8").replace("max_model_len = 1024", "max_model_len = 4096"))
+    try:
+        dep.up()
+        cc = _bench(
+            dep, tmp_path / "cc.json", "-w", "claude-code", "--conversations", "2", "--turns", "3",
+            "--system-len", "24", "--context-len", "20", "--user-len", "6", "--answer-len", "8",
+        )  # fmt: skip
+        assert (cc["completed"], cc["failed"]) == (8, 0), cc["errors"]  # 3 main turns + a sub-agent's 1, twice
+        assert cc["endpoint_type"] == "anthropic-messages"
+        reqs = cc["pdctl"]["requests"]
+        rows = list(zip(reqs["turn"], reqs["kind"], reqs["pd_path"], strict=True))
+        print(rows)
+        assert [path for turn, _, path in rows if turn == 1] == ["disagg", "disagg"], rows
+        later = [path for turn, kind, path in rows if turn > 1 and kind == "claude-code"]
+        assert later == ["local"] * 4, rows
+        assert _hits(cc, "decode") > 0, cc["pdctl"]["prefix_cache"]
+    finally:
+        dep.teardown()

@@ -228,6 +228,9 @@ def test_cli_names_the_flag_of_a_bad_agent_or_shared_prefix_size(cli: Any) -> No
         (("-w", "agent", "--turns", "six"), "--turns: cannot read 'six'"),
         (("-w", "agent", "--user-len", "9:3"), "--user-len 9:3"),
         (("-w", "agent", "-n", "5"), "-n/--num-requests does not apply to -w agent"),
+        (("-w", "claude-code", "-n", "5"), "-n/--num-requests does not apply to -w claude-code"),
+        (("-w", "codex", "--endpoint", "completions"), "--endpoint completions does not apply to -w codex"),
+        (("-w", "codex", "--turns", "0"), "--turns 0: must be"),
         (("-w", "shared-prefix", "--prompts-per-group", "0"), "--prompts-per-group 0"),
     ):
         result = cli(*base, *args)
