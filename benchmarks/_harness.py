@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,16 +132,20 @@ def start(
         time.sleep(0.1)
 
 
-def start_sim(name: str, role: str, log_dir: str, speed: float, extra: Sequence[str] = ()) -> Proc:
-    """A fast-profile simulator worker speaking NixlConnector's protocol."""
+def start_nixl_sim(name: str, role: str, log_dir: str, model: str, flags: Sequence[str]) -> Proc:
+    """``python -m pdctl.sim`` serving ``model`` as NixlConnector's ``role`` on a free port and side channel;
+    ``flags``: its other arguments."""
     port, side = free_port(), free_port()
     kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
-    argv = [
-        PY, "-m", "pdctl.sim", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--kv-transfer-config", kv, "--sim-profile", "fast", "--sim-speed", repr(speed),
-        "--max-num-seqs", "1024", "--max-model-len", "4096", *extra,
-    ]  # fmt: skip
+    argv = [PY, "-m", "pdctl.sim", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            "--kv-transfer-config", kv, *flags]  # fmt: skip
     return start(name, argv, port, log_dir, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+
+
+def start_sim(name: str, role: str, log_dir: str, speed: float, extra: Sequence[str] = ()) -> Proc:
+    """A fast-profile simulator worker speaking NixlConnector's protocol."""
+    flags = ["--sim-profile", "fast", "--sim-speed", repr(speed), "--max-num-seqs", "1024", "--max-model-len", "4096"]
+    return start_nixl_sim(name, role, log_dir, MODEL, [*flags, *extra])
 
 
 def write_settings(
@@ -188,6 +192,55 @@ def start_pdctl_gateway(
     if tree:
         env["PYTHONPATH"] = tree
     return start(name, argv, port, log_dir, env=env, ready_path="/ready", cwd=tree or str(ROOT))
+
+
+def start_gateway_with(
+    name: str, log_dir: str, port: int, settings: Mapping[str, Any], key: str, *, extra: Sequence[str] = (),
+    tree: str | None = None,
+) -> Proc:  # fmt: skip
+    """``python -m pdctl gateway -s <log_dir>/<name>.settings.json`` holding ``settings`` (listening on ``port``),
+    ``key`` in ``PDCTL_API_KEY``; ``extra``: more arguments; ``tree``: another checkout's pdctl."""
+    path = Path(log_dir) / f"{name}.settings.json"
+    path.write_text(json.dumps(settings, indent=2))
+    env = {"PDCTL_API_KEY": key, **({"PYTHONPATH": tree} if tree else {})}
+    argv = [PY, "-m", "pdctl", "gateway", "-s", str(path), *extra]
+    return start(name, argv, port, log_dir, env=env, ready_path="/ready", cwd=tree or str(ROOT))
+
+
+def run_pdctl_bench(flags: Sequence[str], key: str, out: Path, timeout_s: float) -> dict[str, Any]:
+    """``pdctl bench FLAGS -o OUT`` with ``key`` in ``PDCTL_API_KEY``: its (first) run's JSON; raises with the
+    output's tail when it fails."""
+    argv = [PY, "-m", "pdctl", "bench", *flags, "-o", str(out)]
+    env = dict(os.environ, PDCTL_API_KEY=key)
+    done = subprocess.run(argv, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"pdctl bench exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    runs = json.loads(out.read_text())
+    return runs[0] if isinstance(runs, list) else runs
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[list[Proc]]:
+    """A list for the processes started inside; leaving stops them, the last started first."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def write_report(out: str, module: str, argv: Sequence[str] | None, started: float, fields: Mapping[str, Any]) -> Path:
+    """``fields`` as JSON at ``out``, after the run's start (``started``: epoch seconds) and command."""
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "command": " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])]),
+        **fields,
+    }
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
 
 
 # -------------------------------------------------------------------------------------------- load client

@@ -19,9 +19,6 @@ the runs' JSON (``--out``) and prints a Markdown table. Only loopback and free p
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import PY, ROOT, Proc, fmt, md_table, start
+from benchmarks._harness import (
+    Proc,
+    fmt,
+    md_table,
+    run_pdctl_bench,
+    start_gateway_with,
+    start_nixl_sim,
+    stopping,
+    write_report,
+)
 from pdctl.sim.timing import PROFILES
 from pdctl.testing import free_port
 
@@ -41,15 +47,9 @@ AGENT = ["-w", "agent", "--system-len", "500", "--context-len", "1000", "--turns
 
 
 def start_worker(name: str, role: str, log_dir: str, profile: str, speed: float, kv_scale: float) -> Proc:
-    port, side = free_port(), free_port()
-    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
-    argv = [
-        PY, "-m", "pdctl.sim", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--kv-transfer-config", kv, "--sim-profile", profile, "--sim-speed", repr(speed),
-        "--sim-kv-scale", repr(kv_scale), "--max-model-len", "8192", "--max-num-seqs", "16",
-        "--max-num-batched-tokens", "2048",
-    ]  # fmt: skip
-    return start(name, argv, port, log_dir, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+    flags = ["--sim-profile", profile, "--sim-speed", repr(speed), "--sim-kv-scale", repr(kv_scale),
+             "--max-model-len", "8192", "--max-num-seqs", "16", "--max-num-batched-tokens", "2048"]  # fmt: skip
+    return start_nixl_sim(name, role, log_dir, MODEL, flags)
 
 
 def start_gateway(name: str, log_dir: str, prefill: str, decode: str, threshold: str) -> Proc:
@@ -66,24 +66,16 @@ def start_gateway(name: str, log_dir: str, prefill: str, decode: str, threshold:
         "slo": {"ttft_ms": 60000, "tpot_ms": 10000, "p90": True, "admission": False},
         "logging": {"level": "warning"},
     }
-    path = Path(log_dir) / f"{name}.settings.json"
-    path.write_text(json.dumps(settings, indent=2))
-    argv = [PY, "-m", "pdctl", "gateway", "-s", str(path)]
-    return start(name, argv, port, log_dir, env={"PDCTL_API_KEY": KEY}, ready_path="/ready", cwd=str(ROOT))
+    return start_gateway_with(name, log_dir, port, settings, KEY)
 
 
 def bench(gateway: str, workers: Sequence[Proc], conversations: int, goodput: Sequence[str], out: Path,
           seed: int) -> dict[str, Any]:  # fmt: skip
-    argv = [PY, "-m", "pdctl", "bench", "--gateway", gateway, "--model", MODEL, *AGENT,
-            "--conversations", str(conversations), "--seed", str(seed), "--goodput", *goodput, "-o", str(out)]  # fmt: skip
+    flags = ["--gateway", gateway, "--model", MODEL, *AGENT, "--conversations", str(conversations),
+             "--seed", str(seed), "--goodput", *goodput]  # fmt: skip
     for w in workers:
-        argv += ["--metrics-url", f"{w.url}/metrics"]
-    env = dict(os.environ, PDCTL_API_KEY=KEY)
-    done = subprocess.run(argv, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=1200, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"pdctl bench exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    runs = json.loads(out.read_text())
-    return runs[0] if isinstance(runs, list) else runs
+        flags += ["--metrics-url", f"{w.url}/metrics"]
+    return run_pdctl_bench(flags, KEY, out, timeout_s=1200)
 
 
 def row(threshold: str, conversations: int, run: dict[str, Any]) -> dict[str, Any]:
@@ -144,39 +136,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="adaptive-sweep-") as tmp:
-        procs: list[Proc] = []
-        try:
-            prefill = start_worker("prefill", "kv_both", tmp, args.profile, args.speed, args.kv_scale)
-            procs.append(prefill)
-            decode = start_worker("decode", "kv_both", tmp, args.profile, args.speed, args.kv_scale)
-            procs.append(decode)
-            for n in counts:
-                for t in thresholds:
-                    gw = start_gateway(f"gw-{t}-{n}", tmp, prefill.url, decode.url, t)
-                    try:
-                        run = bench(gw.url, (prefill, decode), n, args.goodput, Path(tmp) / f"{t}-{n}.json", args.seed)
-                    finally:
-                        gw.stop()
-                    run["label"] = f"{t} x{n}"
-                    runs.append(run)
-                    rows.append(row(t, n, run))
-                    print("\n".join(markdown(rows[-1:])[2:]), flush=True)
-        finally:
-            for proc in reversed(procs):
-                proc.stop()
-    report = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "command": " ".join(["python -m benchmarks.adaptive_sweep", *(argv if argv is not None else sys.argv[1:])]),
-        "profile": args.profile,
-        "speed": args.speed,
-        "goodput": args.goodput,
-        "rows": rows,
-        "runs": runs,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    with tempfile.TemporaryDirectory(prefix="adaptive-sweep-") as tmp, stopping() as procs:
+        prefill = start_worker("prefill", "kv_both", tmp, args.profile, args.speed, args.kv_scale)
+        procs.append(prefill)
+        decode = start_worker("decode", "kv_both", tmp, args.profile, args.speed, args.kv_scale)
+        procs.append(decode)
+        for n in counts:
+            for t in thresholds:
+                gw = start_gateway(f"gw-{t}-{n}", tmp, prefill.url, decode.url, t)
+                try:
+                    run = bench(gw.url, (prefill, decode), n, args.goodput, Path(tmp) / f"{t}-{n}.json", args.seed)
+                finally:
+                    gw.stop()
+                run["label"] = f"{t} x{n}"
+                runs.append(run)
+                rows.append(row(t, n, run))
+                print("\n".join(markdown(rows[-1:])[2:]), flush=True)
+    fields = {"profile": args.profile, "speed": args.speed, "goodput": args.goodput, "rows": rows, "runs": runs}
+    out = write_report(args.out, "benchmarks.adaptive_sweep", argv, started, fields)
     print(f"\n{args.profile}, --sim-speed {args.speed:g}, SLO {' '.join(args.goodput)}:\n")
     print("\n".join(markdown(rows)))
     print(f"\nwrote {out}")

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._harness import PY, ROOT, Proc, start
+from benchmarks._harness import Proc, start_gateway_with
 from benchmarks.adaptive_sweep import MODEL, start_worker
 from pdctl.bench.engine_metrics import parse_metrics
 from pdctl.testing import free_port
@@ -48,11 +48,7 @@ def start_gateway(name: str, log_dir: str, prefill: str, decode: str, view: str,
     }  # fmt: skip
     if view == "exact":
         settings["routing"]["prefix_view"] = "exact"  # type: ignore[index]
-    path = Path(log_dir) / f"{name}.settings.json"
-    path.write_text(json.dumps(settings, indent=2))
-    env = {"PDCTL_API_KEY": KEY, **({"PYTHONPATH": tree} if tree else {})}
-    return start(name, [PY, "-m", "pdctl", "gateway", "-s", str(path)], port, log_dir, env=env, ready_path="/ready",
-                 cwd=tree or str(ROOT))  # fmt: skip
+    return start_gateway_with(name, log_dir, port, settings, KEY, tree=tree)
 
 
 def _hits(worker: Proc) -> tuple[float, float]:

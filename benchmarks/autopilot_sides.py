@@ -21,9 +21,6 @@ Markdown table. Only loopback and free ports.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import PY, ROOT, Proc, start
+from benchmarks._harness import Proc, fmt, run_pdctl_bench, start_gateway_with, start_nixl_sim, stopping, write_report
 from pdctl.testing import free_port
 
 KEY = "autopilot-sides-key-not-secret"
@@ -41,14 +38,9 @@ MIXED = ["-w", "mixed", "--timeout", "600", "--no-progress"]
 
 
 def start_worker(name: str, role: str, log_dir: str, speed: float) -> Proc:
-    port, side = free_port(), free_port()
-    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
-    argv = [
-        PY, "-m", "pdctl.sim", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--kv-transfer-config", kv, "--sim-profile", "h100", "--sim-speed", repr(speed),
-        "--max-model-len", "8192", "--max-num-seqs", "128", "--max-num-batched-tokens", "2048",
-    ]  # fmt: skip
-    return start(name, argv, port, log_dir, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+    flags = ["--sim-profile", "h100", "--sim-speed", repr(speed), "--max-model-len", "8192", "--max-num-seqs", "128",
+             "--max-num-batched-tokens", "2048"]  # fmt: skip
+    return start_nixl_sim(name, role, log_dir, MODEL, flags)
 
 
 def start_gateway(name: str, log_dir: str, prefill: str, decode: str, side: str, slo: tuple[float, float]) -> Proc:
@@ -65,21 +57,13 @@ def start_gateway(name: str, log_dir: str, prefill: str, decode: str, side: str,
         "slo": {"ttft_ms": slo[0], "tpot_ms": slo[1], "p90": False, "admission": False},
         "logging": {"level": "warning"},
     }
-    path = Path(log_dir) / f"{name}.settings.json"
-    path.write_text(json.dumps(settings, indent=2))
-    argv = [PY, "-m", "pdctl", "gateway", "-s", str(path)]
-    return start(name, argv, port, log_dir, env={"PDCTL_API_KEY": KEY}, ready_path="/ready", cwd=str(ROOT))
+    return start_gateway_with(name, log_dir, port, settings, KEY)
 
 
 def bench(gateway: str, rate: float, n: int, goodput: Sequence[str], out: Path, seed: int) -> dict[str, Any]:
-    argv = [PY, "-m", "pdctl", "bench", "--gateway", gateway, "--model", MODEL, *MIXED, "--rate", repr(rate),
-            "-n", str(n), "--seed", str(seed), "--goodput", *goodput, "-o", str(out)]  # fmt: skip
-    env = dict(os.environ, PDCTL_API_KEY=KEY)
-    done = subprocess.run(argv, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"pdctl bench exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    runs = json.loads(out.read_text())
-    return runs[0] if isinstance(runs, list) else runs
+    flags = ["--gateway", gateway, "--model", MODEL, *MIXED, "--rate", repr(rate), "-n", str(n), "--seed", str(seed),
+             "--goodput", *goodput]  # fmt: skip
+    return run_pdctl_bench(flags, KEY, out, timeout_s=1800)
 
 
 def row(side: str, rate: float, run: dict[str, Any]) -> dict[str, Any]:
@@ -99,10 +83,6 @@ def row(side: str, rate: float, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def fmt(x: float | None, nd: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{nd}f}"
-
-
 def markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
         "| req/s | side | SLO attainment | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | paths | failed |",
@@ -112,8 +92,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
         paths = ", ".join(f"{k} {v}" for k, v in sorted(r["paths"].items()))
         att = "-" if r["slo_attainment"] is None else f"{100 * r['slo_attainment']:.1f} %"
         lines.append(
-            f"| {r['rate']:g} | {r['side']} | {att} | {fmt(r['ttft_p50_ms'], 0)} / {fmt(r['ttft_p90_ms'], 0)} | "
-            f"{fmt(r['tpot_p50_ms'])} / {fmt(r['tpot_p90_ms'])} | {paths} | {r['failed']} |"
+            f"| {r['rate']:g} | {r['side']} | {att} | {fmt(r['ttft_p50_ms'], 0, grouped=True)} / {fmt(r['ttft_p90_ms'], 0, grouped=True)} | "
+            f"{fmt(r['tpot_p50_ms'], 1, grouped=True)} / {fmt(r['tpot_p90_ms'], 1, grouped=True)} | {paths} | {r['failed']} |"
         )
     return lines
 
@@ -139,39 +119,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="autopilot-sides-") as tmp:
-        procs: list[Proc] = []
-        try:
-            prefill = start_worker("prefill", "kv_producer", tmp, args.speed)
-            procs.append(prefill)
-            decode = start_worker("decode", "kv_consumer", tmp, args.speed)
-            procs.append(decode)
-            for rate in rates:
-                for side in sides:
-                    gw = start_gateway(f"gw-{side}-{rate:g}", tmp, prefill.url, decode.url, side, (ttft, tpot))
-                    try:
-                        run = bench(gw.url, rate, args.requests, goodput, Path(tmp) / f"{side}-{rate:g}.json",
-                                    args.seed)  # fmt: skip
-                    finally:
-                        gw.stop()
-                    run["label"] = f"{side} @{rate:g}"
-                    runs.append(run)
-                    rows.append(row(side, rate, run))
-                    print("\n".join(markdown(rows[-1:])[2:]), flush=True)
-        finally:
-            for proc in reversed(procs):
-                proc.stop()
-    report = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "command": " ".join(["python -m benchmarks.autopilot_sides", *(argv if argv is not None else sys.argv[1:])]),
-        "speed": args.speed,
-        "goodput": goodput,
-        "rows": rows,
-        "runs": runs,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    with tempfile.TemporaryDirectory(prefix="autopilot-sides-") as tmp, stopping() as procs:
+        prefill = start_worker("prefill", "kv_producer", tmp, args.speed)
+        procs.append(prefill)
+        decode = start_worker("decode", "kv_consumer", tmp, args.speed)
+        procs.append(decode)
+        for rate in rates:
+            for side in sides:
+                gw = start_gateway(f"gw-{side}-{rate:g}", tmp, prefill.url, decode.url, side, (ttft, tpot))
+                try:
+                    run = bench(gw.url, rate, args.requests, goodput, Path(tmp) / f"{side}-{rate:g}.json",
+                                args.seed)  # fmt: skip
+                finally:
+                    gw.stop()
+                run["label"] = f"{side} @{rate:g}"
+                runs.append(run)
+                rows.append(row(side, rate, run))
+                print("\n".join(markdown(rows[-1:])[2:]), flush=True)
+    fields = {"speed": args.speed, "goodput": goodput, "rows": rows, "runs": runs}
+    out = write_report(args.out, "benchmarks.autopilot_sides", argv, started, fields)
     print(f"\nh100 1P1D, --sim-speed {args.speed:g}, SLO {' '.join(goodput)} (wall ms):\n")
     print("\n".join(markdown(rows)))
     print(f"\nwrote {out}")

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -45,7 +43,18 @@ from typing import Any
 
 import httpx
 
-from benchmarks._harness import PY, ROOT, Proc, fmt, md_table, pct_cell, start
+from benchmarks._harness import (
+    PY,
+    ROOT,
+    Proc,
+    fmt,
+    md_table,
+    pct_cell,
+    run_pdctl_bench,
+    start,
+    start_gateway_with,
+    start_nixl_sim,
+)
 from pdctl.sim.timing import PROFILES
 from pdctl.testing import free_port
 
@@ -72,17 +81,14 @@ def start_workers(
     for pool, role, n in ((pools[0], "kv_producer", n_prefill), (pools[1], "kv_consumer", n_decode)):
         for i in range(n):
             name = f"{'prefill' if role == 'kv_producer' else 'decode'}-{i}"
-            port, side = free_port(), free_port()
             events = {"enable_kv_cache_events": True, "publisher": "zmq",
                       "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": name}  # fmt: skip
-            argv = [
-                PY, "-m", "pdctl.sim", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                "--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
+            flags = [
                 "--kv-events-config", json.dumps(events), "--sim-profile", args.profile,
                 "--sim-speed", repr(args.speed), "--sim-kv-scale", repr(args.kv_scale), "--max-model-len", "8192",
                 "--num-gpu-blocks-override", str(args.cache_blocks), "--max-num-seqs", str(args.max_num_seqs),
             ]  # fmt: skip
-            pool.append(start(name, argv, port, log_dir, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}))
+            pool.append(start_nixl_sim(name, role, log_dir, MODEL, flags))
     return pools
 
 
@@ -133,17 +139,15 @@ def start_router(arm: str, log_dir: str, prefill: Sequence[Proc], decode: Sequen
         "slo": {"ttft_ms": 60000, "tpot_ms": 10000, "p90": True, "admission": False},
         "logging": {"level": "warning", "log_kv_transfer": False},
     }
-    path = Path(log_dir) / f"{name}.settings.json"
-    path.write_text(json.dumps(settings, indent=2))
-    argv = [PY, "-m", "pdctl", "gateway", "-s", str(path)]
+    extra: list[str] = []
     if routing.get("prefix_view") == "exact":  # the exact view needs the prompts' token ids: the simulator's model
         config = Path(log_dir) / f"{name}.config.toml"
         config.write_text("".join(
             f'[[{role}]]\nmodel = "{MODEL}"\nengine = "sim"\n\n'
             for role, pool in (("prefill", prefill), ("decode", decode)) for _ in pool
         ))  # fmt: skip
-        argv += ["-c", str(config)]
-    return start(name, argv, port, log_dir, env={"PDCTL_API_KEY": KEY}, ready_path="/ready", cwd=str(ROOT))
+        extra += ["-c", str(config)]
+    return start_gateway_with(name, log_dir, port, settings, KEY, extra=extra)
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -162,17 +166,11 @@ def workload(args: argparse.Namespace) -> list[str]:
 def bench(url: str, workers: Sequence[Proc], rate: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One ``pdctl bench`` run of ``--workload`` against ``url``."""
     count = [] if args.workload == "agent" else ["-n", str(args.requests)]  # agent: conversations x turns
-    argv = [PY, "-m", "pdctl", "bench", "--gateway", url, "--model", MODEL, *workload(args), "--rate", rate,
-            *count, "--warmup", "8", "--seed", str(args.seed), "--timeout", "600", "--no-progress",
-            "--no-slo", "-o", str(out)]  # fmt: skip
+    flags = ["--gateway", url, "--model", MODEL, *workload(args), "--rate", rate, *count, "--warmup", "8",
+             "--seed", str(args.seed), "--timeout", "600", "--no-progress", "--no-slo"]  # fmt: skip
     for w in workers:
-        argv += ["--metrics-url", f"{w.url}/metrics"]
-    env = dict(os.environ, PDCTL_API_KEY=KEY)
-    done = subprocess.run(argv, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"pdctl bench exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    runs = json.loads(out.read_text())
-    return runs[0] if isinstance(runs, list) else runs
+        flags += ["--metrics-url", f"{w.url}/metrics"]
+    return run_pdctl_bench(flags, KEY, out, timeout_s=1800)
 
 
 def queue_rules(arm: str, url: str) -> dict[str, int] | None:
