@@ -8,10 +8,11 @@ recordings in tests/vllm/test_kv_events.py) and published from a PUB socket that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from pdctl.gateway.chat_template import ChatTemplate
 from pdctl.gateway.memory import MemoryWorkers
 from pdctl.gateway.routing.exact_view import ExactIndex, token_block_hashes
 from pdctl.gateway.routing.kv_events import EventsRelay, KvEventSubscriber
-from pdctl.gateway.settings import LocalModel
+from pdctl.gateway.settings import GatewaySettings, LocalModel
 from pdctl.gateway.tokens import TokenCounter
 from pdctl.sim.text import Tokenizer, apply_chat_template
 from pdctl.vllm.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -174,15 +175,7 @@ def test_the_gateway_decides_with_the_decodes_own_events(caplog: pytest.LogCaptu
     caplog.set_level("INFO", logger="pdctl.gateway.access")
 
     async def test(app: Gateway) -> None:
-        assert app.kv_events is not None
-        for _ in range(200):
-            if app.kv_events.bound:
-                break
-            await asyncio.sleep(0.01)
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.connect(f"tcp://127.0.0.1:{port}")  # vLLM's PUB connects to a tcp://host:port endpoint
-        try:
+        async with _publisher(app, port) as pub:
             await _until(app, pub, "decode-1", _frames("decode-1", 0, _stored(ids[:full], range(1, full // BS + 1))))
             reply = await asgi_request(app, "/v1/chat/completions", body)
             assert reply.status == 200 and reply.headers["x-pd-path"] == "local", reply.body
@@ -203,21 +196,42 @@ def test_the_gateway_decides_with_the_decodes_own_events(caplog: pytest.LogCaptu
             reply = await asgi_request(app, "/v1/chat/completions", body)
             assert reply.status == 200 and reply.headers["x-pd-path"] == "disagg"
             assert _decisions(app, "disagg", "uncached_tokens") == 1
-        finally:
-            pub.close(linger=0)
-            ctx.term()
 
+    settings = _exact_settings(port)
+    app = run_app(create_app(settings, KEY, clients=workers), test)
+    assert app.kv_events is not None and not app.kv_events.bound  # the socket is closed with the gateway
+    assert any("view=exact" in r.getMessage() for r in caplog.records)
+
+
+def _exact_settings(port: int) -> GatewaySettings:
+    """Adaptive PD over one prefill and two decodes serving the simulator's ``tiny``, the exact view on ``port``."""
     settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"],
                              models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
-    settings = dataclasses.replace(
+    return dataclasses.replace(
         settings,
         routing=dataclasses.replace(
             settings.routing, pd_mode="adaptive", prefix_view="exact", kv_events_port=port, local_max_uncached_tokens=64
         ),
     )
-    app = run_app(create_app(settings, KEY, clients=workers), test)
-    assert app.kv_events is not None and not app.kv_events.bound  # the socket is closed with the gateway
-    assert any("view=exact" in r.getMessage() for r in caplog.records)
+
+
+@contextlib.asynccontextmanager
+async def _publisher(app: Gateway, port: int) -> AsyncIterator[Any]:
+    """A PUB socket connected to the gateway's events port once it is bound (vLLM's PUB connects to a
+    ``tcp://host:port`` endpoint); closed on leaving."""
+    assert app.kv_events is not None
+    for _ in range(200):
+        if app.kv_events.bound:
+            break
+        await asyncio.sleep(0.01)
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield pub
+    finally:
+        pub.close(linger=0)
+        ctx.term()
 
 
 async def _until(app: Gateway, pub: Any, topic: str, frames: list[bytes]) -> None:
@@ -300,31 +314,13 @@ def test_an_agent_route_is_judged_by_the_exact_view_whatever_its_billing_line(
     caplog.set_level("INFO", logger="pdctl.gateway.access")
 
     async def test(app: Gateway) -> None:
-        assert app.kv_events is not None
-        for _ in range(200):
-            if app.kv_events.bound:
-                break
-            await asyncio.sleep(0.01)
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.connect(f"tcp://127.0.0.1:{port}")
-        try:
+        async with _publisher(app, port) as pub:
             await _until(app, pub, "decode-1", _frames("decode-1", 0, _stored(ids[:full], range(1, full // BS + 1))))
             reply = await asgi_request(app, "/v1/messages", turn)
             assert reply.status == 200 and reply.headers["x-pd-path"] == "local", reply.body
             assert reply.headers["x-pd-decode"] == "decode-1"
-        finally:
-            pub.close(linger=0)
-            ctx.term()
 
-    settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"],
-                             models=(LocalModel("tiny", 4096, engine="sim"),))  # fmt: skip
-    settings = dataclasses.replace(
-        settings,
-        routing=dataclasses.replace(
-            settings.routing, pd_mode="adaptive", prefix_view="exact", kv_events_port=port, local_max_uncached_tokens=64
-        ),
-    )
+    settings = _exact_settings(port)
     run_app(create_app(settings, KEY, clients=workers), test)
     line = next(r.getMessage() for r in caplog.records if "path=local" in r.getMessage())
     assert "view=exact" in line and f"cached_tokens={full}" in line, line
