@@ -39,6 +39,7 @@ from pdctl.capacity import model as m
 from pdctl.capacity.measure import ProbeResult, Schedule, measure
 from pdctl.capacity.profile import DeploymentProfile
 from pdctl.sim.engine import EngineConfig, KVSettings, SimEngine, SimRequest
+from pdctl.sim.experiment import token_times
 from pdctl.sim.logfmt import VllmLog
 from pdctl.sim.text import VOCAB_SIZE
 from pdctl.sim.timing import get_link, get_profile
@@ -109,7 +110,7 @@ class Cluster:
             self.p.load[i] += 1
             leg1 = SimRequest(rid + "p", ids, 1, temperature=0, kv_params=dict(PREFILL_REQUEST_PARAMS))
             try:
-                _, err = await _collect(self.p.engines[i], leg1)
+                _, err = await token_times(self.p.engines[i], leg1)
             finally:
                 self.p.load[i] -= 1
             check = check_kv_params({"kv_transfer_params": leg1.result_params})
@@ -119,25 +120,11 @@ class Cluster:
         j = self.d.pick()
         self.d.load[j] += 1
         try:
-            times, err = await _collect(self.d.engines[j], SimRequest(rid, ids, max_tokens, temperature=0,
+            times, err = await token_times(self.d.engines[j], SimRequest(rid, ids, max_tokens, temperature=0,
                                                                      kv_params=params))  # fmt: skip
         finally:
             self.d.load[j] -= 1
         return None if err is not None or not times else (t0, leg, times)
-
-
-async def _collect(engine: SimEngine, req: SimRequest) -> tuple[list[float], str | None]:
-    loop = asyncio.get_running_loop()
-    engine.add(req)
-    times: list[float] = []
-    while True:
-        ev = await req.events.get()
-        if ev.kind == "token":
-            times.append(loop.time())
-        elif ev.kind == "finish":
-            return times, None
-        else:
-            return times, ev.message
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:

@@ -22,7 +22,7 @@ from pdctl.sim.timing import get_link, get_profile
 from pdctl.sim.virtual import run_virtual
 from pdctl.vllm.protocol import PREFILL_REQUEST_PARAMS, check_kv_params
 
-__all__ = ["Mode", "ModeResult", "Workload", "run_mode"]
+__all__ = ["Mode", "ModeResult", "Workload", "run_mode", "token_times"]
 
 Mode = Literal["colocated", "chunked", "pd"]
 
@@ -86,7 +86,7 @@ def _config(profile: str, link: str, role: str, **kw: Any) -> EngineConfig:
     )
 
 
-async def _collect(engine: SimEngine, req: SimRequest) -> tuple[list[float], str | None]:
+async def token_times(engine: SimEngine, req: SimRequest) -> tuple[list[float], str | None]:
     """Token arrival times (loop clock) until the request ends; the error message if it failed."""
     loop = asyncio.get_running_loop()
     engine.add(req)
@@ -141,14 +141,14 @@ async def _run(mode: Mode, profile: str, link: str, w: Workload) -> ModeResult:
         params = None
         if mode == "pd":
             leg1 = SimRequest(rid + "p", ids, 1, temperature=0, kv_params=dict(PREFILL_REQUEST_PARAMS))
-            _, err = await _collect(engines[0], leg1)
+            _, err = await token_times(engines[0], leg1)
             check = check_kv_params({"kv_transfer_params": leg1.result_params})
             if err is not None or not check.usable:
                 res.errors += 1
                 return None
             params = check.params
         req = SimRequest(rid, ids, max_tokens, temperature=0, kv_params=params)
-        times, err = await _collect(decode, req)
+        times, err = await token_times(decode, req)
         if err is not None or not times:
             res.errors += 1
             return None
