@@ -21,6 +21,13 @@ render_app = typer.Typer(
 app.add_typer(render_app, name="render")
 
 
+# The options `render k8s` and `render compose` share.
+ImageOpt = Annotated[str | None, typer.Option(help="vLLM image (default: vllm/vllm-openai at pdctl's vLLM).")]
+PdctlImageOpt = Annotated[str | None, typer.Option(help="Image with pdctl (gateway, verify, sim).")]
+UcxTlsOpt = Annotated[str | None, typer.Option(help="UCX_TLS of every worker, e.g. rc,cuda_copy.")]
+UcxNetDevicesOpt = Annotated[str | None, typer.Option(help="UCX_NET_DEVICES, e.g. mlx5_0:1.")]
+
+
 def _write_and_show(
     findings: Sequence[Finding], can_write: bool, write: Callable[[], list[Path]], steps: Callable[[], list[str]]
 ) -> None:
@@ -44,11 +51,11 @@ def k8s(
     settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
     out: Annotated[str, typer.Option("-o", "--out", help="Folder to write, or - for one YAML stream.")] = "k8s",
     namespace: Annotated[str | None, typer.Option(help="Namespace (default: [cluster] name).")] = None,
-    image: Annotated[str | None, typer.Option(help="vLLM image (default: vllm/vllm-openai at pdctl's vLLM).")] = None,
-    pdctl_image: Annotated[str | None, typer.Option(help="Image with pdctl (gateway, verify, sim).")] = None,
+    image: ImageOpt = None,
+    pdctl_image: PdctlImageOpt = None,
     secret: Annotated[str, typer.Option(help="Secret holding the keys, one entry per variable.")] = "pdctl-keys",
-    ucx_tls: Annotated[str | None, typer.Option(help="UCX_TLS of every worker, e.g. rc,cuda_copy.")] = None,
-    ucx_net_devices: Annotated[str | None, typer.Option(help="UCX_NET_DEVICES, e.g. mlx5_0:1.")] = None,
+    ucx_tls: UcxTlsOpt = None,
+    ucx_net_devices: UcxNetDevicesOpt = None,
     rdma_resource: Annotated[
         list[str] | None, typer.Option(help="Per-pod RDMA resource NAME=COUNT (adds IPC_LOCK), e.g. rdma/ib=1.")
     ] = None,
@@ -103,13 +110,13 @@ def compose(
     config_path: ConfigOpt = Path(config.DEFAULT_CONFIG),
     settings_path: SettingsOpt = Path(config.DEFAULT_SETTINGS),
     out: Annotated[str, typer.Option("-o", "--out", help="Folder to write.")] = "compose",
-    image: Annotated[str | None, typer.Option(help="vLLM image (default: vllm/vllm-openai at pdctl's vLLM).")] = None,
-    pdctl_image: Annotated[str | None, typer.Option(help="Image with pdctl (gateway, verify, sim).")] = None,
+    image: ImageOpt = None,
+    pdctl_image: PdctlImageOpt = None,
     env_file: Annotated[
         str, typer.Option(help="The file you create with the keys (VAR=value lines), relative to the compose file.")
     ] = "pdctl.env",
-    ucx_tls: Annotated[str | None, typer.Option(help="UCX_TLS of every worker, e.g. rc,cuda_copy.")] = None,
-    ucx_net_devices: Annotated[str | None, typer.Option(help="UCX_NET_DEVICES, e.g. mlx5_0:1.")] = None,
+    ucx_tls: UcxTlsOpt = None,
+    ucx_net_devices: UcxNetDevicesOpt = None,
 ) -> None:
     """Write compose.yaml (one host) or compose.HOST.yaml per host: workers, gateway, and a verify service.
 
