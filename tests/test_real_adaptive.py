@@ -61,11 +61,8 @@ def adaptive(root: Path, collector: _Receiver | None) -> Iterator[Deployment]:
              "routing.prefix_view": "exact", "routing.kv_events_port": free_port()}  # fmt: skip
     if collector is not None:
         edits["logging.otlp_traces_endpoint"] = collector.url
-    dep = Deployment(root, "cpu", edits)
-    try:
+    with Deployment(root, "cpu", edits) as dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 def test_a_later_turn_is_served_by_the_decode_holding_its_history(

@@ -34,10 +34,8 @@ def nixl(root: Path) -> Iterator[Deployment]:
     tokens)."""
     dep = Deployment(root, "cpu")
     assert (dep.dir / "config.toml").read_text(encoding="utf-8").count('"--tool-call-parser", "pythonic"') == 2
-    try:
+    with dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 def _assert_kv_moved(dep: Deployment, before: KVCounters, route: str) -> KVCounters:

@@ -23,11 +23,8 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
 
 @pytest.fixture
 def auto(root: Path) -> Iterator[Deployment]:
-    dep = Deployment(root, "cpu", {"routing.pd_mode": "auto"})
-    try:
+    with Deployment(root, "cpu", {"routing.pd_mode": "auto"}) as dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 def test_auto_serves_streaming_chat_and_logs_its_predictions(auto: Deployment) -> None:

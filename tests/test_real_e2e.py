@@ -193,6 +193,12 @@ class Deployment:
             self.pdctl("down", timeout=600)
         self.sweep()
 
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
     def sweep(self) -> None:
         """Last resort after a failed test: kill whatever of this run is still alive."""
         survivors = _run_processes(self.marker)
@@ -235,22 +241,24 @@ class Deployment:
 
 
 @pytest.fixture
+def cpu_up(root: Path) -> Iterator[Deployment]:
+    """examples/cpu as written, up (``pdctl up -d``) for the test, down after."""
+    with Deployment(root, "cpu") as dep:
+        dep.up()
+        yield dep
+
+
+@pytest.fixture
 def nixl(root: Path) -> Iterator[Deployment]:
     # DEBUG makes vLLM log each request's KV events with its id (INFO only logs the handshake and totals).
-    dep = Deployment(root, "cpu", {"logging.level": "debug"})
-    try:
+    with Deployment(root, "cpu", {"logging.level": "debug"}) as dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 @pytest.fixture
 def shared_storage(root: Path) -> Iterator[Deployment]:
-    dep = Deployment(root, "cpu-shared-storage")
-    try:
+    with Deployment(root, "cpu-shared-storage") as dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 def _chat(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -378,10 +386,8 @@ def mismatched(root: Path) -> Iterator[Deployment]:
     text = cfg.read_text(encoding="utf-8")
     assert "\n[decode]\n" in text
     cfg.write_text(text.replace("\n[decode]\n", '\n[decode]\nkv_connector = "ExampleConnector"\n', 1), encoding="utf-8")
-    try:
+    with dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 def test_connector_mismatch_fails_verify_with_5_1(mismatched: Deployment) -> None:

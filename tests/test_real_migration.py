@@ -45,11 +45,8 @@ PROMPTS = [f"Request {i}: describe how a decode worker streams tokens back to th
 
 @pytest.fixture
 def dep(root: Path) -> Iterator[Deployment]:
-    d = Deployment(root, "cpu")
-    try:
+    with Deployment(root, "cpu") as d:
         yield d
-    finally:
-        d.teardown()
 
 
 def _body(prompt: str, stream: bool) -> dict[str, Any]:

