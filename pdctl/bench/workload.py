@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from pdctl.config.recipe import RECIPE_REQUESTS
 from pdctl.errors import PdctlError
+from pdctl.vllm.words import WORDS
 
 __all__ = [
     "CONVERSATIONAL",
@@ -70,25 +71,6 @@ Route = Literal["", "messages", "responses"]
 
 # The recipe's two verification requests (section 4), in its own words.
 DOC_PROMPTS: tuple[tuple[str, int], ...] = tuple((r.prompt, r.max_tokens) for r in RECIPE_REQUESTS)
-
-# Common English words that most BPE vocabularies encode as one token each (with their leading space).
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group "
-    "country problem hand part place case week company system program question work government "
-    "number night point home water room mother area money story fact month lot right study book eye "
-    "job word business issue side kind head house service friend father power hour game line end "
-    "member law car city name team minute idea kid body back parent face others level office door "
-    "health person art war history party result change morning reason research girl guy moment air "
-    "teacher force education foot boy age policy music market sense nation plan college interest "
-    "death experience effect class control care field development role effort rate heart drug show "
-    "leader light voice wife police mind price report decision son view relationship town road arm "
-    "difference value building action model season society tax director position player record paper "
-    "space ground form event official matter center couple site project activity star table need "
-    "court oil situation cost industry figure street image phone data picture practice piece land "
-    "product doctor wall patient worker news test movie north love support technology step baby "
-    "computer type attention film tree source red blue green small large good new old great high "
-    "long little own other right big different early young important"
-).split()
 
 
 # Warm-up requests' indices start here, far above any run's own.

@@ -28,6 +28,7 @@ from typing import Any
 from pdctl.config.recipe import RECIPE_REQUESTS
 from pdctl.errors import EngineMissingError, PdctlError
 from pdctl.vllm.modelinfo import read_json_object
+from pdctl.vllm.words import WORDS
 
 __all__ = ["SIZES", "TINY_MODEL_FILES", "TinyModel", "TinyModelSpec", "generate_tiny_model", "model_digest"]
 
@@ -245,8 +246,6 @@ def _train_tokenizer(tokenizers: Any, transformers: Any, spec: TinyModelSpec) ->
     )
     corpus = list(TRAINING_TEXT)
     if spec.bench_words:
-        from pdctl.bench.workload import WORDS
-
         corpus += [" " + " ".join(WORDS)] * 8
     # Repeating the corpus gives every merge a count above 1, so the vocabulary fills up to vocab_size.
     tok.train_from_iterator(corpus * 4, trainer=trainer)
