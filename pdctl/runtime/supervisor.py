@@ -64,6 +64,7 @@ import httpx
 
 from pdctl.config import SupervisorConfig
 from pdctl.errors import LaunchError
+from pdctl.runtime import cpugroup
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.plan import Plan, ProcessSpec
 from pdctl.runtime.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
@@ -154,6 +155,10 @@ class _Slot:
     """Its spinning threads were put at SCHED_IDLE (this run)."""
     spin_look: tuple[float, dict[tuple[int, int], float]] | None = None
     spin_hot: frozenset[tuple[int, int]] = frozenset()
+    autogroup: tuple[int, int] | None = None
+    """``(pid, nice before)`` of the session autogroup lowered while the engine has no request (``idle_group``)."""
+    autogroup_low: bool = False
+    idle_looks: int = 0
 
 
 class Supervisor:
@@ -205,6 +210,7 @@ class Supervisor:
         slot.started = self._clock()
         slot.pinned = False
         slot.idled, slot.spin_look, slot.spin_hot = False, None, frozenset()
+        slot.autogroup, slot.autogroup_low, slot.idle_looks = None, False, 0
         slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
@@ -392,6 +398,8 @@ class Supervisor:
         return self.options.config.idle_spinning_threads and spec.role in ("prefill", "decode") and cpu_engine
 
     def _idle_spinners(self, slot: _Slot) -> None:
+        if slot.idled and slot.state is ProcState.READY:
+            self._follow_autogroup(slot)
         if slot.idled or slot.state is not ProcState.READY or slot.proc is None or not self._idles(slot.spec):
             return
         now = time.monotonic()  # the threads' CPU time is real time, whatever clock the supervisor keeps
@@ -406,10 +414,41 @@ class Supervisor:
             return
         changed = slot.proc.idle_threads([tid for _, tid in sorted(twice)])
         slot.idled = True
-        if changed:
+        grouped = self._group_out(slot, sorted(twice))
+        if changed or grouped:
             self._emit("info", slot.spec.name, f"put {len(changed)} thread(s) of {slot.spec.name} that spin while it "
                        f"is idle at SCHED_IDLE (tid {', '.join(map(str, changed))}; NIXL's progress thread; "
-                       "[supervisor] idle_spinning_threads)")  # fmt: skip
+                       f"[supervisor] idle_spinning_threads){grouped}")  # fmt: skip
+
+    def _group_out(self, slot: _Slot, threads: list[tuple[int, int]]) -> str:
+        """Take the spinning threads out of their session's scheduling group (``idle_group``); what was done, as
+        the end of the event's sentence ("" for nothing)."""
+        mode = self.options.config.idle_group
+        if mode in ("auto", "cgroup"):
+            group = cpugroup.idle_cgroup(cpugroup.cpu_cgroup_root())
+            if group is not None and cpugroup.move_threads([tid for _, tid in threads], group):
+                return f", and moved them into the idle cpu cgroup {group} ([supervisor] idle_group)"
+        if mode in ("auto", "autogroup"):
+            pid = threads[0][0]
+            nice = cpugroup.autogroup_nice(pid)
+            if nice is not None:
+                slot.autogroup, slot.idle_looks = (pid, nice), 1
+                self._follow_autogroup(slot)
+                return (f", and its session's autogroup goes to nice {cpugroup.AUTOGROUP_IDLE_NICE} while it has no "
+                        "request ([supervisor] idle_group)")  # fmt: skip
+        return "" if mode == "off" else f"; [supervisor] idle_group = {mode!r} found no idle cgroup or autogroup here"
+
+    def _follow_autogroup(self, slot: _Slot) -> None:
+        """The engine's autogroup at nice 19 once it has had no request in two looks in a row, back at its own nice
+        as soon as a look finds one running or waiting."""
+        if slot.autogroup is None:
+            return
+        pid, nice = slot.autogroup
+        slot.idle_looks = slot.idle_looks + 1 if self._engine_idle(slot.spec) else 0
+        low = slot.idle_looks >= 2
+        want = cpugroup.AUTOGROUP_IDLE_NICE if low else nice
+        if low != slot.autogroup_low and cpugroup.set_autogroup_nice(pid, want):
+            slot.autogroup_low = low
 
     def _engine_idle(self, spec: ProcessSpec) -> bool:
         """No request running or waiting in the engine, by its ``/metrics`` (False when it does not answer)."""
