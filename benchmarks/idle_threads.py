@@ -10,11 +10,14 @@ engines").
 4. With ``--contention ROUNDS``: what the idle engines take from other work on their own cores. One pure-Python
    loop pinned to each core in ``--cores`` for ``--seconds``, while each engine's per-thread CPU is sampled, in
    each of these arms, interleaved ROUNDS times (:data:`ARMS`): ``group`` (pdctl's default: the threads pdctl idled
-   at SCHED_IDLE and in the idle cpu cgroup, ``[supervisor] idle_group``), ``sched_idle`` (SCHED_IDLE, back in
-   the root cgroup, i.e. their session's autogroup: ``idle_group = "off"``), ``other`` (SCHED_OTHER, as vLLM starts
-   them: ``idle_spinning_threads = false``) and ``frozen`` (every worker process SIGSTOPped: the engines' CPU as
-   with the deployment down, without reloading it); each arm's engine CPU (% of a core) and loop speed. The
-   threads are put back (policy and cgroup) at the end, the workers continued.
+   at SCHED_IDLE, put into the idle cpu cgroup, and from then on left to the supervisor, which takes them out while
+   the engine has a request, ``[supervisor] idle_group``), ``sched_idle`` (SCHED_IDLE, held in the root cgroup,
+   i.e. their session's autogroup: ``idle_group = "off"``), ``other`` (SCHED_OTHER, as vLLM starts them, in the
+   root cgroup: ``idle_spinning_threads = false``), ``static`` (SCHED_IDLE, held in the idle cgroup, requests or
+   not) and ``frozen`` (every worker process SIGSTOPped: the engines' CPU as with the deployment down, without
+   reloading it); each arm's engine CPU (% of a core) and loop speed. A held arm writes its cgroup again every
+   0.1 s, over the supervisor's own moves. The threads are put back (policy and cgroup) at the end, the workers
+   continued.
 5. With ``--ab ROUNDS``: the same arms but ``frozen`` under load, interleaved: ``pdctl bench -w doc -n 8
    --concurrency 2`` through the gateway, ROUNDS times; each arm's TTFT/TPOT medians and the engines' NIXL
    transfers. The threads are those at SCHED_IDLE when the run starts (pdctl's choice), else the busy ones.
@@ -38,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,7 +164,10 @@ def set_policy(tids: list[int], policy: int) -> None:
 
 
 #: Every arm: how the idled threads are set (``frozen``: the workers stopped instead).
-ARMS = ("group", "sched_idle", "other", "frozen")
+ARMS = ("group", "sched_idle", "other", "static", "frozen")
+#: After ``frozen``, the gateway's health checks took the stopped engines out of its pool (it answered 503
+#: ``server_overloaded`` to a bench started at once): the A/B waits this long for them to be seen again.
+FROZEN_GRACE_S = 20.0
 
 
 def _cpu_cgroup(tid: int) -> str:
@@ -185,24 +192,44 @@ class Arms:
         self.group = cpugroup.idle_cgroup(self.root)
         self.before = {tid: (os.sched_getscheduler(tid), _cpu_cgroup(tid)) for tid in tids}
         self.stopped: list[int] = []
+        self._hold: tuple[threading.Event, threading.Thread] | None = None
 
     def available(self, names: list[str]) -> list[str]:
         """``names`` less ``group`` where there is no idle cgroup to switch."""
-        return [n for n in names if n != "group" or self.group is not None]
+        return [n for n in names if n not in ("group", "static") or self.group is not None]
 
     def set(self, name: str) -> None:
         self._cont()
+        self._release()
         if name == "frozen":
             self.stopped = [p.pid for w in self.workers.values() for p in _tree(w)]
             for pid in self.stopped:
                 os.kill(pid, signal.SIGSTOP)
             return
         set_policy(self.tids, os.SCHED_OTHER if name == "other" else os.SCHED_IDLE)
-        if self.root is not None:
-            cpugroup.move_threads(self.tids, self.group if name == "group" and self.group else self.root)
+        if self.root is None:
+            return
+        target = self.group if name in ("group", "static") and self.group else self.root
+        cpugroup.move_threads(self.tids, target)
+        if name != "group":
+            stop = threading.Event()
+            holder = threading.Thread(target=self._holder, args=(stop, target), daemon=True)
+            holder.start()
+            self._hold = (stop, holder)
+
+    def _holder(self, stop: threading.Event, target: Path) -> None:
+        while not stop.wait(0.1):
+            cpugroup.move_threads(self.tids, target)
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            self._hold[0].set()
+            self._hold[1].join()
+            self._hold = None
 
     def restore(self) -> None:
         self._cont()
+        self._release()
         for tid, (policy, cgroup) in self.before.items():
             set_policy([tid], policy)
             if self.root is not None and cgroup:
@@ -342,6 +369,8 @@ def main() -> None:
         cores = [int(c) for c in a.cores.split(",")]
         print(f"contention: loops on cores {cores} beside {len(tids)} thread(s) {tids}, {a.contention} round(s)")
         result["contention"] = contention(workers, tids, cores, a.seconds, a.contention, names)
+        if a.ab and "frozen" in names:
+            time.sleep(FROZEN_GRACE_S)
     if a.ab:
         busy = idled or [r.tid for r in rows if r.pct >= a.busy_pct]
         print(f"A/B of {len(busy)} busy thread(s) {busy}: arms {names}, {a.ab} round(s)")

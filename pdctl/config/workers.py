@@ -319,9 +319,10 @@ class SupervisorConfig:
     )
     idle_group: str = key(
         "auto", as_choice("auto", "cgroup", "autogroup", "off"), "auto, cgroup, autogroup or off", use="supervisor",
-        doc="with `idle_spinning_threads`: also take those threads out of their session's scheduling group, so "
-        "they leave the core to other work: `cgroup` moves them into an idle cpu cgroup (v1, root), `autogroup` "
-        "lowers the engine's autogroup to nice 19 while it has no request; `auto` the first that works (docs/cpu.md)",
+        doc="with `idle_spinning_threads`: while the engine has no request, also take those threads out of their "
+        "session's scheduling group, so they leave the core to other work: `cgroup` moves them into an idle cpu "
+        "cgroup (v1, root), `autogroup` lowers the engine's autogroup to nice 19; `auto` the first that works "
+        "(docs/cpu.md)",
     )
     # fmt: on
 

@@ -8,9 +8,10 @@ thread alone in its engine's group still gets a whole group's fair share against
 ways out, the first that works (``[supervisor] idle_group``):
 
 - ``cgroup``: the cgroup v1 ``cpu`` hierarchy is writable (root): the thread alone moves into :data:`IDLE_CGROUP`
-  under its root, with ``cpu.idle = 1`` (``cpu.shares = 2`` on a kernel before 5.15). A task outside the root cpu
-  cgroup has no autogroup, and an idle group runs only when nothing else wants the core. The engine's other
-  threads stay in their autogroup; the move holds for the thread's life.
+  under its root, with ``cpu.idle = 1`` (``cpu.shares = 2`` on a kernel before 5.15), while the engine has no
+  request, and back into the root cgroup (its autogroup) when it has one (:func:`move_threads` both ways). A task
+  outside the root cpu cgroup has no autogroup, and an idle group runs only when nothing else wants the core. The
+  engine's other threads stay in their autogroup.
 - ``autogroup``: ``/proc/PID/autogroup`` (any user may lower a nice): the engine's session group gets nice 19 (weight
   15 against nice 0's 1024) while the engine has no request, and its nice back when it has one (the supervisor's
   next look, :func:`set_autogroup_nice`).

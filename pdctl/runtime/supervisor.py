@@ -30,6 +30,9 @@ CPU engine is READY (after the warm-up, and again after each restart) and has no
 (its ``/metrics``), threads other than a process's main thread that used at least :data:`SPIN_SHARE` of a core
 in two such looks in a row are put at ``SCHED_IDLE`` (``[supervisor] idle_spinning_threads``): NIXL's UCX
 progress thread polls without ever sleeping (docs/cpu.md), an engine's other threads sleep when it is idle.
+While the engine then has no request (two looks in a row), those threads also leave their session's scheduling
+group (``[supervisor] idle_group``, :mod:`pdctl.runtime.cpugroup`: an idle cpu cgroup, else the session's autogroup
+at nice 19), and return to it at the first look that finds a request: there they would starve the KV transfers.
 GPU engines are left as they are (not measured there).
 
 With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
@@ -155,6 +158,8 @@ class _Slot:
     """Its spinning threads were put at SCHED_IDLE (this run)."""
     spin_look: tuple[float, dict[tuple[int, int], float]] | None = None
     spin_hot: frozenset[tuple[int, int]] = frozenset()
+    cgroup: tuple[Path, Path, tuple[int, ...]] | None = None
+    """``(idle cgroup, root cgroup, tids)``: the threads are in the idle cgroup while the engine has no request."""
     autogroup: tuple[int, int] | None = None
     """``(pid, nice before)`` of the session autogroup lowered while the engine has no request (``idle_group``)."""
     autogroup_low: bool = False
@@ -210,7 +215,7 @@ class Supervisor:
         slot.started = self._clock()
         slot.pinned = False
         slot.idled, slot.spin_look, slot.spin_hot = False, None, frozenset()
-        slot.autogroup, slot.autogroup_low, slot.idle_looks = None, False, 0
+        slot.cgroup, slot.autogroup, slot.autogroup_low, slot.idle_looks = None, None, False, 0
         slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
@@ -399,7 +404,7 @@ class Supervisor:
 
     def _idle_spinners(self, slot: _Slot) -> None:
         if slot.idled and slot.state is ProcState.READY:
-            self._follow_autogroup(slot)
+            self._follow_group(slot)
         if slot.idled or slot.state is not ProcState.READY or slot.proc is None or not self._idles(slot.spec):
             return
         now = time.monotonic()  # the threads' CPU time is real time, whatever clock the supervisor keeps
@@ -425,30 +430,39 @@ class Supervisor:
         the end of the event's sentence ("" for nothing)."""
         mode = self.options.config.idle_group
         if mode in ("auto", "cgroup"):
-            group = cpugroup.idle_cgroup(cpugroup.cpu_cgroup_root())
-            if group is not None and cpugroup.move_threads([tid for _, tid in threads], group):
-                return f", and moved them into the idle cpu cgroup {group} ([supervisor] idle_group)"
+            root = cpugroup.cpu_cgroup_root()
+            group = cpugroup.idle_cgroup(root)
+            if root is not None and group is not None and cpugroup.move_threads([tid for _, tid in threads], group):
+                slot.cgroup, slot.idle_looks = (group, root, tuple(tid for _, tid in threads)), 1
+                self._follow_group(slot)
+                return (f", and moves them into the idle cpu cgroup {group} while it has no request "
+                        "([supervisor] idle_group)")  # fmt: skip
         if mode in ("auto", "autogroup"):
             pid = threads[0][0]
             nice = cpugroup.autogroup_nice(pid)
             if nice is not None:
                 slot.autogroup, slot.idle_looks = (pid, nice), 1
-                self._follow_autogroup(slot)
+                self._follow_group(slot)
                 return (f", and its session's autogroup goes to nice {cpugroup.AUTOGROUP_IDLE_NICE} while it has no "
                         "request ([supervisor] idle_group)")  # fmt: skip
         return "" if mode == "off" else f"; [supervisor] idle_group = {mode!r} found no idle cgroup or autogroup here"
 
-    def _follow_autogroup(self, slot: _Slot) -> None:
-        """The engine's autogroup at nice 19 once it has had no request in two looks in a row, back at its own nice
-        as soon as a look finds one running or waiting."""
-        if slot.autogroup is None:
+    def _follow_group(self, slot: _Slot) -> None:
+        """Out of the session's group once the engine has had no request in two looks in a row, back in it as soon
+        as a look finds one running or waiting: in the idle cgroup (or at the low weight) the thread does not run
+        while anything else wants its core, and the engine's KV transfers need it (measured: docs/cpu.md)."""
+        if slot.cgroup is None and slot.autogroup is None:
             return
-        pid, nice = slot.autogroup
         slot.idle_looks = slot.idle_looks + 1 if self._engine_idle(slot.spec) else 0
         low = slot.idle_looks >= 2
-        want = cpugroup.AUTOGROUP_IDLE_NICE if low else nice
-        if low != slot.autogroup_low and cpugroup.set_autogroup_nice(pid, want):
-            slot.autogroup_low = low
+        if slot.cgroup is not None:
+            group, root, tids = slot.cgroup
+            cpugroup.move_threads(tids, group if low else root)  # every look: cheap, and undoes a move by hand
+        if slot.autogroup is not None:
+            pid, nice = slot.autogroup
+            want = cpugroup.AUTOGROUP_IDLE_NICE if low else nice
+            if low != slot.autogroup_low and cpugroup.set_autogroup_nice(pid, want):
+                slot.autogroup_low = low
 
     def _engine_idle(self, spec: ProcessSpec) -> bool:
         """No request running or waiting in the engine, by its ``/metrics`` (False when it does not answer)."""

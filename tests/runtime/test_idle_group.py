@@ -92,15 +92,22 @@ def _cpu_cgroup(pid: int, tid: int) -> str:
 
 
 @pytest.mark.skipif(cpugroup.cpu_cgroup_root() is None, reason="no writable cgroup v1 cpu hierarchy here")
-def test_cgroup_mode_moves_only_the_spinning_thread_into_an_idle_cgroup_and_the_loop_gets_the_core(
+def test_cgroup_mode_moves_only_the_spinning_thread_into_an_idle_cgroup_while_the_engine_has_no_request(
     tmp_path: Path, started: list[Supervisor]
 ) -> None:
-    _sup, events, pid, tid = _engine(started, tmp_path, "cgroup")
-    assert _cpu_cgroup(pid, tid) == "/" + cpugroup.IDLE_CGROUP
-    assert _cpu_cgroup(pid, pid) != "/" + cpugroup.IDLE_CGROUP  # the engine's own threads stay where they were
+    busy = tmp_path / "busy"
+    sup, events, pid, tid = _engine(started, tmp_path, "cgroup", "--busy-file", str(busy))
+    idle = "/" + cpugroup.IDLE_CGROUP
+    assert _cpu_cgroup(pid, tid) == idle
+    assert _cpu_cgroup(pid, pid) != idle  # the engine's own threads stay where they were
     assert os.sched_getscheduler(tid) == os.SCHED_IDLE
     assert any("idle cpu cgroup" in e.message for e in events)
     assert _share_beside_a_loop(pid, tid) < 0.10
+    busy.touch()  # a request running: the thread is back in its session's group at the next look
+    _watch(sup, lambda: _cpu_cgroup(pid, tid) == "/", 15)
+    assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+    busy.unlink()
+    _watch(sup, lambda: _cpu_cgroup(pid, tid) == idle, 15)
 
 
 @pytest.mark.skipif(cpugroup.autogroup_nice(os.getpid()) is None, reason="no session autogroups here")
