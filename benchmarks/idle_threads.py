@@ -15,7 +15,8 @@ engines").
    i.e. their session's autogroup: ``idle_group = "off"``), ``other`` (SCHED_OTHER, as vLLM starts them, in the
    root cgroup: ``idle_spinning_threads = false``), ``static`` (SCHED_IDLE, held in the idle cgroup, requests or
    not) and ``frozen`` (every worker process SIGSTOPped: the engines' CPU as with the deployment down, without
-   reloading it); each arm's engine CPU (% of a core) and loop speed. A held arm writes its cgroup again every
+   reloading it), ``weight`` (SCHED_IDLE, held in a cgroup of :data:`WEIGHT_SHARES` shares: about a tenth of a core
+   against one busy session); each arm's engine CPU (% of a core) and loop speed. A held arm writes its cgroup again every
    0.1 s, over the supervisor's own moves. The threads are put back (policy and cgroup) at the end, the workers
    continued.
 5. With ``--ab ROUNDS``: the same arms but ``frozen`` under load, interleaved: ``pdctl bench -w doc -n 8
@@ -164,7 +165,9 @@ def set_policy(tids: list[int], policy: int) -> None:
 
 
 #: Every arm: how the idled threads are set (``frozen``: the workers stopped instead).
-ARMS = ("group", "sched_idle", "other", "static", "frozen")
+ARMS = ("group", "sched_idle", "other", "static", "weight", "frozen")
+#: The ``weight`` arm's cgroup: held there, not idle but at this ``cpu.shares`` (1024 is a nice-0 group's).
+WEIGHT_SHARES = 102
 #: After ``frozen``, the gateway's health checks took the stopped engines out of its pool (it answered 503
 #: ``server_overloaded`` to a bench started at once): the A/B waits this long for them to be seen again.
 FROZEN_GRACE_S = 20.0
@@ -190,13 +193,14 @@ class Arms:
         self.workers, self.tids = workers, tids
         self.root = cpugroup.cpu_cgroup_root()
         self.group = cpugroup.idle_cgroup(self.root)
+        self.weighted = self._weighted_cgroup()
         self.before = {tid: (os.sched_getscheduler(tid), _cpu_cgroup(tid)) for tid in tids}
         self.stopped: list[int] = []
         self._hold: tuple[threading.Event, threading.Thread] | None = None
 
     def available(self, names: list[str]) -> list[str]:
         """``names`` less ``group`` where there is no idle cgroup to switch."""
-        return [n for n in names if n not in ("group", "static") or self.group is not None]
+        return [n for n in names if n not in ("group", "static", "weight") or self.group is not None]
 
     def set(self, name: str) -> None:
         self._cont()
@@ -210,12 +214,25 @@ class Arms:
         if self.root is None:
             return
         target = self.group if name in ("group", "static") and self.group else self.root
+        if name == "weight" and self.weighted is not None:
+            target = self.weighted
         cpugroup.move_threads(self.tids, target)
         if name != "group":
             stop = threading.Event()
             holder = threading.Thread(target=self._holder, args=(stop, target), daemon=True)
             holder.start()
             self._hold = (stop, holder)
+
+    def _weighted_cgroup(self) -> Path | None:
+        if self.root is None:
+            return None
+        group = self.root / (cpugroup.IDLE_CGROUP + "-weight")
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "cpu.shares").write_text(str(WEIGHT_SHARES))
+        except OSError:
+            return None
+        return group
 
     def _holder(self, stop: threading.Event, target: Path) -> None:
         while not stop.wait(0.1):

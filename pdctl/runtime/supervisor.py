@@ -30,9 +30,10 @@ CPU engine is READY (after the warm-up, and again after each restart) and has no
 (its ``/metrics``), threads other than a process's main thread that used at least :data:`SPIN_SHARE` of a core
 in two such looks in a row are put at ``SCHED_IDLE`` (``[supervisor] idle_spinning_threads``): NIXL's UCX
 progress thread polls without ever sleeping (docs/cpu.md), an engine's other threads sleep when it is idle.
-While the engine then has no request (two looks in a row), those threads also leave their session's scheduling
-group (``[supervisor] idle_group``, :mod:`pdctl.runtime.cpugroup`: an idle cpu cgroup, else the session's autogroup
-at nice 19), and return to it at the first look that finds a request: there they would starve the KV transfers.
+With ``[supervisor] idle_group`` set (off by default: it costs TTFT under load, docs/cpu.md), while the engine then
+has no request (two looks in a row) those threads also leave their session's scheduling group
+(:mod:`pdctl.runtime.cpugroup`: an idle cpu cgroup, else the session's autogroup at nice 19), and return to it at the
+first look that finds a request: held there under load they starve the KV transfers.
 GPU engines are left as they are (not measured there).
 
 With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
