@@ -8,29 +8,41 @@ engines").
 3. With ``--probe-core N``: what a bystander on core N gets beside the deployment: a pure-Python loop's speed
    and a 1 ms sleep's wake-up lateness (p50/p99/max), the same as with the deployment stopped.
 4. With ``--contention ROUNDS``: what the idle engines take from other work on their own cores. One pure-Python
-   loop pinned to each core in ``--cores`` for ``--seconds``, while each engine's per-thread CPU is sampled, with
-   the threads pdctl put at SCHED_IDLE (``[supervisor] idle_spinning_threads``) left there, then at SCHED_OTHER
-   (as vLLM starts them), interleaved ROUNDS times; each arm's engine CPU (% of a core) and loop speed. They are
-   put back at the end.
-5. With ``--ab ROUNDS``: the busy threads' scheduling policy A/B, interleaved: ``pdctl bench -w doc -n 8
-   --concurrency 2`` through the gateway with them at SCHED_OTHER (as started), then at SCHED_IDLE (they run
-   only when their core has nothing else to run), ROUNDS times; each arm's TTFT/TPOT medians. Each is put back
-   to the policy it had at the end. The A/B's threads are those at SCHED_IDLE when the run starts (pdctl's
-   choice), else the busy ones. Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu).
+   loop pinned to each core in ``--cores`` for ``--seconds``, while each engine's per-thread CPU is sampled, in
+   each of these arms, interleaved ROUNDS times (:data:`ARMS`): ``group`` (pdctl's default: the threads pdctl idled
+   at SCHED_IDLE, put into the idle cpu cgroup, and from then on left to the supervisor, which takes them out while
+   the engine has a request, ``[supervisor] idle_group``), ``sched_idle`` (SCHED_IDLE, held in the root cgroup,
+   i.e. their session's autogroup: ``idle_group = "off"``), ``other`` (SCHED_OTHER, as vLLM starts them, in the
+   root cgroup: ``idle_spinning_threads = false``), ``static`` (SCHED_IDLE, held in the idle cgroup, requests or
+   not) and ``frozen`` (every worker process SIGSTOPped: the engines' CPU as with the deployment down, without
+   reloading it), ``weight`` (SCHED_IDLE, held in a cgroup of :data:`WEIGHT_SHARES` shares: about a tenth of a core
+   against one busy session); each arm's engine CPU (% of a core) and loop speed. A held arm writes its cgroup again every
+   0.1 s, over the supervisor's own moves. The threads are put back (policy and cgroup) at the end, the workers
+   continued.
+5. With ``--ab ROUNDS``: the same arms but ``frozen`` under load, interleaved: ``pdctl bench -w doc -n 8
+   --concurrency 2`` through the gateway, ROUNDS times; each arm's TTFT/TPOT medians and the engines' NIXL
+   transfers. The threads are those at SCHED_IDLE when the run starts (pdctl's choice), else the busy ones.
+   Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu). Without a writable cgroup v1
+   cpu hierarchy (not root), ``group`` is left out: there pdctl lowers the engine's autogroup instead, which
+   follows the engine's requests and is not switched here.
 
     .venv/bin/python -m benchmarks.idle_threads -c examples/cpu/config.toml -s examples/cpu/settings.json \\
-        [--seconds 15] [--native] [--probe-core 0] [--contention 2 --cores 0,1] [--ab 2] [--json OUT]
+        [--seconds 15] [--native] [--probe-core 0] [--contention 2 --cores 0,1] [--ab 2] [--arms group,other]
+        [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +51,7 @@ import psutil
 
 from pdctl.bench.engine_metrics import kv_summary
 from pdctl.config import load
+from pdctl.runtime import cpugroup
 from pdctl.runtime.rundir import read_state
 
 _HZ = os.sysconf("SC_CLK_TCK")
@@ -151,6 +164,108 @@ def set_policy(tids: list[int], policy: int) -> None:
             pass
 
 
+#: Every arm: how the idled threads are set (``frozen``: the workers stopped instead).
+ARMS = ("group", "sched_idle", "other", "static", "weight", "frozen")
+#: The ``weight`` arm's cgroup: held there, not idle but at this ``cpu.shares`` (1024 is a nice-0 group's).
+WEIGHT_SHARES = 102
+#: After ``frozen``, the gateway's health checks took the stopped engines out of its pool (it answered 503
+#: ``server_overloaded`` to a bench started at once): the A/B waits this long for them to be seen again.
+FROZEN_GRACE_S = 20.0
+
+
+def _cpu_cgroup(tid: int) -> str:
+    """The cpu cgroup of one thread, relative to the hierarchy's root ("" without a v1 cpu hierarchy)."""
+    try:
+        for line in Path(f"/proc/{tid}/task/{tid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "cpu" in controllers.split(","):
+                return path
+    except OSError:
+        pass
+    return ""
+
+
+class Arms:
+    """Puts ``tids`` (and ``workers``' trees, for ``frozen``) into each arm's state; :meth:`restore` puts back the
+    policies and cgroups found at the start and continues any stopped worker."""
+
+    def __init__(self, workers: dict[str, int], tids: list[int]) -> None:
+        self.workers, self.tids = workers, tids
+        self.root = cpugroup.cpu_cgroup_root()
+        self.group = cpugroup.idle_cgroup(self.root)
+        self.weighted = self._weighted_cgroup()
+        self.before = {tid: (os.sched_getscheduler(tid), _cpu_cgroup(tid)) for tid in tids}
+        self.stopped: list[int] = []
+        self._hold: tuple[threading.Event, threading.Thread] | None = None
+
+    def available(self, names: list[str]) -> list[str]:
+        """``names`` less ``group`` where there is no idle cgroup to switch."""
+        return [n for n in names if n not in ("group", "static", "weight") or self.group is not None]
+
+    def set(self, name: str) -> None:
+        self._cont()
+        self._release()
+        if name == "frozen":
+            self.stopped = [p.pid for w in self.workers.values() for p in _tree(w)]
+            for pid in self.stopped:
+                os.kill(pid, signal.SIGSTOP)
+            return
+        set_policy(self.tids, os.SCHED_OTHER if name == "other" else os.SCHED_IDLE)
+        if self.root is None:
+            return
+        target = self.group if name in ("group", "static") and self.group else self.root
+        if name == "weight" and self.weighted is not None:
+            target = self.weighted
+        cpugroup.move_threads(self.tids, target)
+        if name != "group":
+            stop = threading.Event()
+            holder = threading.Thread(target=self._holder, args=(stop, target), daemon=True)
+            holder.start()
+            self._hold = (stop, holder)
+
+    def _weighted_cgroup(self) -> Path | None:
+        if self.root is None:
+            return None
+        group = self.root / (cpugroup.IDLE_CGROUP + "-weight")
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "cpu.shares").write_text(str(WEIGHT_SHARES))
+        except OSError:
+            return None
+        return group
+
+    def _holder(self, stop: threading.Event, target: Path) -> None:
+        while not stop.wait(0.1):
+            cpugroup.move_threads(self.tids, target)
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            self._hold[0].set()
+            self._hold[1].join()
+            self._hold = None
+
+    def restore(self) -> None:
+        self._cont()
+        self._release()
+        for tid, (policy, cgroup) in self.before.items():
+            set_policy([tid], policy)
+            if self.root is not None and cgroup:
+                cpugroup.move_threads([tid], self.root / cgroup.lstrip("/"))
+
+    def _cont(self) -> None:
+        for pid in self.stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.stopped = []
+
+
+def _tree(root: int) -> list[psutil.Process]:
+    try:
+        return [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def idled_threads(workers: dict[str, int]) -> list[int]:
     """The threads of the workers' trees at SCHED_IDLE now."""
     out = []
@@ -164,16 +279,17 @@ def idled_threads(workers: dict[str, int]) -> list[int]:
 
 
 def contention(
-    workers: dict[str, int], tids: list[int], cores: list[int], seconds: float, rounds: int
+    workers: dict[str, int], tids: list[int], cores: list[int], seconds: float, rounds: int, names: list[str]
 ) -> dict[str, list[dict[str, float]]]:
-    """Bystander loops pinned to ``cores`` beside the idle engines, ``tids`` at SCHED_IDLE then SCHED_OTHER,
-    interleaved: each engine's CPU (% of a core), that of ``tids`` together, and the loops' mean speed (M it/s)."""
-    arms: dict[str, list[dict[str, float]]] = {"SCHED_IDLE": [], "SCHED_OTHER": []}
-    before = {tid: os.sched_getscheduler(tid) for tid in tids}
+    """Bystander loops pinned to ``cores`` beside the idle engines in each arm of ``names``, interleaved: each
+    engine's CPU (% of a core), that of ``tids`` together, and the loops' mean speed (M it/s)."""
+    state = Arms(workers, tids)
+    names = state.available(names)
+    arms: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     try:
         for _ in range(rounds):
-            for name, policy in (("SCHED_IDLE", os.SCHED_IDLE), ("SCHED_OTHER", os.SCHED_OTHER)):
-                set_policy(tids, policy)
+            for name in names:
+                state.set(name)
                 loops = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, "-c", _LOOP.format(s=seconds)],
                                           stdout=subprocess.PIPE, text=True) for c in cores]  # fmt: skip
                 rows = thread_cpu(workers, seconds - 1.0)
@@ -184,16 +300,17 @@ def contention(
                 arms[name].append(row)
                 print(f"  {name}: {row}")
     finally:
-        for tid, policy in before.items():
-            set_policy([tid], policy)
+        state.restore()
     return arms
 
 
-def bench(config: str, settings: str, out: Path) -> dict[str, float]:
-    """One short ``pdctl bench`` run through the gateway: completed, failed, TTFT and TPOT medians (ms), NIXL
-    transfers and their mean time (ms, the engines' ``vllm:nixl_xfer_time_seconds``)."""
+def bench(config: str, settings: str, out: Path, urls: list[str]) -> dict[str, float]:
+    """One short ``pdctl bench`` run through the gateway, the engines' ``urls`` scraped: completed, failed, TTFT and
+    TPOT medians (ms), NIXL transfers and their mean time (ms, the engines' ``vllm:nixl_xfer_time_seconds``)."""
     pdctl = [sys.executable, "-m", "pdctl", "bench", "-c", config, "-s", settings, "-w", "doc", "-n", "8",
              "--concurrency", "2", "--warmup", "1", "--timeout", "300", "-o", str(out)]  # fmt: skip
+    for url in urls:
+        pdctl += ["--metrics-url", url.rstrip("/") + "/metrics"]
     subprocess.run(pdctl, capture_output=True, text=True, check=True)
     run = json.loads(out.read_text(encoding="utf-8"))
     row = {k: float(run[k]) for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")}
@@ -203,20 +320,22 @@ def bench(config: str, settings: str, out: Path) -> dict[str, float]:
     return row
 
 
-def ab(config: str, settings: str, tids: list[int], rounds: int) -> dict[str, list[dict[str, float]]]:
-    """Benchmarks with ``tids`` at SCHED_OTHER and at SCHED_IDLE, interleaved; each back to its policy at the end."""
-    arms: dict[str, list[dict[str, float]]] = {"SCHED_OTHER": [], "SCHED_IDLE": []}
-    before = {tid: os.sched_getscheduler(tid) for tid in tids}
+def ab(
+    config: str, settings: str, workers: dict[str, int], tids: list[int], rounds: int, names: list[str], urls: list[str]
+) -> dict[str, list[dict[str, float]]]:
+    """Benchmarks in each arm of ``names`` (not ``frozen``), interleaved; the threads put back at the end."""
+    state = Arms(workers, tids)
+    names = [n for n in state.available(names) if n != "frozen"]
+    arms: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     try:
         with tempfile.TemporaryDirectory() as d:
             for i in range(rounds):
-                for name, policy in (("SCHED_OTHER", os.SCHED_OTHER), ("SCHED_IDLE", os.SCHED_IDLE)):
-                    set_policy(tids, policy)
-                    arms[name].append(bench(config, settings, Path(d) / f"{name}-{i}.json"))
+                for name in names:
+                    state.set(name)
+                    arms[name].append(bench(config, settings, Path(d) / f"{name}-{i}.json", urls))
                     print(f"  {name} round {i + 1}: {arms[name][-1]}")
     finally:
-        for tid, policy in before.items():
-            set_policy([tid], policy)
+        state.restore()
     return arms
 
 
@@ -231,12 +350,18 @@ def main() -> None:
     ap.add_argument("--probe-core", type=int, default=None, help="measure a bystander on this core")
     ap.add_argument("--contention", type=int, default=0, metavar="ROUNDS", help="bystanders beside the idle engines")
     ap.add_argument("--cores", default="0,1", help="--contention's cores, comma-separated")
-    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="SCHED_OTHER vs SCHED_IDLE of the busy threads")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="benchmarks in each arm (not frozen)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"--contention's and --ab's arms, of {', '.join(ARMS)}")
     ap.add_argument("--json", default=None, help="write the measurements here")
     a = ap.parse_args()
     dep = load(Path(a.config), Path(a.settings))
     state = read_state(dep.run_dir)
-    workers = {p["name"]: p["pid"] for p in state.processes if p.get("role") in ("prefill", "decode") and p.get("pid")}
+    running = [p for p in state.processes if p.get("role") in ("prefill", "decode") and p.get("pid")]
+    workers = {p["name"]: p["pid"] for p in running}
+    urls = [p["url"] for p in running if p.get("url")]
+    names = [n for n in a.arms.split(",") if n]
+    if unknown := set(names) - set(ARMS):
+        sys.exit(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(ARMS)}")
     if not workers:
         sys.exit(f"no running worker in {dep.run_dir}/state.json")
     rows = thread_cpu(workers, a.seconds)
@@ -260,11 +385,13 @@ def main() -> None:
         tids = idled or [r.tid for r in rows if r.pct >= a.busy_pct]
         cores = [int(c) for c in a.cores.split(",")]
         print(f"contention: loops on cores {cores} beside {len(tids)} thread(s) {tids}, {a.contention} round(s)")
-        result["contention"] = contention(workers, tids, cores, a.seconds, a.contention)
+        result["contention"] = contention(workers, tids, cores, a.seconds, a.contention, names)
+        if a.ab and "frozen" in names:
+            time.sleep(FROZEN_GRACE_S)
     if a.ab:
         busy = idled or [r.tid for r in rows if r.pct >= a.busy_pct]
-        print(f"A/B of {len(busy)} busy thread(s) {busy}: SCHED_OTHER vs SCHED_IDLE, {a.ab} round(s)")
-        result["ab"] = ab(a.config, a.settings, busy, a.ab)
+        print(f"A/B of {len(busy)} busy thread(s) {busy}: arms {names}, {a.ab} round(s)")
+        result["ab"] = ab(a.config, a.settings, workers, busy, a.ab, names, urls)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 

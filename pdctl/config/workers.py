@@ -317,6 +317,14 @@ class SupervisorConfig:
         doc="vLLM CPU engines only: once an engine is ready and has no request, put the threads that keep a core "
         "busy anyway (NIXL's UCX progress thread) at `SCHED_IDLE`, again after a restart (docs/cpu.md)",
     )
+    idle_group: str = key(
+        "off", as_choice("auto", "cgroup", "autogroup", "off"), "auto, cgroup, autogroup or off", use="supervisor",
+        doc="with `idle_spinning_threads`: while the engine has no request, also take those threads out of their "
+        "session's scheduling group, so they leave the core to other work: `cgroup` moves them into an idle cpu "
+        "cgroup (v1, root), `autogroup` lowers the engine's autogroup to nice 19; `auto` the first that works. Off by "
+        "default: measured, it slowed the first seconds of requests after idle (TTFT) when other work held the cores "
+        "(docs/cpu.md)",
+    )
     # fmt: on
 
 

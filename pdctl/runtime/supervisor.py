@@ -30,7 +30,8 @@ CPU engine is READY (after the warm-up, and again after each restart) and has no
 (its ``/metrics``), threads other than a process's main thread that used at least
 :data:`~pdctl.runtime.idle_threads.SPIN_SHARE` of a core in two such looks in a row are put at ``SCHED_IDLE``
 (``[supervisor] idle_spinning_threads``, :mod:`pdctl.runtime.idle_threads`): NIXL's UCX progress thread polls
-without ever sleeping (docs/cpu.md), an engine's other threads sleep when it is idle.
+without ever sleeping (docs/cpu.md). ``[supervisor] idle_group`` (off by default) also takes them out of their
+session's scheduling group while the engine has no request (:mod:`pdctl.runtime.cpugroup`).
 GPU engines are left as they are (not measured there).
 
 With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
@@ -65,7 +66,8 @@ import httpx
 
 from pdctl.config import SupervisorConfig
 from pdctl.errors import LaunchError
-from pdctl.runtime.idle_threads import engine_idle, hot_threads
+from pdctl.runtime import cpugroup
+from pdctl.runtime.idle_threads import SpinWatch, engine_idle
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.plan import Plan, ProcessSpec
 from pdctl.runtime.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
@@ -149,10 +151,9 @@ class _Slot:
     next_start: float = 0.0
     last_exit: ExitInfo | None = None
     pinned: bool = False
-    idled: bool = False
-    """Its spinning threads were put at SCHED_IDLE (this run)."""
-    spin_look: tuple[float, dict[tuple[int, int], float]] | None = None
-    spin_hot: frozenset[tuple[int, int]] = frozenset()
+    spin: SpinWatch = field(default_factory=SpinWatch)
+    group: cpugroup.GroupFollower | None = None
+    """Its spinning threads' way out of their session's group while the engine has no request (``idle_group``)."""
 
 
 class Supervisor:
@@ -203,7 +204,7 @@ class Supervisor:
         slot.proc = proc
         slot.started = self._clock()
         slot.pinned = False
-        slot.idled, slot.spin_look, slot.spin_hot = False, None, frozenset()
+        slot.spin, slot.group = SpinWatch(), None
         slot.state = ProcState.HELD if held else ProcState.STARTING
         if self._watchdog is not None:
             self._watchdog.watch_group(proc.pgid)
@@ -391,23 +392,21 @@ class Supervisor:
         return self.options.config.idle_spinning_threads and spec.role in ("prefill", "decode") and cpu_engine
 
     def _idle_spinners(self, slot: _Slot) -> None:
-        if slot.idled or slot.state is not ProcState.READY or slot.proc is None or not self._idles(slot.spec):
+        if slot.spin.idled and slot.state is ProcState.READY and slot.group is not None:
+            slot.group.follow(engine_idle(self._http, slot.spec.url))
+        if slot.spin.idled or slot.state is not ProcState.READY or slot.proc is None or not self._idles(slot.spec):
             return
-        now = time.monotonic()  # the threads' CPU time is real time, whatever clock the supervisor keeps
-        cpu = slot.proc.thread_cpu_s()
-        last, slot.spin_look = slot.spin_look, (now, cpu)
-        if last is None or now <= last[0]:
-            return
-        hot = hot_threads(last, (now, cpu))
-        twice, slot.spin_hot = hot & slot.spin_hot, hot
+        # The threads' CPU time is real time, whatever clock the supervisor keeps.
+        twice = slot.spin.spinning(time.monotonic(), slot.proc.thread_cpu_s())
         if not twice or not engine_idle(self._http, slot.spec.url):
             return
-        changed = slot.proc.idle_threads([tid for _, tid in sorted(twice)])
-        slot.idled = True
-        if changed:
+        changed = slot.proc.idle_threads([tid for _, tid in twice])
+        slot.spin.idled = True
+        slot.group, grouped = cpugroup.take_out(self.options.config.idle_group, twice)
+        if changed or grouped:
             self._emit("info", slot.spec.name, f"put {len(changed)} thread(s) of {slot.spec.name} that spin while it "
                        f"is idle at SCHED_IDLE (tid {', '.join(map(str, changed))}; NIXL's progress thread; "
-                       "[supervisor] idle_spinning_threads)")  # fmt: skip
+                       f"[supervisor] idle_spinning_threads){grouped}")  # fmt: skip
 
     def watch_once(self) -> bool:
         """One supervision step; False once the deployment must stop (see :attr:`failure`)."""

@@ -37,7 +37,9 @@ LOCK = threading.Lock()
 
 def log(msg: str) -> None:
     stamp = time.strftime("%m-%d %H:%M:%S")
-    print(f"(APIServer pid={os.getpid()}) INFO {stamp} [fake_worker.py:1] {msg}", flush=True)
+    # One write per line: print() writes the text and its newline apart, and two threads' lines then interleave.
+    sys.stdout.write(f"(APIServer pid={os.getpid()}) INFO {stamp} [fake_worker.py:1] {msg}\n")
+    sys.stdout.flush()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -60,7 +62,8 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": self.args.model, "object": "model"}]})
         elif self.path == "/metrics":
-            body = f"vllm:num_requests_running 0\nfake_requests_total {COUNTS['requests']}\n".encode()
+            running = int(bool(self.args.busy_file) and os.path.exists(self.args.busy_file))
+            body = f"vllm:num_requests_running {running}\nfake_requests_total {COUNTS['requests']}\n".encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -149,6 +152,8 @@ def main() -> None:
     p.add_argument("--engine-id", default=str(uuid.uuid4()))
     # A thread that keeps a core busy while the worker is idle, as NIXL's UCX progress thread does in vLLM CPU.
     p.add_argument("--spin-thread", action="store_true")
+    # While this file exists, /metrics reports one request running (the engine is busy).
+    p.add_argument("--busy-file", default=None)
     args, _unknown = p.parse_known_args()
 
     if args.ignore_sigterm:

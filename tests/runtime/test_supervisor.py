@@ -685,6 +685,7 @@ def test_spinning_threads_of_idle_cpu_engines_go_to_sched_idle_again_after_a_res
     for other, where in ((gpu_events, "gpu"), (off_events, "off")):
         (tid,) = _spin_tids(tmp_path / where, "decode")
         assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert "pdctl-idle" not in Path(f"/proc/{tid}/task/{tid}/cgroup").read_text()  # nor out of its group
         assert not [e for e in other if "SCHED_IDLE" in e.message]
     # The crash, the restart: the new process's spinning thread is found and idled too.
     _watch_until([sup], lambda: len(idled()) == 2, 60)
