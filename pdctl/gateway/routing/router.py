@@ -109,7 +109,7 @@ class Router:
         request."""
         if not self.by_request:
             return None
-        return self.chooser.decide(self.pool, body, prompt_tokens, token_ids, None, endpoint, identity)
+        return self.chooser.decide(self.pool, body, prompt_tokens, token_ids, endpoint, identity)
 
     def steer(self, plan: RoutePlan) -> tuple[RoutePlan, Choice | None]:
         """Under ``pd_mode = "auto"``, the SLO autopilot's path for ``plan``'s request: the plan it changed and its
