@@ -74,6 +74,7 @@ class Router:
             self.events = KvEventSubscriber(
                 relay or bind_endpoint(r.kv_events_host, r.kv_events_port), self._count_event,
                 connect=relay is not None, allowed=self._known, max_blocks=r.kv_events_max_blocks,
+                capacity=self._kv_blocks,
             )  # fmt: skip
         if self.by_request and self.events is None and "kv_aware" in r.policies:
             which = "prefill_policy" if r.prefill_policy == "kv_aware" else "decode_policy"
@@ -95,6 +96,10 @@ class Router:
     def _known(self, name: str) -> bool:
         """Whether ``name`` is one of this deployment's workers, configured or discovered (a KV events topic)."""
         return any(i.name == name for i in self.pool.instances)
+
+    def _kv_blocks(self, name: str) -> int | None:
+        """The blocks worker ``name``'s KV cache holds, as its ``/metrics`` reported (None: not known)."""
+        return next((i.kv_blocks for i in self.pool.instances if i.name == name), None)
 
     def _count_event(self, instance: str, event: str) -> None:
         self.metrics.child(self.metrics.kv_events, instance, event).inc()
