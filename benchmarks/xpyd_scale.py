@@ -10,7 +10,9 @@ timing profile, ``--sim-speed`` below 1 so the 2-core machine paces them, the pr
 ``pdctl bench`` with one workload (``--workload``): ``shared-prefix`` (SGLang's generated shared prefix: groups of
 prompts behind one system prompt, shuffled; the groups' system prompts together hold more blocks than the pool's
 prefix caches, so eviction matters and routing decides the hit rate), ``agent`` (multi-turn conversations, each turn
-re-sending its history, over chat) or ``mixed`` (the recipe's mix: 128-token chats and 10 % 4,096-token prompts).
+re-sending its history, over chat), ``claude-code`` / ``codex`` (sessions shaped like those clients' requests, over
+``/v1/messages`` / ``/v1/responses``: ``pdctl bench -w claude-code``) or ``mixed`` (the recipe's mix: 128-token chats
+and 10 % 4,096-token prompts).
 Arms:
 
 - ``pdctl:<prefill policy>/<decode policy>[+adaptive][+exact][+workers=N][+<routing key>=<JSON>]``:
@@ -24,8 +26,9 @@ Arms:
 - ``vllm-router:<prefill policy>/<decode policy>``: vllm-router (PyPI) ``--vllm-pd-disaggregation`` with
   ``--prefill-policy`` and ``--decode-policy``.
 
-Reports per arm and rate: TTFT p50/p90, ITL p99, output tokens/s, requests failed, and the prefill and decode pools'
-prefix-cache hit rates (``vllm:prefix_cache_hits`` over ``queries``, summed over the pool). Writes the runs' JSON
+Reports per arm and rate: TTFT p50/p90, ITL p99, output tokens/s, requests failed, the prefill and decode pools'
+prefix-cache hit rates (``vllm:prefix_cache_hits`` over ``queries``, summed over the pool) and, for conversations,
+how often a later turn landed on the decode that served its session's previous turn (the one holding its history). Writes the runs' JSON
 (``--out``) and prints a Markdown table. Only loopback and free ports.
 """
 
@@ -156,6 +159,9 @@ def workload(args: argparse.Namespace) -> list[str]:
         return ["--endpoint", "chat", "-w", "agent", "--conversations", str(args.conversations), "--turns",
                 args.turns, "--system-len", str(args.agent_system_len), "--context-len", str(args.context_len),
                 "--answer-len", args.answer_len]  # fmt: skip
+    if args.workload in ("claude-code", "codex"):
+        return ["-w", args.workload, "--conversations", str(args.conversations), "--turns", args.turns,
+                "--answer-len", args.answer_len, "--user-len", "60"]  # fmt: skip
     if args.workload == "mixed":
         return ["--endpoint", "completions", "-w", "mixed"]
     return ["--endpoint", "completions", "-w", "shared-prefix", "--groups", str(args.groups),
@@ -165,7 +171,8 @@ def workload(args: argparse.Namespace) -> list[str]:
 
 def bench(url: str, workers: Sequence[Proc], rate: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One ``pdctl bench`` run of ``--workload`` against ``url``."""
-    count = [] if args.workload == "agent" else ["-n", str(args.requests)]  # agent: conversations x turns
+    conversational = args.workload in ("agent", "claude-code", "codex")
+    count = [] if conversational else ["-n", str(args.requests)]  # conversations x turns
     flags = ["--gateway", url, "--model", MODEL, *workload(args), "--rate", rate, *count, "--warmup", "8",
              "--seed", str(args.seed), "--timeout", "600", "--no-progress", "--no-slo"]  # fmt: skip
     for w in workers:
@@ -188,6 +195,25 @@ def _hit_rate(caches: dict[str, dict[str, float]], urls: Sequence[str]) -> float
     return sum(v.get("hits", 0.0) for v in mine) / queries if queries else None
 
 
+def sticky(run: dict[str, Any]) -> tuple[int, int] | None:
+    """Of a conversational run's later turns, how many went to the decode of their session's previous turn, and how
+    many there were (None: not conversations)."""
+    reqs = run.get("pdctl", {}).get("requests", {})
+    if "conversation" not in reqs:
+        return None
+    last: dict[Any, tuple[int, str]] = {}
+    same = later = 0
+    for conv, turn, decode in sorted(zip(reqs["conversation"], reqs["turn"], reqs["pd_decode"], strict=True),
+                                     key=lambda x: (str(x[0]), x[1] or 0)):  # fmt: skip
+        prev = last.get(conv)
+        if prev is not None and decode:
+            later += 1
+            same += decode == prev[1]
+        if decode:
+            last[conv] = (turn or 0, decode)
+    return same, later
+
+
 def row(arm: str, rate: str, run: dict[str, Any], prefill: Sequence[Proc], decode: Sequence[Proc]) -> dict[str, Any]:
     """The numbers of one run."""
     caches = run.get("pdctl", {}).get("prefix_cache", {})
@@ -203,6 +229,7 @@ def row(arm: str, rate: str, run: dict[str, Any], prefill: Sequence[Proc], decod
         "request_s": run.get("request_throughput"),
         "prefill_hit_rate": _hit_rate(caches, [p.url for p in prefill]),
         "decode_hit_rate": _hit_rate(caches, [d.url for d in decode]),
+        "sticky": sticky(run),
     }
 
 
@@ -216,7 +243,9 @@ def markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
                 f"{fmt(r['ttft_p50_ms'], 0, grouped=True)} / {fmt(r['ttft_p90_ms'], 0, grouped=True)}",
                 fmt(r["itl_p99_ms"], 1, grouped=True), fmt(r["output_tok_s"], 0, grouped=True),
                 fmt(r["request_s"], 2, grouped=True), str(r["failed"]),
-                hits + (f"; queue: {r['queue_rules']}" if r.get("queue_rules") else "")]  # fmt: skip
+                hits + (f"; queue: {r['queue_rules']}" if r.get("queue_rules") else "")
+                + (f"; later turns on their session's decode: {r['sticky'][0]} of {r['sticky'][1]}"
+                   if r.get("sticky") else "")]  # fmt: skip
 
     return md_table(columns, "rllrrrrl", (cells(r) for r in rows))
 
@@ -232,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--sim-kv-scale: the bytes really moved per KV handoff (timing stays the profile's)")  # fmt: skip
     p.add_argument("--cache-blocks", type=int, default=512, help="each worker's prefix cache, in 16-token blocks")
     p.add_argument("--max-num-seqs", type=int, default=64, help="each worker's --max-num-seqs")
-    p.add_argument("--workload", default="shared-prefix", choices=("shared-prefix", "agent", "mixed"))
+    p.add_argument("--workload", default="shared-prefix",
+                   choices=("shared-prefix", "agent", "claude-code", "codex", "mixed"))  # fmt: skip
     p.add_argument("--groups", type=int, default=24, help="shared-prefix groups (system prompts)")
     p.add_argument("--prompts-per-group", type=int, default=16)
     p.add_argument("--system-len", type=int, default=2048, help="tokens per system prompt")
