@@ -11,8 +11,10 @@ PD over a NIXL-like connector (``NixlConnector`` and its kin)::
 Shared storage (``SharedStorageConnector``, vLLM's example): a producer writes each prompt's full blocks to
 ``shared_storage_path``; a consumer that finds them injects them and computes only the rest.
 
-:class:`KVSettings` is what of ``--kv-transfer-config`` the simulator acts on; :class:`KVConnector` is the
-connector of one :class:`~pdctl.sim.engine.SimEngine`, calling back into its scheduler to queue or fail a request.
+:class:`KVSettings` (:mod:`pdctl.sim.request`) is what of ``--kv-transfer-config`` the simulator acts on;
+:class:`KVConnector` is the connector of one engine, calling back into its scheduler (the
+:class:`~pdctl.sim.request.Scheduler` protocol, which :class:`~pdctl.sim.engine.SimEngine` implements) to queue or
+fail a request.
 The bytes, the lease store and the side channel themselves are in :mod:`pdctl.sim.kv`.
 """
 
@@ -20,17 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdctl.sim import kv as kvmod
 from pdctl.sim import logfmt as L
-from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS, connector_kind
-
-if TYPE_CHECKING:
-    from pdctl.sim.engine import SimEngine, SimRequest
+from pdctl.sim.request import KVSettings, Scheduler, SimRequest
+from pdctl.vllm.protocol import REQUIRED_DECODE_FIELDS
 
 __all__ = ["KVConnector", "KVSettings", "SideChannelInUse"]
 
@@ -40,38 +38,16 @@ class SideChannelInUse(Exception):
     engine waits for it, never ready."""
 
 
-@dataclass(frozen=True, slots=True)
-class KVSettings:
-    """The parts of ``--kv-transfer-config`` the simulator acts on."""
-
-    connector: str | None = None
-    role: str | None = None
-    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    failure_policy: str = "fail"
-    lease_s: float = 30.0
-    shared_storage_path: str | None = None
-    side_host: str = "127.0.0.1"
-    side_port: int = 5600
-
-    @property
-    def kind(self) -> str:
-        """``params`` (NIXL-like), ``shared_storage`` or ``none``."""
-        if self.connector is None:
-            return "none"
-        k = connector_kind(self.connector)
-        return "none" if k == "unknown" else k
-
-
 class KVConnector:
     """The KV connector of one engine: its lease store and side channel, transfers in and out, their metrics."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: Scheduler) -> None:
         self._engine = engine
         self.cfg = cfg = engine.cfg
         self.faults = engine.faults
         self.log = engine.log
         self.metrics = engine.metrics
-        self.store = kvmod.KVStore(cfg.block_size, on_expire=self._on_expire, on_release=engine._update_gauges)
+        self.store = kvmod.KVStore(cfg.block_size, on_expire=self._on_expire, on_release=engine.update_gauges)
         self.compat = kvmod.compat_hash(
             cfg.model, cfg.dtype, cfg.profile.model.kv_heads, cfg.profile.model.head_dim, cfg.profile.model.layers
         )
@@ -111,7 +87,7 @@ class KVConnector:
             f"NIXL compatibility hash: {self.compat} (model={self.cfg.model}, dtype={self.cfg.dtype}, "
             f"num_kv_heads={self.cfg.profile.model.kv_heads}, cache_dtype=auto, attn_backend=FLASH_ATTN)",
         )
-        self._engine._spawn(self.store.expire_loop())
+        self._engine.spawn(self.store.expire_loop())
 
     def _log_listening(self, port: int) -> None:
         k = self.cfg.kv
@@ -148,8 +124,8 @@ class KVConnector:
                     f"{params.get('remote_engine_id')}. Num local_block_ids: 1. Num remote_block_ids: "
                     f"{len(params.get('remote_block_ids') or [])}. ",
                 )
-                self._engine._spawn(self._pull(req, params))
-                self._engine._update_gauges()
+                self._engine.spawn(self._pull(req, params))
+                self._engine.update_gauges()
                 return True
         if k.kind == "shared_storage" and k.role in ("kv_consumer", "kv_both", None):
             self._load_shared(req)
@@ -206,7 +182,7 @@ class KVConnector:
         self.log.info(L.W_SS_INJECT, f"Inject KV cache of {aligned} tokens to the paged memory")
         req.kv_prefix = data
         req.num_computed = max(req.num_computed, aligned)
-        self._engine._count_sources(req, external=aligned - req.cached_tokens if aligned > req.cached_tokens else 0)
+        self._engine.count_sources(req, external=aligned - req.cached_tokens if aligned > req.cached_tokens else 0)
         req.cached_tokens = aligned
 
     async def _pull(self, req: SimRequest, params: Mapping[str, Any]) -> None:
@@ -244,7 +220,7 @@ class KVConnector:
             slow = self.faults.get("slow-kv")
             if slow is not None and slow.fires():
                 sim_end += slow.num(0.0) / self.cfg.speed
-            await self._engine._sleep_until(sim_end)
+            await self._engine.sleep_until(sim_end)
             data = res.data
             if self.cfg.kv.role == "kv_consumer" and self.faults.fires("corrupt-kv"):
                 data = kvmod._flip(data)
@@ -264,11 +240,11 @@ class KVConnector:
             L.W_GET_FINISHED, "Rank 0, get_finished: 0 requests done sending and 1 requests done recving (0 failed)"
         )
         self.log.debug(L.W_FINISHED_RECV, f"Finished recving KV transfer for request {req.request_id}")
-        req.kv_prefix = (self._engine._kv_bytes(req)[: start * self.cfg.per_token_bytes] if start else b"") + data
+        req.kv_prefix = (self._engine.kv_bytes(req)[: start * self.cfg.per_token_bytes] if start else b"") + data
         req.kv_ready = True
         req.num_computed = req.prompt_len
-        self._engine._count_sources(req, external=req.prompt_len - start)
-        self._engine._enqueue(req)
+        self._engine.count_sources(req, external=req.prompt_len - start)
+        self._engine.enqueue(req)
 
     def _kv_failure(self, req: SimRequest, params: Mapping[str, Any], e: kvmod.KVPullError) -> None:
         self._engine.remote_wait.discard(req)
@@ -296,7 +272,7 @@ class KVConnector:
                 L.W_RECOMPUTE,
                 f"Recovered from KV load failure: 1 request(s) rescheduled ({req.prompt_len} tokens affected).",
             )
-            self._engine._enqueue(req)
+            self._engine.enqueue(req)
             return
         self.log.error(
             L.W_KV_LOAD_FAIL,
@@ -304,7 +280,7 @@ class KVConnector:
             f"affected). Request IDs: {{{req.request_id!r}}}",
         )
         self.log.debug(L.W_FINISHED_RECV, f"Finished recving KV transfer for request {req.request_id}")
-        self._engine._finish(req, "error", status=500, message="Internal server error")
+        self._engine.finish(req, "error", status=500, message="Internal server error")
 
     def _on_expire(self, held: kvmod.HeldKV) -> None:
         self.metrics.c(self.metrics.nixl_expired).inc()
@@ -314,7 +290,7 @@ class KVConnector:
             "worker(s) before lease expired.",
         )
         self.log.debug(L.W_FINISHED_SEND, f"Finished sending KV transfer for request {held.request_id}")
-        self._engine._update_gauges()
+        self._engine.update_gauges()
 
     def flush_metrics(self) -> None:
         """Log vLLM's ``KV Transfer metrics`` line for the transfers since the last one (if any)."""

@@ -38,104 +38,22 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from pdctl.sim import kv as kvmod
 from pdctl.sim import logfmt as L
 from pdctl.sim import logprobs as lp
-from pdctl.sim.connector import KVConnector, KVSettings, SideChannelInUse
+from pdctl.sim.connector import KVConnector, SideChannelInUse
 from pdctl.sim.faults import FaultSet
 from pdctl.sim.kv_events import NullEventPublisher, Publisher
 from pdctl.sim.metrics import SimMetrics
 from pdctl.sim.prefix_cache import PrefixCache
+from pdctl.sim.request import EngineConfig, KVSettings, SimRequest, StreamEvent
 from pdctl.sim.text import Tokenizer
-from pdctl.sim.timing import Link, Profile
 from pdctl.vllm.kv_events import KVEventBatch
 
 __all__ = ["EngineConfig", "KVSettings", "SideChannelInUse", "SimEngine", "SimRequest", "StreamEvent"]
-
-State = Literal["WAITING_FOR_REMOTE_KVS", "WAITING", "RUNNING", "FINISHED"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything an engine needs, parsed from the vLLM-style flags."""
-
-    model: str
-    served_model_name: str
-    profile: Profile
-    link: Link
-    speed: float = 1.0
-    kv_scale: float = 1.0
-    seed: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 32768
-    block_size: int = 16
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    dtype: str = "bfloat16"
-    num_gpu_blocks_override: int | None = None
-    """The prefix cache's capacity in blocks (default: the profile's KV capacity, at least 1024 blocks)."""
-    kv: KVSettings = field(default_factory=KVSettings)
-
-    @property
-    def per_token_bytes(self) -> int:
-        """Bytes of simulated KV per token actually produced and moved (scaled)."""
-        return max(16, round(self.profile.model.kv_bytes_per_token * self.kv_scale))
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """What the engine tells the HTTP layer: a token, the end, or an error."""
-
-    kind: Literal["token", "finish", "error"]
-    token: int = 0
-    reason: str = ""
-    status: int = 0
-    message: str = ""
-
-
-@dataclass(eq=False)
-class SimRequest:
-    """One request inside the engine."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    seed: int | None = None
-    eos_allowed: bool = False
-    cache_salt: str | None = None
-    kv_params: Mapping[str, Any] | None = None
-    state: State = "WAITING"
-    num_computed: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    output_scores: list[int] = field(default_factory=list)  # each token's hash: fixes its logprobs
-    near_ties: dict[int, int] = field(default_factory=dict)  # position -> the runner-up 0.01 nats behind
-    digest: bytes = b""
-    kv_prefix: bytes = b""
-    kv_ready: bool = False
-    remote_decode: bool = False
-    result_params: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    arrival: float = 0.0
-    scheduled_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    events: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
-    nonce: bytes = b""
-    cached_tokens: int = 0
-    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
-    cached_blocks: int = 0  # leading blocks in the prefix cache: hit or stored by this request
-
-    @property
-    def prompt_len(self) -> int:
-        """Number of prompt tokens."""
-        return len(self.prompt_ids)
 
 
 class SimEngine:
@@ -182,8 +100,8 @@ class SimEngine:
     async def start(self) -> None:
         """Start the connector (for NIXL-like ones the side channel and the lease reaper) and the step loop."""
         await self.connector.start()
-        self._spawn(self._loop())
-        self._spawn(self._stats_loop())
+        self.spawn(self._loop())
+        self.spawn(self._stats_loop())
 
     async def stop(self) -> None:
         """Abort every request and stop background work."""
@@ -195,7 +113,7 @@ class SimEngine:
                 await t
         await self.connector.close()
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -233,12 +151,12 @@ class SimEngine:
             self.metrics.c(self.metrics.prefix_hits).inc(hits)
         if self.connector.admit(req):
             return
-        self._enqueue(req)
+        self.enqueue(req)
 
-    def _enqueue(self, req: SimRequest) -> None:
+    def enqueue(self, req: SimRequest) -> None:
         req.state = "WAITING"
         self.waiting.append(req)
-        self._update_gauges()
+        self.update_gauges()
         self._wakeup.set()
 
     def abort(self, req: SimRequest) -> None:
@@ -250,7 +168,7 @@ class SimEngine:
         if req in self.running:
             self.running.remove(req)
         self.remote_wait.discard(req)
-        self._finish(req, "abort")
+        self.finish(req, "abort")
 
     def abort_all(self) -> None:
         """Abort everything (shutdown)."""
@@ -258,13 +176,13 @@ class SimEngine:
             self.abort(r)
 
     # ------------------------------------------------------------------ KV
-    def _kv_bytes(self, req: SimRequest, start: int = 0) -> bytes:
+    def kv_bytes(self, req: SimRequest, start: int = 0) -> bytes:
         return kvmod.compute_kv(self.cfg.seed, self.cfg.model, req.prompt_ids, self.cfg.per_token_bytes, start)
 
     def _set_digest(self, r: SimRequest, data: bytes) -> bytes:
         return kvmod.context_state(self.cfg.seed, self.cfg.model, r.prompt_ids, self.cfg.per_token_bytes, data)
 
-    def _count_sources(self, req: SimRequest, external: int = 0) -> None:
+    def count_sources(self, req: SimRequest, external: int = 0) -> None:
         m = self.metrics
         local = req.prompt_len - req.cached_tokens - external
         m.c(m.by_source, source="local_cache_hit").inc(req.cached_tokens)
@@ -273,7 +191,7 @@ class SimEngine:
         self.total_computed += max(0, local)
 
     # ------------------------------------------------------------------ scheduling
-    async def _sleep_until(self, deadline: float) -> None:
+    async def sleep_until(self, deadline: float) -> None:
         delay = deadline - asyncio.get_running_loop().time()
         await asyncio.sleep(max(0.0, delay))
 
@@ -287,7 +205,7 @@ class SimEngine:
             if self._stall_until > loop.time():
                 if self._stall_until == float("inf"):
                     await asyncio.Event().wait()
-                await self._sleep_until(self._stall_until)
+                await self.sleep_until(self._stall_until)
             prefill, decode = self._schedule()
             if not prefill and not decode:
                 self._wakeup.clear()
@@ -338,7 +256,7 @@ class SimEngine:
             self.metrics.h(self.metrics.queue).observe(r.scheduled_at - r.arrival)
             self.running.append(r)
             used += r.prompt_len + r.max_tokens
-        self._update_gauges()
+        self.update_gauges()
         return prefill, decode
 
     def _used_tokens(self) -> int:
@@ -363,7 +281,7 @@ class SimEngine:
                 # This step computes the KV of the last token sampled (or of the prompt's end).
                 self._cache_blocks(r, r.prompt_len + len(r.output_ids))
                 self._emit(r)
-        self._update_gauges()
+        self.update_gauges()
         self._publish_events()
 
     def _cache_blocks(self, r: SimRequest, num_tokens: int) -> None:
@@ -398,11 +316,11 @@ class SimEngine:
     def _prefill_done(self, r: SimRequest) -> None:
         if r.kv_prefix:
             start = len(r.kv_prefix) // self.cfg.per_token_bytes
-            data = r.kv_prefix + (self._kv_bytes(r, start) if start < r.prompt_len else b"")
+            data = r.kv_prefix + (self.kv_bytes(r, start) if start < r.prompt_len else b"")
         else:
-            data = self._kv_bytes(r)
+            data = self.kv_bytes(r)
             if not r.kv_ready:
-                self._count_sources(r)
+                self.count_sources(r)
         r.digest = self._set_digest(r, data)
         self.connector.publish(r, data)
 
@@ -436,11 +354,11 @@ class SimEngine:
         r.last_token_at = now
         r.events.put_nowait(StreamEvent("token", token=tid))
         if len(r.output_ids) >= r.max_tokens:
-            self._finish(r, "length")
+            self.finish(r, "length")
         elif r.eos_allowed and i >= 15 and (v >> 32) % 48 == 0:
-            self._finish(r, "stop")
+            self.finish(r, "stop")
 
-    def _finish(self, r: SimRequest, reason: str, status: int = 0, message: str = "") -> None:
+    def finish(self, r: SimRequest, reason: str, status: int = 0, message: str = "") -> None:
         if r.state == "FINISHED":
             return
         prev = r.state
@@ -465,7 +383,7 @@ class SimEngine:
                 m.h(m.decode_time).observe(now - r.first_token_at)
                 if len(r.output_ids) > 1:
                     m.h(m.tpot).observe((now - r.first_token_at) / (len(r.output_ids) - 1))
-        self._update_gauges()
+        self.update_gauges()
         self.finished_count += 1
         crash = self.faults.get("crash-after")
         if crash is not None and self.finished_count == int(crash.num(0)):
@@ -477,7 +395,7 @@ class SimEngine:
         self.log.error(L.W_FATAL, "EngineCore encountered a fatal error.")
         self._on_crash(code)
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         m = self.metrics
         m.g(m.running).set(len(self.running))
         m.g(m.waiting).set(len(self.waiting) + len(self.remote_wait))
