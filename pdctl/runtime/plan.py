@@ -38,11 +38,12 @@ __all__ = [
     "build_plan",
     "detect_vllm",
     "kv_transfer_config",
+    "relay_name",
     "render_sh",
     "vllm_logging_config",
 ]
 
-ProcessRole = Literal["prefill", "decode", "gateway"]
+ProcessRole = Literal["prefill", "decode", "gateway", "relay"]
 
 #: Names a file; a gateway started with it set does all its start-up work, then waits for the file to exist
 #: before it binds its port. ``up`` starts the gateway with the workers and creates the file after the warm-up.
@@ -255,7 +256,7 @@ class Plan:
     @property
     def workers(self) -> tuple[ProcessSpec, ...]:
         """Prefill and decode processes."""
-        return tuple(p for p in self.processes if p.role != "gateway")
+        return tuple(p for p in self.processes if p.role in ("prefill", "decode"))
 
     def get(self, name: str) -> ProcessSpec:
         """The process called ``name`` (KeyError if none)."""
@@ -295,6 +296,45 @@ def kv_transfer_config(dep: Deployment, worker: WorkerConfig) -> dict[str, Any]:
     return cfg
 
 
+def _relay_port(dep: Deployment, w: WorkerConfig) -> int:
+    """The loopback port of ``w``'s KV events relay (``routing.kv_events_curve``): the ports after
+    ``routing.kv_events_port``, one per worker in config order."""
+    return dep.routing.kv_events_port + 1 + [x.name for x in dep.workers].index(w.name)
+
+
+def relay_name(worker: str) -> str:
+    """The name of ``worker``'s KV events relay process (``routing.kv_events_curve``)."""
+    return f"{worker}-kv-relay"
+
+
+def _relay_spec(dep: Deployment, w: WorkerConfig) -> ProcessSpec:
+    """``pdctl kv-relay`` for ``w`` (:mod:`pdctl.vllm.kv_relay`): its keys come from the environment
+    ``up`` runs in, as the gateway's do; the server's secret is taken out of it."""
+    from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, SERVER_SECRET_ENV
+
+    r = dep.routing
+    listen = f"127.0.0.1:{_relay_port(dep, w)}"
+    to = connect_endpoint(r.kv_events_host, r.kv_events_port)
+    return ProcessSpec(
+        name=relay_name(w.name),
+        role="relay",
+        argv=(sys.executable, "-m", "pdctl", "kv-relay", "--listen", listen, "--to", to),
+        env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"},
+        unset_env=(*_secret_env_names(dep), SERVER_SECRET_ENV, CLIENT_PUBLIC_ENV),
+        url=f"tcp://{listen}",
+        ready_url=f"tcp://{listen}",
+        wave=0,
+        engine="pdctl",
+        ports=(_relay_port(dep, w),),
+        restart=w.restart or dep.supervisor.restart,
+    )
+
+
+def _publishes(dep: Deployment) -> bool:
+    """Whether the workers publish KV cache events (pd_mode "always" too: for another gateway, PD034)."""
+    return dep.routing.prefix_view == "exact" and dep.routing.strategy == "pd_disagg"
+
+
 def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int) -> ProcessSpec:
     model = dep.resolve_path(w.model) if _looks_local(w.model) else w.model
     flags: list[str] = []
@@ -313,8 +353,9 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
         flags += ["--sim-link", dep.kv_transfer.link]
     r = dep.routing
-    if r.prefix_view == "exact" and r.strategy == "pd_disagg":  # pd_mode "always": for another gateway (PD034)
-        events = publisher_config(connect_endpoint(r.kv_events_host, r.kv_events_port), w.name)
+    if _publishes(dep):
+        to = f"tcp://127.0.0.1:{_relay_port(dep, w)}" if r.kv_events_curve else None
+        events = publisher_config(to or connect_endpoint(r.kv_events_host, r.kv_events_port), w.name)
         flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     traces = dep.logging.otlp_traces_endpoint
     if w.engine == "vllm" and traces:  # the simulator makes no spans
@@ -354,7 +395,7 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         role=w.role,
         argv=tuple(argv + flags),
         env=env,
-        unset_env=_secret_env_names(dep),
+        unset_env=(*_secret_env_names(dep), *_curve_env_names(dep)),
         url=w.url,
         ready_url=f"{w.url}/health",
         wave=wave,
@@ -430,6 +471,13 @@ def _secret_env_names(dep: Deployment) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _curve_env_names(dep: Deployment) -> tuple[str, ...]:
+    """The CURVE keys (``routing.kv_events_curve``), which no engine needs."""
+    from pdctl.vllm.kv_curve import ENV_NAMES
+
+    return ENV_NAMES if dep.routing.kv_events_curve else ()
+
+
 def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     """The processes ``up`` starts for ``dep``, in start order."""
     vllm = vllm if vllm is not None else detect_vllm(dep.engine_python)
@@ -437,6 +485,8 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     # Workers sharing a GPU must start one after the other (each sizes its memory from what is free).
     shared = any(set(a.gpu_ids) & set(b.gpu_ids) for i, a in enumerate(workers) for b in workers[i + 1 :])
     specs = [_worker_spec(dep, w, vllm, i if shared else 0) for i, w in enumerate(workers)]
+    if dep.routing.kv_events_curve and _publishes(dep):
+        specs += [_relay_spec(dep, w) for w in workers]
     g = dep.gateway
     gateway_env = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
     if workers:
@@ -454,8 +504,19 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
         engine="pdctl",
         ports=(g.listen_port,),
         restart=dep.supervisor.restart,
+        unset_env=_gateway_unset(dep),
     )
     return Plan((*specs, gateway), vllm)
+
+
+def _gateway_unset(dep: Deployment) -> tuple[str, ...]:
+    """The relays' secret key (``routing.kv_events_curve``), which the gateway does not need (it derives the
+    client public key from it only when :data:`~pdctl.vllm.kv_curve.CLIENT_PUBLIC_ENV` is unset)."""
+    from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV
+
+    if not dep.routing.kv_events_curve or not os.environ.get(CLIENT_PUBLIC_ENV):
+        return ()
+    return (CLIENT_SECRET_ENV,)
 
 
 def render_sh(plan: Plan) -> str:

@@ -85,7 +85,7 @@ __all__ = [
     "decide_restart",
 ]
 
-STOP_ORDER = ("gateway", "decode", "prefill")
+STOP_ORDER = ("gateway", "decode", "prefill", "relay")
 REFRESH_S = 2.0
 # The SIGTERM grace of a process that can never become ready: real vLLM in that state ignored SIGTERM for the
 # whole stop_timeout_s (30 s in examples/cpu) once its workers had stopped, 3 s after the signal.
@@ -423,7 +423,7 @@ class Supervisor:
                             slot.state = ProcState.READY
                             self._emit("ready", slot.spec.name, f"{slot.spec.name} is ready again "
                                        f"(restart {slot.restarts})")  # fmt: skip
-                            if self._rewarm is not None and slot.spec.role != "gateway":
+                            if self._rewarm is not None and slot.spec.role in ("prefill", "decode"):
                                 # The new engine has a new engine_id: pay for its lazy NIXL handshake now.
                                 threading.Thread(
                                     target=self._rewarm, args=(slot.spec.name,), name="pdctl-rewarm", daemon=True
@@ -478,7 +478,7 @@ class Supervisor:
             self._emit("fatal", name, f"{name} {decision.reason}", exit=info)
             peers = [s.spec.name for s in self._slots.values() if s is not slot and s.spec.role == slot.spec.role
                      and s.state in (ProcState.STARTING, ProcState.READY, ProcState.BACKOFF)]  # fmt: skip
-            if peers and slot.spec.role != "gateway":
+            if peers and slot.spec.role in ("prefill", "decode"):
                 self._emit("info", name, f"{name} stays down; {', '.join(peers)} keep serving as {slot.spec.role}")
                 return True
             self.failure = f"{name} {decision.reason}"
