@@ -39,6 +39,7 @@ __all__ = [
     "detect_vllm",
     "kv_transfer_config",
     "relay_name",
+    "relay_port",
     "render_sh",
     "vllm_logging_config",
 ]
@@ -296,7 +297,7 @@ def kv_transfer_config(dep: Deployment, worker: WorkerConfig) -> dict[str, Any]:
     return cfg
 
 
-def _relay_port(dep: Deployment, w: WorkerConfig) -> int:
+def relay_port(dep: Deployment, w: WorkerConfig) -> int:
     """The loopback port of ``w``'s KV events relay (``routing.kv_events_curve``): the ports after
     ``routing.kv_events_port``, one per worker in config order."""
     return dep.routing.kv_events_port + 1 + [x.name for x in dep.workers].index(w.name)
@@ -313,7 +314,7 @@ def _relay_spec(dep: Deployment, w: WorkerConfig) -> ProcessSpec:
     from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, SERVER_SECRET_ENV
 
     r = dep.routing
-    listen = f"127.0.0.1:{_relay_port(dep, w)}"
+    listen = f"127.0.0.1:{relay_port(dep, w)}"
     to = connect_endpoint(r.kv_events_host, r.kv_events_port)
     return ProcessSpec(
         name=relay_name(w.name),
@@ -325,7 +326,7 @@ def _relay_spec(dep: Deployment, w: WorkerConfig) -> ProcessSpec:
         ready_url=f"tcp://{listen}",
         wave=0,
         engine="pdctl",
-        ports=(_relay_port(dep, w),),
+        ports=(relay_port(dep, w),),
         restart=w.restart or dep.supervisor.restart,
     )
 
@@ -354,7 +355,7 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         flags += ["--sim-link", dep.kv_transfer.link]
     r = dep.routing
     if _publishes(dep):
-        to = f"tcp://127.0.0.1:{_relay_port(dep, w)}" if r.kv_events_curve else None
+        to = f"tcp://127.0.0.1:{relay_port(dep, w)}" if r.kv_events_curve else None
         events = publisher_config(to or connect_endpoint(r.kv_events_host, r.kv_events_port), w.name)
         flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     traces = dep.logging.otlp_traces_endpoint
