@@ -511,13 +511,13 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
 
 
 def _gateway_unset(dep: Deployment) -> tuple[str, ...]:
-    """The relays' secret key (``routing.kv_events_curve``), which the gateway does not need (it derives the
-    client public key from it only when :data:`~pdctl.vllm.kv_curve.CLIENT_PUBLIC_ENV` is unset)."""
-    from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV
+    """The relays' keys (``routing.kv_events_curve``), which the gateway does not need: it derives the client public
+    key from their secret one only when :data:`~pdctl.vllm.kv_curve.CLIENT_PUBLIC_ENV` is unset."""
+    from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
 
-    if not dep.routing.kv_events_curve or not os.environ.get(CLIENT_PUBLIC_ENV):
+    if not dep.routing.kv_events_curve:
         return ()
-    return (CLIENT_SECRET_ENV,)
+    return (SERVER_PUBLIC_ENV, CLIENT_SECRET_ENV) if os.environ.get(CLIENT_PUBLIC_ENV) else (SERVER_PUBLIC_ENV,)
 
 
 def render_sh(plan: Plan) -> str:
