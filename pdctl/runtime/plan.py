@@ -546,7 +546,12 @@ def render_sh(plan: Plan) -> str:
         cmd = " ".join(shlex.quote(a) for a in p.argv)
         prefix = "env " + (unset + " " if unset else "") + (env + " " if env else "")
         lines.append(f"{prefix}{cmd} > {shlex.quote(p.name)}.log 2>&1 &")
-        lines.append(f"until curl -fsS {shlex.quote(p.ready_url)} >/dev/null 2>&1; do sleep 2; done")
+        if p.ready_url.startswith("tcp://"):  # a ZMQ socket (a KV events relay): ready once it accepts
+            host, _, port = p.ready_url.removeprefix("tcp://").rpartition(":")
+            probe = f'import socket; socket.create_connection(("{host}", {port}), 1)'
+            lines.append(f"until {shlex.quote(p.argv[0])} -c {shlex.quote(probe)} 2>/dev/null; do sleep 1; done")
+        else:
+            lines.append(f"until curl -fsS {shlex.quote(p.ready_url)} >/dev/null 2>&1; do sleep 2; done")
         lines.append("")
     lines.append("wait")
     return "\n".join(lines) + "\n"

@@ -311,6 +311,12 @@ def test_kv_events_curve_starts_a_relay_beside_each_worker(recipe_files, monkeyp
     assert kv_curve.SERVER_SECRET_ENV in child_env(gw) and kv_curve.CLIENT_SECRET_ENV not in child_env(gw)
     shown = json.dumps([p.to_json() for p in plan.processes]) + render_sh(plan)
     assert not any(value in shown for value in keys.values())
+    assert """'import socket; socket.create_connection(("127.0.0.1", 6001), 1)'""" in render_sh(plan)  # no curl on ZMQ
+    # `up --only decode` on the decode's host runs its relay too.
+    from pdctl.runtime.control import host_part
+
+    part = host_part(load(*files), ["decode"], plan)
+    assert [p.name for p in part.plan.processes] == ["decode", "decode-kv-relay"]
     # Off (the default): no relay, the workers dial the gateway's port.
     plain = build_plan(load(*recipe_files(settings_edits={'"strategy": "pd_disagg",': exact})), GPU)
     assert [p.role for p in plain.processes] == ["prefill", "decode", "gateway"]
