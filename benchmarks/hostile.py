@@ -5,8 +5,9 @@ Well-behaved streams go through one gateway (``prefix_view = "exact"``, so its K
 simulator workers (one prefill, one decode, each publishing its KV events), measured twice in one run: quiet, then
 while an attacker on the same machine
 
-- posts bodies declaring 64 MiB (refused from ``Content-Length``), and token-id prompts just under the body limit
-  sized from the model (parsed on a thread, then refused as longer than ``max_model_len``);
+- posts bodies declaring 64 MiB (refused from ``Content-Length``), token-id prompts just under the byte limit sized
+  from the model (refused from their commas while they arrive) and just under the value limit (parsed on a thread,
+  then refused as longer than ``max_model_len``);
 - publishes to the KV events port forged ``BlockStored`` events on the workers' own topics, malformed messages
   (random bytes, unhashable ``extra_keys``) and messages on 20,000 junk topics.
 
@@ -14,7 +15,7 @@ Per phase: the inter-token gap (the time between a stream's consecutive SSE even
 completed and failed, and the gateway's peak RSS; then p99 under attack / quiet. Every well-behaved request must
 end with ``[DONE]``.
 
-    .venv/bin/python -m benchmarks.hostile [--streams 32] [--seconds 20]
+    .venv/bin/python -m benchmarks.hostile [--streams 32] [--seconds 20] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from benchmarks import _harness as H
+from pdctl.gateway.request import body_limit, value_limit
 from pdctl.testing import free_port
 from pdctl.vllm.kv_events import BlockStored, KVEventBatch
 
@@ -57,6 +59,17 @@ class Phase:
     failed: int = 0
     rss_peak: int = 0
     attacks: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: Phase) -> None:
+        """Pool ``other``'s samples into this phase (one of several interleaved rounds)."""
+        self.gaps_ms += other.gaps_ms
+        self.tpot_ms += other.tpot_ms
+        self.stall_ms += other.stall_ms
+        self.ok += other.ok
+        self.failed += other.failed
+        self.rss_peak = max(self.rss_peak, other.rss_peak)
+        for k, v in other.attacks.items():
+            self.attacks[k] = self.attacks.get(k, 0) + v
 
     def row(self) -> str:
         return (f"| {self.name} | {H.pct(self.gaps_ms, 50):.1f} | {H.pct(self.gaps_ms, 99):.1f} | "
@@ -116,15 +129,23 @@ async def _stream(client: httpx.AsyncClient, url: str, seed: int, until: float, 
             phase.failed += 1
 
 
+def _ids_body(values: int) -> bytes:
+    return b'{"model":"sim-model","max_tokens":1,"prompt":[' + b",".join([b"7"] * values) + b"]}"
+
+
 async def _big_bodies(url: str, until: float, phase: Phase) -> None:
-    """64 MiB declared (413 from the header) and a token-id prompt just under the sized limit (a 400)."""
-    limit = MAX_MODEL_LEN * 32 + (8 << 20)
-    ids = b'{"model":"sim-model","max_tokens":1,"prompt":[' + b",".join([b"7"] * ((limit - 100) // 2)) + b"]}"
+    """64 MiB declared (413 from the header), a token-id prompt just under the byte limit (413 from its commas) and
+    one just under the value limit (parsed, then a 400)."""
+    limit = body_limit(None, [MAX_MODEL_LEN], False)
+    values = value_limit(None, [MAX_MODEL_LEN], False)
+    assert values is not None
+    ids = _ids_body((limit - 100) // 2)
+    at_values = _ids_body(values - 8)
     assert len(ids) < limit
     head = {"authorization": f"Bearer {H.KEY}", "content-type": "application/json"}
     async with httpx.AsyncClient(timeout=60.0) as client:
         while time.perf_counter() < until:
-            for what, content in (("64MiB", b"x" * (64 << 20)), ("ids", ids)):
+            for what, content in (("64MiB", b"x" * (64 << 20)), ("ids", ids), ("ids-at-value-limit", at_values)):
                 try:
                     r = await client.post(f"{url}/v1/completions", content=content, headers=head)
                     key = f"{what} -> {r.status_code}"
@@ -225,7 +246,8 @@ async def _attack(url: str, events_port: int, seconds: float) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=20.0, help="per phase, split over the rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="quiet and attack phases, interleaved")
     parser.add_argument("--attack", nargs=3, metavar=("URL", "EVENTS_PORT", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.attack:
@@ -241,17 +263,19 @@ def main(argv: list[str] | None = None) -> int:
             gw = _gateway(logs, procs[0].url, procs[1].url, events_port)
             procs.append(gw)
             asyncio.run(_phase("warm-up", gw.url, gw.popen.pid, events_port, args.streams, 3.0, False))
-            quiet = asyncio.run(_phase("quiet", gw.url, gw.popen.pid, events_port, args.streams, args.seconds, False))
-            hostile = asyncio.run(
-                _phase("under attack", gw.url, gw.popen.pid, events_port, args.streams, args.seconds, True)
-            )
+            quiet, hostile = Phase("quiet"), Phase("under attack")
+            for _ in range(args.rounds):  # interleaved, so drift and warm-up weigh on both alike
+                for into, attack in ((quiet, False), (hostile, True)):
+                    into.add(asyncio.run(_phase(into.name, gw.url, gw.popen.pid, events_port, args.streams,
+                                                args.seconds / args.rounds, attack)))  # fmt: skip
             after = asyncio.run(_phase("after", gw.url, gw.popen.pid, events_port, args.streams, 5.0, False))
             metrics = httpx.get(f"{gw.url}/metrics", timeout=10.0).text
         finally:
             for p in reversed(procs):
                 with contextlib.suppress(Exception):
                     p.stop()
-    print(f"{args.streams} streams of 64 tokens (simulator, h100 profile), {args.seconds:g} s a phase, {H.machine()}")
+    print(f"{args.streams} streams of 64 tokens (simulator, h100 profile), {args.seconds:g} s a phase in "
+          f"{args.rounds} interleaved rounds, {H.machine()}")  # fmt: skip
     print("| phase | gap p50 ms | gap p99 ms | TPOT p99 ms | longest gap p99 ms | requests ok | failed | "
           "gateway RSS peak MiB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

@@ -16,7 +16,7 @@ findings; :data:`RULES` lists them once, in the order they run):
 | `engine` | PD004-PD006, PD024-PD028 | models, lengths, identity, the simulator, vLLM's own parser |
 | `keys` | PD000 (keys file), PD007, PD008, PD030, PD031 | the gateway's keys, what its limits count |
 | `memory` | PD009-PD016 | memory, GPUs, cores, the installed vLLM |
-| `ports` | PD017, PD018 | ports, and ``port_findings`` for ``up`` |
+| `ports` | PD017, PD018 | ports, and ``port_findings`` / ``port_taken_error`` for ``up`` |
 | `agents` | PD032 | vLLM's tool calling for the agent routes |
 | `routing` | PD033, PD034, PD038 | adaptive PD's thresholds; the exact prefix view; learning policies per process |
 | `tracing` | PD037 | span options without a collector |
@@ -38,7 +38,7 @@ from pdctl.check import agents, connector, engine, keys, memory, ports, routing,
 from pdctl.check.connector import known_connectors
 from pdctl.check.findings import SETTINGS, Action, Ctx, Finding, Rule, Severity, finding_from_error
 from pdctl.check.keys_table import KeyUse, describe_key
-from pdctl.check.ports import port_findings
+from pdctl.check.ports import port_findings, port_taken_error
 from pdctl.config import Deployment
 from pdctl.runtime.plan import VllmInstall, detect_vllm
 
@@ -53,6 +53,7 @@ __all__ = [
     "finding_from_error",
     "known_connectors",
     "port_findings",
+    "port_taken_error",
     "run_checks",
 ]
 

@@ -1,7 +1,8 @@
 """Rules about ports: every port the plan binds, against each other and against this machine.
 
 - :func:`ports` PD017: two uses of one port; PD018: a port something already listens on (:func:`port_in_use`).
-- :func:`port_findings`: PD018 as ``up`` reports it, for a port taken after the check.
+- :func:`port_findings`: PD018 as ``up`` reports it, for a port taken after the check; :func:`port_taken_error`:
+  a failed start explained by it (the :class:`~pdctl.runtime.daemon.Runner`'s ``explain``).
 
 Each fix moves the port to a free one (:func:`_moved`), editing the key behind it: ``gateway.listen``, a
 worker's endpoint URL in settings.json, or ``side_channel_port`` in config.toml.
@@ -18,7 +19,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pdctl.check.findings import SETTINGS, Action, Ctx, Finding
 from pdctl.config import Deployment, WorkerConfig
+from pdctl.errors import LaunchError
 from pdctl.runtime.plan import VllmInstall, relay_name, relay_port
+from pdctl.runtime.process import ProcessExitedError
 from pdctl.vllm.protocol import connector_kind
 
 
@@ -117,6 +120,20 @@ def port_findings(dep: Deployment, name: str, port: int | None) -> list[Finding]
     mine = [u for u in uses if (u.process or (u.worker.name if u.worker else "gateway")) == name]
     hit = [u for u in mine if (u.port == port if port is not None else port_in_use(u.host, u.port))]
     return [_in_use(c, u, taken) for u in hit]
+
+
+def port_taken_error(dep: Deployment, exc: BaseException) -> LaunchError | None:
+    """A start that failed on a taken port (the process exited, or printed that it cannot bind) with the PD018
+    finding ``check`` gives for that port, or None when ``exc`` is something else."""
+    if not isinstance(exc, ProcessExitedError) or exc.info.diagnosis is None:
+        return None
+    if exc.info.diagnosis.code != "port_in_use":
+        return None
+    findings = port_findings(dep, exc.info.name, exc.info.diagnosis.port)
+    if not findings:
+        return None
+    text = "\n".join([str(exc), *(f"error {f.text}" for f in findings)])
+    return LaunchError(text, hint="\n".join(f.hint for f in findings if f.hint) or exc.hint)
 
 
 def port_in_use(host: str, port: int) -> bool:

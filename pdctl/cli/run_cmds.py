@@ -187,6 +187,7 @@ def up(
 
 
 def _up_foreground(dep: Deployment, plan: Plan, remote: tuple[tuple[str, str], ...], only: list[str]) -> None:
+    from pdctl.check import port_taken_error
     from pdctl.runtime.daemon import Runner
 
     q: queue.Queue[Item] = queue.Queue()
@@ -205,7 +206,8 @@ def _up_foreground(dep: Deployment, plan: Plan, remote: tuple[tuple[str, str], .
     def on_event(ev: Event) -> None:
         q.put(LogLine(PDCTL_NAME, ev.message, ev.ts))
 
-    runner = Runner(dep, plan, detached=False, on_line=q.put, on_event=on_event, remote=remote)
+    runner = Runner(dep, plan, detached=False, on_line=q.put, on_event=on_event, remote=remote,
+                    explain=lambda exc: port_taken_error(dep, exc))  # fmt: skip
     thread = threading.Thread(target=pump, name="pdctl-printer", daemon=True)
     thread.start()
 

@@ -95,6 +95,14 @@ def _breaks(breaks: dict[str, float]) -> str:
     return f"  cache breaks {_num(sum(seen.values()))} (" + ", ".join(f"{k} {_num(v)}" for k, v in seen.items()) + ")"
 
 
+def _predictor(predictor: dict[str, float | None]) -> str:
+    """The SLO autopilot's error in the window: median observed / predicted (``pdctl.gateway.routing.autopilot``)."""
+    if not predictor:
+        return ""
+    cells = [f"{what} {value:.2f}x" if value is not None else f"{what} -" for what, value in predictor.items()]
+    return "  autopilot observed/predicted p50 " + " ".join(cells)
+
+
 def _gateway_part(gw: GatewayView, slo_ms: tuple[float, float], key_var: str) -> RenderableType:
     if gw.down is not None:
         hint = f": set ${key_var}" if gw.down in ("HTTP 401", "HTTP 403") else ""
@@ -103,6 +111,7 @@ def _gateway_part(gw: GatewayView, slo_ms: tuple[float, float], key_var: str) ->
     head = Text.assemble(
         ("gateway ", "bold"), gw.url, "  ", ("up", "green"), f"  in flight {_num(gw.in_flight)}",
         f"  last {gw.window_s:.0f} s: fallbacks {_num(gw.fallbacks)}", _breaks(gw.cache_breaks),
+        _predictor(gw.predictor),
     )  # fmt: skip
     table = Table(box=None, pad_edge=False, header_style="bold")
     quantiles = [f"p{q * 100:g}" for q in (gw.total.ttft if gw.total is not None else {})]

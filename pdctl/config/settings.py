@@ -96,8 +96,8 @@ class GatewayConfig:
     max_body_bytes: int | None = key(
         None, as_int(1024), "an integer >= 1024", use="gateway", type="integer", default="none",
         doc="*extension*: larger bodies get 413, counted while reading; none: sized from the served models' largest "
-        "`max_model_len` (32 bytes a token + 8 MiB; 32 MiB where a context length is unknown or with an upstream; "
-        "docs/gateway.md)",
+        "`max_model_len` (32 bytes a token + 8 MiB, and 4 JSON values a token + 65,536; 32 MiB where a context "
+        "length is unknown or with an upstream; docs/gateway.md)",
     )
     drain_timeout_s: float = key(
         30.0, as_num(-1), "a number of seconds >= 0", use="gateway", type="number",
@@ -257,9 +257,9 @@ class RoutingConfig:
     )
     kv_events_max_blocks: int = key(
         DEFAULT_KV_EVENTS_MAX_BLOCKS, as_int(1), "an integer >= 1", use="gateway", type="integer",
-        doc="*extension*, `prefix_view = \"exact\"`: blocks the gateway keeps per worker from its events, at least "
-        "the engine's KV capacity (vLLM logs it as `GPU KV cache size`); a worker's events that claim more empty "
-        "its view",
+        doc="*extension*, `prefix_view = \"exact\"`: blocks the gateway keeps per worker from its events, at most; "
+        "lower where the worker reports its KV cache (twice `num_gpu_blocks` + `num_cpu_blocks` of "
+        "`vllm:cache_config_info`); a worker's events that claim more empty its view",
     )
     prefill_policy: Policy = key(
         "least_loaded", as_choice(*POLICIES), "one of " + ", ".join(POLICIES), use="gateway",

@@ -55,6 +55,7 @@ from pdctl.gateway.request import (
     read_model,
     route_model,
     validate,
+    value_limit,
     wire_of,
 )
 from pdctl.gateway.routing import Choice, Pool, RoutePlan, Router
@@ -297,9 +298,14 @@ class Gateway:
                 raise asgi.auth_error()
             key_name = entry.name
             ex.upstream_allowed = entry.upstream
-            if (limiter := self.keys.limiters.get(entry.name)) is not None:
-                limiter.check(0, entry.name)  # a key at its limits is refused before its body is read
+            held = self.keys.limiters.get(entry.name)
+            if held is None:
+                raise asgi.auth_error()
+            held.check(0, entry.name)  # a key at its limits is refused before its body is read,
             self.limiter.check(0)
+            held.hold()  # and holds its slot while the body is read: max_concurrency bounds bodies in memory
+            self.limiter.hold()
+            key_limiter = held
             raw = await self._read_body(scope, receive, ex)
             body = await parse_body_off_loop(raw, self.settings.max_nesting)
             if ex.trace is not None and ex.trace.wants_content:
@@ -313,14 +319,12 @@ class Gateway:
                 return
             req, route, prompt_tokens = await self._check(body, endpoint, ex, entry)
             tokens = prompt_tokens + (req.max_tokens or 0)
-            limiter = self.keys.limiters.get(entry.name)
-            if limiter is None:  # revoked by a reload while this request was being read
+            if self.keys.limiters.get(entry.name) is None:  # revoked by a reload while this request was being read
                 raise asgi.auth_error()
-            limiter.check(tokens, entry.name)
-            self.limiter.check(tokens)
-            limiter.charge(tokens)
+            held.check(tokens, entry.name, held=True)
+            self.limiter.check(tokens, held=True)
+            held.charge(tokens)
             self.limiter.charge(tokens)
-            key_limiter = limiter
             self.metrics.child(self.metrics.key_tokens, key_name).inc(tokens)
             pd = route == "local" and self.settings.routing.strategy != "colocated" and not req.colocated_only
             # Adaptive PD decides before admission: a request for the decode alone is judged without the prefill.
@@ -397,10 +401,9 @@ class Gateway:
         access.info(ex.access_line(status_label, duration))
 
     async def _read_body(self, scope: Scope, receive: Receive, ex: RequestRecord) -> bytes:
-        limit = body_limit(
-            self.settings.gateway.max_body_bytes, self.local_models().values(), self.upstream is not None
-        )
-        return await asgi.read_body(scope, receive, ex, limit)
+        configured, lens, upstream = self.settings.gateway.max_body_bytes, self.local_models().values(), self.upstream
+        limit = body_limit(configured, lens, upstream is not None)
+        return await asgi.read_body(scope, receive, ex, limit, value_limit(configured, lens, upstream is not None))
 
     async def _passthrough(self, ex: RequestRecord, endpoint: str, body: dict[str, Any], entry: KeyEntry) -> None:
         """``/v1/embeddings``, ``/tokenize``, ``/v1/messages/count_tokens``: a local model's request to a worker,

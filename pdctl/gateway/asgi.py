@@ -37,9 +37,9 @@ Send = Callable[[Message], Awaitable[None]]
 _JSON = b"application/json"
 
 
-async def read_body(scope: Scope, receive: Receive, ex: RequestRecord, limit: int) -> bytes:
-    """The request's body, at most ``limit`` bytes (413 before reading when its ``Content-Length`` says more); a
-    client that leaves meanwhile cancels the request."""
+async def read_body(scope: Scope, receive: Receive, ex: RequestRecord, limit: int, values: int | None = None) -> bytes:
+    """The request's body, at most ``limit`` bytes (413 before reading when its ``Content-Length`` says more) and
+    ``values`` commas (413 as soon as a chunk passes it); a client that leaves meanwhile cancels the request."""
     length = header(scope, b"content-length")
     if length is not None:
         try:
@@ -51,6 +51,7 @@ async def read_body(scope: Scope, receive: Receive, ex: RequestRecord, limit: in
                            "(gateway.max_body_bytes)", code="request_too_large")  # fmt: skip
     chunks: list[bytes] = []
     size = 0
+    commas = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -61,6 +62,12 @@ async def read_body(scope: Scope, receive: Receive, ex: RequestRecord, limit: in
         if size > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes (gateway.max_body_bytes)",
                            code="request_too_large")  # fmt: skip
+        if values is not None:
+            commas += chunk.count(b",")
+            if commas > values:
+                raise ApiError(413, f"request body holds more than {values} JSON values, more than any prompt of the "
+                               "served models needs (gateway.max_body_bytes, when set, lifts this bound)",
+                               code="request_too_large")  # fmt: skip
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -8,14 +8,13 @@ For tests (``create_app(settings, key, clients=workers)``)::
     app = create_app(settings, key, clients=workers)
 
 A :class:`MemoryWorker` answers ``GET /health`` (200 while ``healthy``, a ``connect`` failure otherwise, a
-``timeout`` with ``health_times_out``) and
-``GET /v1/models``; every other call takes the next scripted reply, or :attr:`MemoryWorker.default` once
-the script is used up. A reply is a :class:`MemoryReply` or a :class:`~pdctl.vllm.transport.TransportError` to
-raise instead of answering. A reply's body parts are bytes (sent), floats (a pause in seconds) or a
-``TransportError`` (raised at that point, as a connection that breaks mid-body). Every call is recorded
-(:attr:`MemoryWorker.calls`), with whether its response was closed before its end (the client left: vLLM
-would abort the request). As :class:`pdctl.vllm.transport.Client`, a call's ``total_timeout_s`` bounds a reply's
-``delay_s`` (a ``timeout`` failure when it is not shorter).
+``timeout`` with ``health_times_out``), ``GET /v1/models`` and ``GET /metrics`` (:attr:`MemoryWorker.metrics`);
+every other call takes the next scripted reply, or :attr:`MemoryWorker.default` once the script is used up. A reply
+is a :class:`MemoryReply` or a :class:`~pdctl.vllm.transport.TransportError` to raise instead of answering. A
+reply's body parts are bytes (sent), floats (a pause in seconds) or a ``TransportError`` (raised at that point, as a
+connection that breaks mid-body). Every call is recorded (:attr:`MemoryWorker.calls`), with whether its response was
+closed before its end (the client left: vLLM would abort the request). As :class:`pdctl.vllm.transport.Client`, a
+call's ``total_timeout_s`` bounds a reply's ``delay_s`` (a ``timeout`` failure when it is not shorter).
 """
 
 from __future__ import annotations
@@ -34,7 +33,10 @@ from pdctl.vllm.transport import TransportError
 if TYPE_CHECKING:
     from typing import Unpack
 
-__all__ = ["MemoryCall", "MemoryReply", "MemoryResponse", "MemoryWorker", "MemoryWorkers", "Part"]
+__all__ = ["PROBES", "MemoryCall", "MemoryReply", "MemoryResponse", "MemoryWorker", "MemoryWorkers", "Part"]
+
+PROBES = ("/health", "/v1/models", "/metrics")
+"""The calls a worker answers itself, never from its script."""
 
 Part = bytes | float | TransportError
 """One piece of a scripted body: bytes to send, a pause in seconds, or a failure to raise."""
@@ -139,19 +141,21 @@ class MemoryWorker:
     models: tuple[Mapping[str, Any], ...] = ({"id": "tiny", "object": "model", "max_model_len": 2048},)
     default: MemoryReply | TransportError = field(default_factory=lambda: MemoryReply(500, (b"no reply scripted",)))
     healthy: bool = True
+    metrics: str = ""
+    """The ``/metrics`` body (Prometheus text)."""
     health_times_out: bool = False
     """``/health`` fails as a timeout (a worker too busy to answer it in time), whatever ``healthy`` says."""
     calls: list[MemoryCall] = field(default_factory=list)
     _script: deque[MemoryReply | TransportError] = field(default_factory=deque)
 
     def script(self, *replies: MemoryReply | TransportError) -> MemoryWorker:
-        """Queue replies for the next calls (other than ``/health`` and ``/v1/models``), in order."""
+        """Queue replies for the next calls (other than :data:`PROBES`), in order."""
         self._script.extend(replies)
         return self
 
     def completions(self) -> list[MemoryCall]:
         """The calls other than probes."""
-        return [c for c in self.calls if c.path not in ("/health", "/v1/models")]
+        return [c for c in self.calls if c.path not in PROBES]
 
     def _reply(self, path: str) -> MemoryReply | TransportError:
         if path == "/health" and self.health_times_out:
@@ -160,6 +164,8 @@ class MemoryWorker:
             return MemoryReply(200) if self.healthy else TransportError("connect", f"{self.name} is down")
         if path == "/v1/models":
             return MemoryReply.json({"object": "list", "data": list(self.models)})
+        if path == "/metrics":
+            return MemoryReply(200, (self.metrics.encode(),))
         return self._script.popleft() if self._script else self.default
 
 

@@ -79,6 +79,11 @@ class GatewayMetrics:
             "request, by the path taken (local, whole, disagg): the predictor's error.", ["path"],
             buckets=_RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        self.autopilot_tpot_ratio = Histogram(
+            "pdctl_autopilot_tpot_ratio", "routing.pd_mode = auto: observed / predicted TPOT of each streamed "
+            "request of two tokens or more, by the path taken (local, whole, disagg): the predictor's error.",
+            ["path"], buckets=_RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
         self.prefill_queue_waiting = Gauge(
             "pdctl_prefill_queue_waiting", "routing.prefill_queue_tokens: requests waiting in the gateway for a "
             "prefill with room.", registry=r, multiprocess_mode="livesum",

@@ -1,7 +1,9 @@
 """``gateway.rate_limit``: requests/minute, tokens/minute and a concurrency cap.
 
 All three are checked before any is charged, so a request refused by one limit consumes none of the
-others (LiteLLM#39309). Windows slide over the last 60 s.
+others (LiteLLM#39309). Windows slide over the last 60 s. The gateway takes a request's concurrency slot
+(:meth:`RateLimiter.hold`) before it reads the body, so a key at ``max_concurrency`` cannot have more bodies in
+the gateway's memory than that; the request and its tokens are charged once the body is read and counted.
 
 With ``gateway.workers = N`` each gateway process enforces its **share** of every limit (:func:`share_of`:
 the limit split by N, the remainder to the first processes), so the sum over the processes is the limit and
@@ -69,12 +71,14 @@ class RateLimiter:
     def acquire(self, tokens: int) -> None:
         """Charge one request of ``tokens`` tokens, or raise a 429 :class:`ApiError`."""
         self.check(tokens)
+        self.hold()
         self.charge(tokens)
 
-    def check(self, tokens: int, who: str = "") -> None:
+    def check(self, tokens: int, who: str = "", held: bool = False) -> None:
         """Raise a 429 :class:`ApiError` if one request of ``tokens`` would exceed a limit; charges nothing.
 
-        ``who``: what the limit belongs to in the message (a key's name), empty for the gateway's own limits.
+        ``who``: what the limit belongs to in the message (a key's name), empty for the gateway's own limits;
+        ``held``: the request already holds its concurrency slot (:meth:`hold`), so concurrency is not checked again.
         """
         c = self.config
         now = self.clock()
@@ -82,7 +86,7 @@ class RateLimiter:
         of = f" for key {who!r}" if who else ""
         if self.processes > 1:
             of += f" (this gateway process's share; gateway.workers = {self.processes} split each limit)"
-        if c.max_concurrency is not None and self.active >= c.max_concurrency:
+        if not held and c.max_concurrency is not None and self.active >= c.max_concurrency:
             raise ApiError(
                 429, f"too many concurrent requests{of} (max_concurrency = {c.max_concurrency})",
                 code="rate_limit_exceeded", retry_after_s=1, reason="max_concurrency",
@@ -113,11 +117,14 @@ class RateLimiter:
                 code="rate_limit_exceeded", retry_after_s=wait, reason="tokens_per_minute",
             )  # fmt: skip
 
+    def hold(self) -> None:
+        """Take one concurrency slot (after :meth:`check` passed); :meth:`release` gives it back."""
+        self.active += 1
+
     def charge(self, tokens: int) -> None:
-        """Count one admitted request of ``tokens`` tokens (after :meth:`check` passed)."""
+        """Count one admitted request of ``tokens`` tokens (after :meth:`check` passed, its slot held)."""
         c = self.config
         now = self.clock()
-        self.active += 1
         if c.requests_per_minute is not None:
             self._requests.append(now)
         if c.tokens_per_minute is not None:
@@ -125,5 +132,5 @@ class RateLimiter:
             self._token_sum += tokens
 
     def release(self) -> None:
-        """An admitted request ended."""
+        """A request that held a slot (:meth:`hold`) ended."""
         self.active -= 1

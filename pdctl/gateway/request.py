@@ -7,6 +7,7 @@ only need a model.
 The steps, in the order the gateway runs them (each raises :class:`~pdctl.gateway.errors.ApiError` 400/404)::
 
     body_limit(configured, lens, ...)     the bytes a body may have (before reading it)
+    value_limit(configured, lens, ...)    the JSON values it may have (counted while reading: parsing costs per value)
     parse_body(raw, max_nesting)          UTF-8, strict JSON (no NaN, no 1e999, no duplicate keys), an object, nesting;
                                           the fields pdctl sets for the engines removed (:data:`ENGINE_FIELDS`)
     read_model(body)                      `model` (read first: the access log names it even when a later check fails)
@@ -50,6 +51,7 @@ __all__ = [
     "read_model",
     "route_model",
     "validate",
+    "value_limit",
     "wire_of",
 ]
 
@@ -74,6 +76,11 @@ BODY_BYTES_PER_TOKEN = 32
 BODY_MARGIN_BYTES = 8 << 20
 #: The limit where a model's context length is unknown (an upstream's models, or before the workers answered).
 UNSIZED_BODY_BYTES = 32 << 20
+#: The JSON values (counted as the commas between them) a body may hold per token of the largest context served:
+#: a token id is one, a message two (its role and content), a token of text at most one comma.
+BODY_VALUES_PER_TOKEN = 4
+#: Values besides the prompt's: a coding agent's tool schemas are a few thousand.
+BODY_MARGIN_VALUES = 1 << 16
 #: Bodies larger than this are parsed on a thread (:func:`parse_body_off_loop`), not on the event loop.
 OFF_LOOP_BYTES = 1 << 20
 #: ``max_tokens`` where the model's context length is unknown (an upstream's): larger is no model's.
@@ -167,16 +174,34 @@ def _text_len(value: Any) -> int:
     return 0
 
 
+def _sizing_context(configured: int | None, lens: Iterable[int | None], upstream: bool) -> int | None:
+    """The context the default limits are sized from: the largest ``max_model_len`` served, or None where a limit is
+    configured, a context length is unknown or an upstream serves other models."""
+    known = list(lens)
+    if configured is not None or upstream or not known or None in known:
+        return None
+    return max(n for n in known if n is not None)
+
+
 def body_limit(configured: int | None, lens: Iterable[int | None], upstream: bool) -> int:
     """The bytes a request body may have: ``gateway.max_body_bytes`` when set, else sized from the largest context
     the served models accept (``lens``; :data:`UNSIZED_BODY_BYTES` where one is unknown or an upstream serves
     others)."""
-    if configured is not None:
-        return configured
-    known = list(lens)
-    if upstream or not known or None in known:
-        return UNSIZED_BODY_BYTES
-    return max(n for n in known if n is not None) * BODY_BYTES_PER_TOKEN + BODY_MARGIN_BYTES
+    context = _sizing_context(configured, lens, upstream)
+    if context is None:
+        return configured if configured is not None else UNSIZED_BODY_BYTES
+    return context * BODY_BYTES_PER_TOKEN + BODY_MARGIN_BYTES
+
+
+def value_limit(configured: int | None, lens: Iterable[int | None], upstream: bool) -> int | None:
+    """The commas a body may have where :func:`body_limit` is sized from the served models (None otherwise).
+
+    Parsing costs per value, not per byte, and the JSON parser holds the GIL even on a thread (8 MiB of token ids
+    hold it for ~220 ms): a body that could be no served model's prompt is refused while it arrives, before any
+    parse, so it cannot stall the other streams.
+    """
+    context = _sizing_context(configured, lens, upstream)
+    return None if context is None else context * BODY_VALUES_PER_TOKEN + BODY_MARGIN_VALUES
 
 
 async def parse_body_off_loop(raw: bytes, max_nesting: int) -> dict[str, Any]:

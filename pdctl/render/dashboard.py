@@ -119,6 +119,24 @@ _ROWS: list[tuple[str, list[tuple[_Panel, _Panel]]]] = [
            (f"sum by (role, instance) (changes(process_start_time_seconds{{{_VL}}}[1h]))", "starts/1h {{instance}}")],
           "short", "up (PdctlProcessDown), process start times (PdctlProcessRestarting)")),
     ]),
+    ("Routing: the SLO autopilot and the prefill queue", [
+        (("Autopilot predictor error (observed / predicted)",
+          [(_q_hist(0.5, "pdctl_autopilot_ttft_ratio", _GW, "path"), "TTFT p50 {{path}}"),
+           (_q_hist(0.5, "pdctl_autopilot_tpot_ratio", _GW, "path"), "TPOT p50 {{path}}")],
+          "short", "pdctl_autopilot_ttft_ratio, pdctl_autopilot_tpot_ratio (routing.pd_mode = auto): 1 is a perfect "
+                   "prediction, above 1 slower than predicted"),
+         ("Prefill time in vLLM",
+          [(_q_hist(0.9, "vllm:request_prefill_time_seconds", _VL, "instance"), "p90 {{instance}}")],
+          "s", "vllm:request_prefill_time_seconds: what the autopilot learns as prefill seconds per token")),
+        (("Gateway prefill queue",
+          [(f"sum(pdctl_prefill_queue_waiting{{{_GW}}})", "waiting"),
+           (f"sum by (rule) (rate(pdctl_prefill_queue_wait_seconds_count{{{_GW}}}[{_RI}]))", "bound/s by {{rule}}")],
+          "short", "pdctl_prefill_queue_waiting, pdctl_prefill_queue_wait_seconds (routing.prefill_queue_tokens): "
+                   "requests held until a prefill has room, and how they were bound (match, policy, idle)"),
+         ("Queue time in vLLM",
+          [(_q_hist(0.9, "vllm:request_queue_time_seconds", _VL, "instance"), "p90 {{instance}}")],
+          "s", "vllm:request_queue_time_seconds: time waiting inside the engine, after the gateway's queue")),
+    ]),
     ("Per key", [
         (("Requests per key", [(f"sum by (key, status) (rate(pdctl_key_requests_total{{{_GW}}}[{_RI}]))",
                                 "{{key}} {{status}}")],

@@ -2,7 +2,7 @@
 
 * :func:`host_part`          -- ``up --only NAME|ROLE``: this host's part of the deployment (its processes,
   its own run directory) and the workers other hosts run
-* :func:`start_detached`     -- ``up -d``: start ``python -m pdctl.runtime.daemon`` in its own session, relay its event
+* :func:`start_detached`     -- ``up -d``: start ``python -m pdctl.cli.daemon`` in its own session, relay its event
   log, return the state once it says ``ready`` (:class:`LaunchError` otherwise)
 * :func:`stop_deployment`    -- ``down``: SIGTERM the supervisor (it stops gateway, decode, prefill in order),
   wait, SIGKILL it if it hangs, then kill whatever recorded process is left
@@ -127,7 +127,7 @@ def start_detached(dep: Deployment, plan: Plan, on_message: Say, only: Sequence[
     run_dir = dep.run_dir
     log_dir = run_dir / "logs"
     daemon_log = (log_dir / "daemon.log").open("ab")
-    argv = [sys.executable, "-m", "pdctl.runtime.daemon", "-c", dep.config_path, "-s", dep.settings_path]
+    argv = [sys.executable, "-m", "pdctl.cli.daemon", "-c", dep.config_path, "-s", dep.settings_path]
     for sel in only:
         argv += ["--only", sel]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=daemon_log, stderr=subprocess.STDOUT,

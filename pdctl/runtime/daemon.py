@@ -1,39 +1,33 @@
 """One deployment run: run directory, watchdog, supervisor, warm-up, state.json. Foreground or detached.
 
-``pdctl up`` uses :class:`Runner` in its own process (foreground) or starts ``python -m pdctl.runtime.daemon -c
+``pdctl up`` uses :class:`Runner` in its own process (foreground) or starts ``python -m pdctl.cli.daemon -c
 CONFIG -s SETTINGS`` in a new session (``up -d``) and waits for state.json to say ``ready`` or ``failed``.
-A start that failed on a port taken after ``check`` ran is reported with ``check``'s PD018 finding for it.
+A start that fails is reported with what the caller's ``explain`` makes of it (the CLI's: ``check``'s PD018
+finding for a port taken after ``check`` ran).
 In both cases the process running the :class:`Runner` is "the supervisor" that ``pdctl down`` signals:
 SIGTERM (or SIGINT) stops everything in order; a second one skips the grace periods.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import TextIO
 
 import psutil
 
-from pdctl.config import Deployment, load
+from pdctl.config import Deployment
 from pdctl.errors import LaunchError, PdctlError
-from pdctl.runtime.control import host_part, split_only
 from pdctl.runtime.eventlog import EVENT_LOG, format_event
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.plan import Plan, build_plan
 from pdctl.runtime.probe import ProbeAttempt, run_warmup
-from pdctl.runtime.process import ProcessExitedError
 from pdctl.runtime.rundir import RunState, ensure_not_running, prepare_run_dir, write_state
 from pdctl.runtime.supervisor import Event, Supervisor, SupervisorOptions
 from pdctl.runtime.watchdog import Watchdog
 
-__all__ = ["EVENT_LOG", "Runner", "ensure_not_running", "main", "prepare_run_dir"]
+__all__ = ["EVENT_LOG", "Runner", "ensure_not_running", "error_text", "prepare_run_dir"]
 
 STATE_EVERY_S = 1.0
 
@@ -50,8 +44,11 @@ class Runner:
         on_line: Callable[[LogLine], None] | None = None,
         on_event: Callable[[Event], None] | None = None,
         remote: Sequence[tuple[str, str]] = (),
+        explain: Callable[[BaseException], LaunchError | None] | None = None,
     ) -> None:
+        """``explain``: a failed start's error, explained (None: reported as it is)."""
         self.dep = dep
+        self._explain = explain
         self.plan = plan if plan is not None else build_plan(dep)
         self.run_dir = dep.run_dir
         self.log_dir = self.run_dir / "logs"
@@ -140,8 +137,8 @@ class Runner:
         try:
             self.supervisor.start()
         except BaseException as exc:
-            taken = _port_taken(self.dep, exc)
-            self.write_state("failed", error=_error_text(taken or exc))
+            taken = self._explain(exc) if self._explain is not None else None
+            self.write_state("failed", error=error_text(taken or exc))
             self._close()
             if taken is not None:
                 raise taken from None
@@ -174,57 +171,8 @@ class Runner:
         return True
 
 
-def _port_taken(dep: Deployment, exc: BaseException) -> LaunchError | None:
-    """A start that failed on a taken port (the process exited, or printed that it cannot bind) with the PD018
-    finding ``check`` gives for that port, or None when ``exc`` is something else."""
-    from pdctl.check import port_findings
-
-    if not isinstance(exc, ProcessExitedError) or exc.info.diagnosis is None:
-        return None
-    if exc.info.diagnosis.code != "port_in_use":
-        return None
-    findings = port_findings(dep, exc.info.name, exc.info.diagnosis.port)
-    if not findings:
-        return None
-    text = "\n".join([str(exc), *(f"error {f.text}" for f in findings)])
-    return LaunchError(text, hint="\n".join(f.hint for f in findings if f.hint) or exc.hint)
-
-
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """A failure as state.json and the detached supervisor's stderr say it: the message and its hint."""
     if isinstance(exc, PdctlError):
         return str(exc) + (f"\nhint: {exc.hint}" if exc.hint else "")
     return f"{type(exc).__name__}: {exc}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The detached supervisor: ``python -m pdctl.runtime.daemon -c CONFIG -s SETTINGS [--only NAME|ROLE ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m pdctl.runtime.daemon")
-    parser.add_argument("-c", "--config", required=True)
-    parser.add_argument("-s", "--settings", required=True)
-    parser.add_argument("--only", action="append", default=[], help="this host's part (`pdctl up --only`)")
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        part = host_part(load(args.config, args.settings), split_only(args.only))
-        runner = Runner(part.dep, part.plan, detached=True, remote=part.remote)
-    except PdctlError as exc:
-        print(f"error: {_error_text(exc)}", file=sys.stderr)
-        return 2
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        runner.request_stop()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    try:
-        runner.start()
-    except PdctlError:
-        return 1
-    reason = runner.serve()
-    runner.stop(reason)
-    return 1 if reason else 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())

@@ -69,7 +69,9 @@ _GW_REQUESTS, _GW_FALLBACKS = "pdctl_requests_total", "pdctl_pd_fallback_total"
 _GW_IN_FLIGHT = "pdctl_gateway_in_flight"
 _GW_TTFT, _GW_TPOT = "pdctl_ttft_seconds_bucket", "pdctl_tpot_seconds_bucket"
 _GW_BREAKS = "pdctl_session_cache_breaks_total"  # agent sessions' turns that broke their prompt cache, by where
-_GATEWAY_NAMES = (_GW_REQUESTS, _GW_FALLBACKS, _GW_IN_FLIGHT, _GW_TTFT, _GW_TPOT, _GW_BREAKS)
+# routing.pd_mode = "auto": observed / predicted TTFT and TPOT per request (the predictor's error).
+_GW_RATIOS = {"TTFT": "pdctl_autopilot_ttft_ratio_bucket", "TPOT": "pdctl_autopilot_tpot_ratio_bucket"}
+_GATEWAY_NAMES = (_GW_REQUESTS, _GW_FALLBACKS, _GW_IN_FLIGHT, _GW_TTFT, _GW_TPOT, _GW_BREAKS, *_GW_RATIOS.values())
 # pdctl_requests_total's status for a client that left: not the deployment's error.
 _CLIENT_LEFT = "499"
 
@@ -117,6 +119,7 @@ class GatewaySample:
     fallbacks: float
     in_flight: float | None
     cache_breaks: dict[str, float] = field(default_factory=dict)  # where -> agent-session turns that broke there
+    ratios: dict[str, Buckets] = field(default_factory=dict)  # TTFT / TPOT -> observed / predicted, by path
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,9 @@ class GatewayView:
     cache_breaks: dict[str, float] = field(default_factory=dict)
     """Agent sessions' prompt-cache breaks in the window, by where the prompt first differed
     (``pdctl.gateway.agent_sessions``)."""
+    predictor: dict[str, float | None] = field(default_factory=dict)
+    """``routing.pd_mode = "auto"``: the median observed / predicted TTFT and TPOT in the window, all paths
+    together (None: no request measured; empty: the gateway exports no predictor)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +235,7 @@ def parse_gateway(text: str) -> GatewaySample:
         fallbacks=metric_value(parsed, _GW_FALLBACKS) or 0.0,
         in_flight=metric_value(parsed, _GW_IN_FLIGHT),
         cache_breaks=breaks,
+        ratios={what: _buckets(parsed, name) for what, name in _GW_RATIOS.items()},
     )
 
 
@@ -404,6 +411,7 @@ class Watch:
         tpot: Buckets = {}
         fallbacks, seconds = 0.0, 0.0
         breaks: dict[str, float] = {}
+        ratios: dict[str, Buckets] = {}
         for a, b in self._pairs(self.keep_s):
             ga, gb = a.gateway, b.gateway
             if isinstance(ga, GatewaySample) and isinstance(gb, GatewaySample):
@@ -412,12 +420,15 @@ class Watch:
                 _add(tpot, counter_delta(ga.tpot, gb.tpot))
                 fallbacks += counter_delta({"": ga.fallbacks}, {"": gb.fallbacks})[""]
                 _add(breaks, counter_delta(ga.cache_breaks, gb.cache_breaks))
+                for what, now_buckets in gb.ratios.items():
+                    _add(ratios.setdefault(what, {}), counter_delta(ga.ratios.get(what, {}), now_buckets))
                 seconds += b.at - a.at
         paths = sorted({p for p, _ in requests} | {p for p, _ in ttft}, key=lambda p: (-_total(requests, p), p))
         rows = [self._path_row(p, requests, ttft, tpot) for p in paths]
         rows = [r for r in rows if r.requests > 0 or any(v is not None for v in r.ttft.values())]
         total = self._path_row(None, requests, ttft, tpot)
-        return GatewayView(url, None, seconds, rows, total, fallbacks, now.in_flight, breaks)
+        predictor = {what: bucket_quantile(0.5, _by_bound(buckets)) for what, buckets in ratios.items() if buckets}
+        return GatewayView(url, None, seconds, rows, total, fallbacks, now.in_flight, breaks, predictor)
 
     def _path_row(
         self, path: str | None, requests: Mapping[tuple[str, str], float], ttft: Buckets, tpot: Buckets
@@ -433,6 +444,14 @@ class Watch:
             return {q: bucket_quantile(q, merged) for q in self.quantiles}
 
         return PathRow(path or "all", sum(mine.values()), errors, quantiles(ttft), quantiles(tpot))
+
+
+def _by_bound(buckets: Buckets) -> dict[float, float]:
+    """Cumulative bucket counts summed over every path, by upper bound."""
+    merged: dict[float, float] = {}
+    for (_, le), v in buckets.items():
+        merged[le] = merged.get(le, 0.0) + v
+    return merged
 
 
 def _total(requests: Mapping[tuple[str, str], float], path: str) -> float:

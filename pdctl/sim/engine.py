@@ -168,6 +168,7 @@ class SimEngine:
             enabled=cfg.enable_prefix_caching,
             record_events=kv_events is not None and not isinstance(kv_events, NullEventPublisher),
         )
+        self.metrics.cache_config(cfg.block_size, self.prefix.capacity_blocks, cfg.enable_prefix_caching)
         self.connector = KVConnector(self)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._on_crash = on_crash or (lambda code: os._exit(code))

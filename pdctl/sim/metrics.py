@@ -89,6 +89,10 @@ class SimMetrics:
             "vllm:nixl_num_kv_expired_reqs",
             "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
         )
+        self._cache_info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            ["block_size", "enable_prefix_caching", "engine", "num_cpu_blocks", "num_gpu_blocks"], registry=r,
+        )  # fmt: skip
         # Every labelled child exists from the start, as in vLLM, so a scrape shows zeros.
         for m in (self.running, self.waiting, self.kv_usage):
             m.labels(**self._labels).set(0)
@@ -102,6 +106,12 @@ class SimMetrics:
         hists = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill_time, self.decode_time)
         for h in (*hists, self.req_prompt_tokens, self.req_gen_tokens, self.nixl_xfer, self.nixl_post, self.nixl_bytes):
             h.labels(**self._labels)
+
+    def cache_config(self, block_size: int, num_gpu_blocks: int, prefix_caching: bool) -> None:
+        """Publish the engine's cache configuration, as vLLM does once its KV cache is allocated."""
+        labels = {"block_size": str(block_size), "enable_prefix_caching": str(prefix_caching), "engine": "0",
+                  "num_cpu_blocks": "None", "num_gpu_blocks": str(num_gpu_blocks)}  # fmt: skip
+        self._cache_info.labels(**labels).set(1)
 
     def g(self, gauge: Gauge) -> Gauge:
         """The labelled child of a gauge."""

@@ -2,6 +2,7 @@
 
 * :func:`samples`       -- every sample of a body as ``(name, labels, value)``
 * :func:`metric_value`  -- the sum of the samples of one name whose labels include the given ones
+* :func:`kv_cache_blocks` -- the blocks an engine's KV cache holds, from ``vllm:cache_config_info``
 
 Names are the samples' names, suffixes included (``vllm:prompt_tokens_by_source_total``,
 ``..._seconds_count``). A body that is not Prometheus text reads as no samples: callers treat a missing
@@ -14,7 +15,10 @@ from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Sample", "metric_value", "samples"]
+__all__ = ["CACHE_CONFIG_INFO", "Sample", "kv_cache_blocks", "metric_value", "samples"]
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+"""vLLM's info gauge of its ``CacheConfig``: one sample, whose labels are the config's fields as strings."""
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -41,4 +45,18 @@ def metric_value(parsed: Iterable[Sample], name: str, **labels: str) -> float | 
     for n, lab, v in parsed:
         if n == name and all(lab.get(k) == want for k, want in labels.items()):
             total = (total or 0.0) + v
+    return total
+
+
+def kv_cache_blocks(parsed: Iterable[Sample]) -> int | None:
+    """The blocks an engine's KV cache holds: ``num_gpu_blocks`` plus ``num_cpu_blocks`` (an offload tier; "None"
+    without one) of :data:`CACHE_CONFIG_INFO`, summed over its engines (data parallel); None if not reported."""
+    total: int | None = None
+    for name, labels, _ in parsed:
+        if name != CACHE_CONFIG_INFO:
+            continue
+        for field in ("num_gpu_blocks", "num_cpu_blocks"):
+            value = labels.get(field, "")
+            if value.isdigit():
+                total = (total or 0) + int(value)
     return total

@@ -203,6 +203,32 @@ def test_agent_sessions_cache_breaks_in_the_window_by_where() -> None:
     assert "cache breaks 3 (system 2, trailing_system 1)" in console.export_text()
 
 
+def test_the_autopilots_error_in_the_window_is_shown_as_its_median() -> None:
+    """pd_mode = auto: observed / predicted TTFT and TPOT per request; top shows each median over the window (the
+    observations before it left out) and nothing for a gateway that exports no predictor."""
+    from rich.console import Console
+
+    from pdctl.cli.top_cmd import _gateway_part
+
+    m = GatewayMetrics()
+    w = Watch(WORKERS, GATEWAY)
+    w.add(frame(0.0, Unreachable("down"), gateway_body(m)))
+    assert w.view().gateway.predictor == {}  # no autopilot: no line
+    m.autopilot_ttft_ratio.labels("local").observe(3.5)  # before top's window
+    w.add(frame(5.0, Unreachable("down"), gateway_body(m)))
+    for ratio in (0.95, 0.95, 1.05):
+        m.autopilot_ttft_ratio.labels("local").observe(ratio)
+    m.autopilot_ttft_ratio.labels("disagg").observe(0.95)
+    w.add(frame(10.0, Unreachable("down"), gateway_body(m)))
+    w.frames.popleft()
+    gw = w.view().gateway
+    ttft = gw.predictor["TTFT"]
+    assert ttft is not None and 0.9 < ttft <= 1.0 and gw.predictor.get("TPOT") is None
+    console = Console(width=200, record=True)
+    console.print(_gateway_part(gw, (400.0, 40.0), "PDCTL_API_KEY"))
+    assert f"autopilot observed/predicted p50 TTFT {ttft:.2f}x" in console.export_text()
+
+
 # ---- scraping ------------------------------------------------------------------------------------------------------
 
 

@@ -225,6 +225,7 @@ def test_auto_on_the_simulator_streams_learns_and_logs_its_predictions(
         assert autopilot.model.prefill_s_per_token("decode") != Seed().prefill_s_per_token
         metrics = httpx.get(g.url + "/metrics", timeout=10).text
         assert 'pdctl_autopilot_ttft_ratio_count{path="local"} 4.0' in metrics
+        assert 'pdctl_autopilot_tpot_ratio_count{path="local"} 4.0' in metrics  # 8 tokens each: a TPOT to compare
         assert "request_id" not in metrics.split("pdctl_autopilot_ttft_ratio")[1].split("\n# ")[0]
     finally:
         g.stop()

@@ -19,6 +19,8 @@ from pdctl.gateway.relay import KEEP_PIECES, MAX_PENDING, Kept, _Stream
 from pdctl.gateway.request import (
     BODY_BYTES_PER_TOKEN,
     BODY_MARGIN_BYTES,
+    BODY_MARGIN_VALUES,
+    BODY_VALUES_PER_TOKEN,
     OFF_LOOP_BYTES,
     UNSIZED_BODY_BYTES,
     body_limit,
@@ -26,6 +28,7 @@ from pdctl.gateway.request import (
     parse_body,
     parse_body_off_loop,
     validate,
+    value_limit,
 )
 from pdctl.gateway.settings import LocalModel
 from tests.fakes.gateway_harness import KEY, AsgiReply, RateLimitConfig, asgi_request, make_settings, run_app
@@ -79,6 +82,24 @@ def test_a_body_over_the_sized_limit_is_a_413_before_any_worker_is_called() -> N
     assert str(limit) in reply.json()["error"]["message"] and _calls(workers) == 0
 
 
+def test_a_body_with_more_values_than_any_prompt_needs_is_a_413_before_it_is_parsed() -> None:
+    """A token-id prompt within the byte limit but with millions of values: refused from its commas while it
+    arrives (parsing it would hold the GIL for a few hundred ms); the largest prompt the model accepts passes."""
+    assert value_limit(None, [2048], False) == 2048 * BODY_VALUES_PER_TOKEN + BODY_MARGIN_VALUES
+    assert value_limit(4096, [2048], False) is None and value_limit(None, [2048], True) is None
+    limit = 2048 * BODY_VALUES_PER_TOKEN + BODY_MARGIN_VALUES
+    over = {"model": "tiny", "prompt": [7] * (limit + 1), "max_tokens": 1}
+    fits = {"model": "tiny", "prompt": [7] * 2048, "max_tokens": 1}
+    assert len(json.dumps(over)) < 2048 * BODY_BYTES_PER_TOKEN + BODY_MARGIN_BYTES  # within the byte limit
+    (refused, served), workers = _serve([("/v1/completions", over), ("/v1/completions", fits)], max_body_bytes=None,
+                                        worker_models=({"id": "tiny", "max_model_len": 2048},))  # fmt: skip
+    error = refused.json()["error"]
+    assert refused.status == 413 and error["code"] == "request_too_large" and str(limit) in error["message"]
+    assert served.status == 200 and _calls(workers) >= 1
+    (configured,), _ = _serve([("/v1/completions", over)], max_body_bytes=64 << 20)
+    assert configured.status == 400  # the bound lifted with the sizing: then too long for the context
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [("/v1/completions", {"prompt": list(range(2049)), "max_tokens": 1}, "prompt"),
@@ -122,6 +143,48 @@ def test_a_key_at_its_limit_is_refused_before_its_body_is_read() -> None:
                              rate_limit=RateLimitConfig(requests_per_minute=1))  # fmt: skip
     run_app(create_app(settings, KEY, clients=workers), test)
     assert status == [429] and reads == []
+
+
+def test_a_body_being_read_holds_its_keys_concurrency_slot() -> None:
+    """max_concurrency bounds the bodies a key has in the gateway's memory: while one body is still arriving, the
+    key's next request is refused before its own body is read; once the first ends, the slot is free again."""
+    import asyncio
+
+    workers = MemoryWorkers()
+    workers["prefill"].default = PREFILLED
+    workers["decode"].default = DECODED
+    reads: list[int] = []
+    statuses: list[int] = []
+
+    def scope() -> dict[str, Any]:
+        return {"type": "http", "method": "POST", "path": CHAT, "headers": [
+            (b"authorization", f"Bearer {KEY}".encode()), (b"content-length", b"1000000")]}  # fmt: skip
+
+    async def test(app: Gateway) -> None:
+        arrived = asyncio.Event()
+
+        async def slow(n: int) -> dict[str, Any]:
+            reads.append(n)
+            arrived.set()
+            await asyncio.sleep(3600)  # a client that never finishes its body
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        first = asyncio.ensure_future(app(scope(), lambda: slow(1), send))
+        await asyncio.wait_for(arrived.wait(), 10)
+        await asyncio.wait_for(app(scope(), lambda: slow(2), send), 10)
+        assert statuses == [429] and reads == [1]
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        assert (await asgi_request(app, CHAT, body)).status == 200
+
+    settings = make_settings(["http://prefill.invalid"], ["http://decode.invalid"],
+                             rate_limit=RateLimitConfig(max_concurrency=1))  # fmt: skip
+    run_app(create_app(settings, KEY, clients=workers), test)
 
 
 def test_a_large_body_parses_off_the_loop_as_a_small_one_does() -> None:

@@ -123,6 +123,23 @@ def test_a_view_never_holds_more_than_its_bound() -> None:
     assert len(ix) == 3 and ix.overflows == 0
 
 
+def test_a_views_bound_follows_its_engines_reported_capacity() -> None:
+    """``capacity(topic)``: twice the engine's blocks bounds its view, under the configured bound; unknown: the
+    configured bound alone."""
+    counted: list[tuple[str, str]] = []
+    reported = {"decode": 3}
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", lambda t, w: counted.append((t, w)), allowed=WORKERS.__contains__,
+                            max_blocks=100, capacity=reported.get)  # fmt: skip
+    ids = list(range(10 * BS))
+    sub.feed(_frames("decode", 0, _stored(ids[: 6 * BS], range(6))))
+    sub.feed(_frames("prefill", 0, _stored(ids, range(10))))
+    assert _state(sub) == {"decode": (BS, 6, 0), "prefill": (BS, 10, 0)} and ("decode", "overflow") not in counted
+    sub.feed(_frames("decode", 1, _stored(ids[6 * BS : 7 * BS], [6], parent=5)))  # a 7th block > 2 x 3
+    assert ("decode", "overflow") in counted and ("prefill", "overflow") not in counted
+    view = sub.view("decode")
+    assert view is not None and view.max_blocks == 6 and len(view) <= 6
+
+
 # ------------------------------------------------------------------------------------------------- the fuzzer
 
 _scalar = st.one_of(

@@ -203,6 +203,43 @@ def test_the_gateway_decides_with_the_decodes_own_events(caplog: pytest.LogCaptu
     assert any("view=exact" in r.getMessage() for r in caplog.records)
 
 
+def test_each_view_is_bounded_by_what_its_engine_reports_it_holds() -> None:
+    """decode-1's /metrics says its KV cache holds 4 blocks (vllm:cache_config_info): its view holds at most 8 and
+    starts over when events claim more; decode-0 reports nothing and keeps the configured bound."""
+    port = _free_port()
+    workers = MemoryWorkers()
+    workers["decode-1"].metrics = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",engine="0",num_cpu_blocks="None",num_gpu_blocks="4"} 1.0\n'
+    )
+    ids = list(range(12 * BS))
+
+    async def test(app: Gateway) -> None:
+        pool = app.router.pool
+        for _ in range(300):
+            if [i.kv_blocks for i in pool.instances if i.name == "decode-1"] == [4]:
+                break
+            await asyncio.sleep(0.01)
+        assert {i.name: i.kv_blocks for i in pool.instances} == {"prefill": None, "decode-0": None, "decode-1": 4}
+        metric = app.metrics.registry.get_sample_value
+        seen_topics = ("decode-0", "decode-1")
+        async with _publisher(app, port) as pub:
+            for topic in seen_topics:
+                await _until(app, pub, topic, _frames(topic, 0, _stored(ids[: 4 * BS], range(1, 5))))
+                await pub.send_multipart(_frames(topic, 1, _stored(ids[4 * BS :], range(5, 13), parent=4)))
+            for _ in range(300):
+                counts = [metric("pdctl_kv_events_total", {"instance": t, "event": "BlockStored"}) for t in seen_topics]
+                if counts[0] == counts[1] == 2:
+                    break
+                await asyncio.sleep(0.01)
+            seen = [app.kv_events.view(t) for t in ("decode-0", "decode-1")] if app.kv_events else []
+            assert [len(v) if v is not None else None for v in seen] == [12, 0]  # 12 > 2 x 4: decode-1's started over
+            assert metric("pdctl_kv_events_total", {"instance": "decode-1", "event": "overflow"}) == 1
+            assert metric("pdctl_kv_events_total", {"instance": "decode-0", "event": "overflow"}) is None
+
+    run_app(create_app(_exact_settings(port), KEY, clients=workers), test)
+
+
 def _exact_settings(port: int) -> GatewaySettings:
     """Adaptive PD over one prefill and two decodes serving the simulator's ``tiny``, the exact view on ``port``."""
     settings = make_settings(["http://prefill.invalid"], ["http://decode-0.invalid", "http://decode-1.invalid"],

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdctl.testing import SimProcess, start_sim
+from pdctl.vllm.promtext import CACHE_CONFIG_INFO, kv_cache_blocks, samples
 from pdctl.vllm.protocol import build_decode_body, build_prefill_body, check_kv_params
 from tests.conftest import REPO
 
@@ -159,6 +160,16 @@ def test_metric_names_exist_in_real_vllm_fixture(sim: SimProcess) -> None:
             for s in f.samples}  # fmt: skip
     ours = {s.name for f in text_string_to_metric_families(httpx.get(sim.url + "/metrics").text) for s in f.samples}
     assert {n for n in ours if n.startswith("vllm:")} <= real
+
+
+def test_the_cache_config_info_says_how_many_blocks_the_kv_cache_holds(sim: SimProcess) -> None:
+    """As vLLM's: one ``vllm:cache_config_info`` sample whose labels (a subset of the real one's) carry the block
+    size and the cache's blocks, which the gateway reads to bound its exact view."""
+    ours = samples(httpx.get(sim.url + "/metrics").text, (CACHE_CONFIG_INFO,))
+    real = samples((FIXTURES / "nixl-decode.metrics.txt").read_text(), (CACHE_CONFIG_INFO,))
+    assert len(ours) == 1 and set(ours[0][1]) <= set(real[0][1]) and ours[0][1]["block_size"] == "16"
+    assert kv_cache_blocks(ours) == int(ours[0][1]["num_gpu_blocks"]) >= 1024
+    assert kv_cache_blocks(real) == 16384
 
 
 def test_prefix_cache_hits_count_as_local_cache_hit(sim: SimProcess) -> None:

@@ -21,7 +21,8 @@ The choice, in order:
 A ``whole`` request is served like a ``local`` one (:func:`pdctl.gateway.pd.serve_pd` with the decision's decode
 set to the prefill engine; ``x-pd-path: colocated``). After the request :meth:`Autopilot.finish` teaches the cost
 model what it saw (leg 1's time, TTFT, the mean TPOT, the output length) and observes the predictor's error:
-``pdctl_autopilot_ttft_ratio`` (observed / predicted TTFT, by path). Each candidate's prediction goes to the
+``pdctl_autopilot_ttft_ratio`` and ``pdctl_autopilot_tpot_ratio`` (observed / predicted, by path; ``pdctl top``
+and the dashboard show them). Each candidate's prediction goes to the
 access log, with the chosen path (:func:`log_fields`): ``auto=whole auto_local=decode-0:<ttft ms>/<tpot ms>/<others'
 tpot ms> auto_whole=prefill-0:... auto_disagg=prefill-0:...``.
 """
@@ -191,6 +192,10 @@ class Autopilot:
             n = ex.tokens
             if n is not None and n > 1:
                 tpot = max(0.0, (now - ex.started - ex.ttft_s) / (n - 1))
+                if best.prediction.tpot_s > 0:
+                    self.metrics.child(self.metrics.autopilot_tpot_ratio, best.kind).observe(
+                        tpot / best.prediction.tpot_s
+                    )
                 m.observe_stream(d.name, d.epoch, tpot, best.path.streams + 1, now)
         if ex.tokens:
             m.observe_output(ex.tokens)

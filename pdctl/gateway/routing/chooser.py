@@ -278,15 +278,14 @@ class Chooser:
 
     def decide(
         self, pool: Pool, body: Mapping[str, Any], prompt_tokens: int, token_ids: Sequence[int] | None = None,
-        session: str | None = None, endpoint: str | None = None, identity: agent_sessions.Identity | None = None,
+        endpoint: str | None = None, identity: agent_sessions.Identity | None = None,
     ) -> RoutePlan:  # fmt: skip
         """Choose the decode, count the prompt's uncached tokens on it, and decide local or P→D. ``token_ids``: the
-        prompt's exact ids (the exact view is used where the decode has published events); ``session``: the
-        ``x-session-id`` header (else the body's session, :func:`~pdctl.gateway.agent_sessions.session_hint`);
-        ``endpoint``: the
-        route, for the prompt as vLLM renders it (:func:`prompt_text`); ``identity``: the request's agent session
-        (its id then breaks ties, and the turn is compared with the session's previous one,
-        :class:`~pdctl.gateway.agent_sessions.CacheBreaks`). Under
+        prompt's exact ids (the exact view is used where the decode has published events); ``endpoint``: the
+        route, for the prompt as vLLM renders it (:func:`prompt_text`); ``identity``: the request's session from its
+        headers or body (:func:`~pdctl.gateway.agent_sessions.identify`: its id then breaks ties, and the turn is
+        compared with the session's previous one, :class:`~pdctl.gateway.agent_sessions.CacheBreaks`; None: the
+        body's hint alone, :func:`~pdctl.gateway.agent_sessions.session_hint`). Under
         ``pd_mode = "always"`` nothing is chosen yet (``decision=always``; :meth:`pick` chooses per leg)."""
         chat = prompt_view.chat_request(endpoint, body) if endpoint is not None else None
         parts = conversation.prompt_parts(chat) if chat is not None else None
@@ -298,7 +297,7 @@ class Chooser:
         if ids is not None:
             prompt_tokens = len(ids)
         chars = len(text)
-        session = identity.session if identity is not None else agent_sessions.session_hint(body, session)
+        session = identity.session if identity is not None else agent_sessions.session_hint(body)
         brk = None
         if identity is not None and parts is not None:
             brk = self.breaks.observe(identity.session, parts, prompt_tokens, token_ids)

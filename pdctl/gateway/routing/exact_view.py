@@ -9,7 +9,8 @@ routing policies): what each worker's prefix cache holds, rebuilt from the worke
   is unknown (published before the gateway listened, or lost) cannot be chained and is left out: the view then
   under-counts, and the decision errs towards the prefill leg. Blocks stored with ``extra_keys`` (a LoRA, a
   ``cache_salt``, multimodal inputs) hash with them and never match a plain prompt, as in the engine. Each view
-  holds at most ``routing.kv_events_max_blocks`` blocks (more than an engine can hold: the view starts over).
+  holds at most ``routing.kv_events_max_blocks`` blocks, and at most twice what its engine's KV cache holds once
+  the engine reported it (more than the engine can hold: the view starts over).
 
 The chooser (:mod:`pdctl.gateway.routing.chooser`) reads the views, for the plan and for the policies' scores
 (:mod:`pdctl.gateway.routing.policies`); a worker with no events yet, or a request whose exact token ids are

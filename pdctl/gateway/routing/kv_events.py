@@ -56,6 +56,10 @@ __all__ = ["EventsRelay", "KvEventSubscriber"]
 
 log = logging.getLogger("pdctl.gateway")
 
+VIEW_BLOCKS_PER_ENGINE_BLOCK = 2
+"""A view's bound, per block its engine's KV cache holds (``allowed``'s worker reported it): an engine never holds
+more than its blocks, so more in its view means removals were missed; twice leaves room for a removal that trails
+the store that evicted it."""
 RESTART_S = 1.0
 """How long the subscriber waits before opening its socket again after a failure."""
 
@@ -66,6 +70,7 @@ class KvEventSubscriber:
     def __init__(
         self, endpoint: str, count: Callable[[str, str], None] | None = None, connect: bool = False,
         allowed: Callable[[str], bool] | None = None, max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS,
+        capacity: Callable[[str], int | None] | None = None,
         curve: ServerKeys | None = None,
     ) -> None:  # fmt: skip
         """``endpoint``: the address to bind (``tcp://127.0.0.1:5557``), or with ``connect`` the relay's to connect
@@ -73,8 +78,9 @@ class KvEventSubscriber:
         (``gap``, ``restart``, ``overflow``), per message dropped (``malformed``; ``unknown_topic``, counted under
         topic ``-``) and per failure of the loop (``subscriber_error``, under ``-``); ``allowed(topic)``: whether
         a topic is one of the deployment's workers (None: every topic, for a socket only trusted peers reach);
-        ``max_blocks``: each view's bound (:class:`ExactIndex`); ``curve``: the bound socket is a CURVE server with
-        these keys, admitting their clients only."""
+        ``max_blocks``: each view's bound (:class:`ExactIndex`), lowered to :data:`VIEW_BLOCKS_PER_ENGINE_BLOCK` x
+        ``capacity(topic)``, the blocks that worker's engine holds (None: not known); ``curve``: the bound socket is
+        a CURVE server with these keys, admitting their clients only."""
         self.endpoint = endpoint
         self.curve = None if connect else curve
         self.connect = connect
@@ -86,6 +92,7 @@ class KvEventSubscriber:
         self._count = count or (lambda topic, what: None)
         self._allowed = allowed
         self._max_blocks = max_blocks
+        self._capacity = capacity
         self._logged: set[str] = set()
 
     def view(self, topic: str) -> ExactIndex | None:
@@ -126,6 +133,9 @@ class KvEventSubscriber:
             self._drop(topic, "malformed", exc)
             return
         view = self._view_for(topic)
+        if self._capacity is not None:
+            held = self._capacity(topic)
+            view.max_blocks = min(self._max_blocks, VIEW_BLOCKS_PER_ENGINE_BLOCK * held) if held else self._max_blocks
         if check.status in (SeqStatus.GAP, SeqStatus.RESTART):
             self._count(topic, check.status.value)
             log.info("KV events from %s: %s at seq %d (expected %s); its view starts over", topic,

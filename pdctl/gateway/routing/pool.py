@@ -12,6 +12,9 @@ A probe that *timed out* does not take out an instance that answered a call sinc
 it is alive and busy (a loaded worker, or this gateway's own event loop late under a thousand streams, answer
 ``/health`` slowly while streams flow), and ejecting the only decode would turn load into 503s. A refused
 connection, or a timeout with no success since the last round, takes it out as before.
+
+Once per life (:attr:`Instance.epoch`) a healthy instance is asked what it serves (``/v1/models``) and how many KV
+blocks its cache holds (``vllm:cache_config_info`` on ``/metrics``): the bound of its exact view.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Literal
 from pdctl.gateway.metrics import GatewayMetrics
 from pdctl.gateway.settings import GatewaySettings, InstanceSpec
 from pdctl.gateway.workers import ClientFactory, WorkerClient, http_clients
+from pdctl.vllm.promtext import CACHE_CONFIG_INFO, kv_cache_blocks, samples
 from pdctl.vllm.transport import TransportError
 
 __all__ = ["Instance", "Pool"]
@@ -57,6 +61,10 @@ class Instance:
         self.last_success = -1e9
         """``time.monotonic()`` of the last successful call."""
         self.models: list[dict[str, Any]] = []
+        self.kv_blocks: int | None = None
+        """The blocks the engine's KV cache holds (None: not reported), read once per :attr:`epoch`."""
+        self.kv_blocks_epoch = -1
+        """The epoch :attr:`kv_blocks` was read in."""
         self._gauge = metrics.in_flight.labels(spec.name, spec.role)
         self._health_gauge = metrics.healthy.labels(spec.name, spec.role)
 
@@ -211,6 +219,15 @@ class Pool:
                 data = payload.get("data") if resp.status == 200 else None
                 if isinstance(data, list):
                     inst.models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if ok and inst.kv_blocks_epoch != inst.epoch:
+            inst.kv_blocks_epoch = inst.epoch
+            with contextlib.suppress(TransportError, UnicodeDecodeError):
+                resp = await inst.client.request("GET", "/metrics", total_timeout_s=5.0)
+                try:
+                    text = (await resp.read()).decode() if resp.status == 200 else ""
+                finally:
+                    resp.close()
+                inst.kv_blocks = kv_cache_blocks(samples(text, (CACHE_CONFIG_INFO,)))
 
     async def probe_all(self) -> None:
         """Probe every instance once, concurrently."""

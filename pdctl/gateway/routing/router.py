@@ -76,6 +76,7 @@ class Router:
                 relay or bind_endpoint(r.kv_events_host, r.kv_events_port), self._count_event,
                 connect=relay is not None, allowed=self._known, max_blocks=r.kv_events_max_blocks,
                 curve=server_keys() if r.kv_events_curve and relay is None else None,
+                capacity=self._kv_blocks,
             )  # fmt: skip
         if self.by_request and self.events is None and "kv_aware" in r.policies:
             which = "prefill_policy" if r.prefill_policy == "kv_aware" else "decode_policy"
@@ -98,6 +99,10 @@ class Router:
         """Whether ``name`` is one of this deployment's workers, configured or discovered (a KV events topic)."""
         return any(i.name == name for i in self.pool.instances)
 
+    def _kv_blocks(self, name: str) -> int | None:
+        """The blocks worker ``name``'s KV cache holds, as its ``/metrics`` reported (None: not known)."""
+        return next((i.kv_blocks for i in self.pool.instances if i.name == name), None)
+
     def _count_event(self, instance: str, event: str) -> None:
         self.metrics.child(self.metrics.kv_events, instance, event).inc()
 
@@ -111,7 +116,7 @@ class Router:
         request."""
         if not self.by_request:
             return None
-        return self.chooser.decide(self.pool, body, prompt_tokens, token_ids, None, endpoint, identity)
+        return self.chooser.decide(self.pool, body, prompt_tokens, token_ids, endpoint, identity)
 
     def steer(self, plan: RoutePlan) -> tuple[RoutePlan, Choice | None]:
         """Under ``pd_mode = "auto"``, the SLO autopilot's path for ``plan``'s request: the plan it changed and its
