@@ -44,7 +44,7 @@ ready; the warm-up probe runs before the wave that holds the gateway. A process 
 it does its imports and set-up while the engines load, and binds its port only once the supervisor creates
 the go-file, after every other wave is ready and the warm-up passed; only then is it waited for. A go-file
 left by an earlier run is removed first; a restart later finds the file and does not hold. Stop order:
-gateway (it drains its streams on SIGTERM), then decode, then prefill.
+gateway (it drains its streams on SIGTERM), then decode, then prefill, then the KV events relays.
 
 The supervisor never prints: it reports :class:`Event` s to a callback and child output to a sink.
 """
@@ -503,7 +503,7 @@ class Supervisor:
     # ----------------------------------------------------------------------------------------- stop
 
     def shutdown(self, force: bool = False) -> None:
-        """Stop everything: gateway, then decode, then prefill; SIGTERM, grace, SIGKILL, sweep."""
+        """Stop everything in :data:`STOP_ORDER` (gateway first, relays last); SIGTERM, grace, SIGKILL, sweep."""
         if force:
             self.force_event.set()
         with self._lock:
