@@ -177,15 +177,15 @@ def secure_client(sock: Any, keys: ClientKeys) -> None:
 class _Admitted:
     """pyzmq's credentials provider: a client public key is admitted when it is one of the deployment's."""
 
-    def __init__(self, clients: frozenset[bytes], refused: list[int]) -> None:
+    def __init__(self, clients: frozenset[bytes]) -> None:
         self.clients = clients
-        self.refused = refused
+        self.refused = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.clients:
             return True
-        self.refused[0] += 1
-        if self.refused[0] == 1:  # once: a scanner must not flood the log
+        self.refused += 1
+        if self.refused == 1:  # once: a scanner must not flood the log
             logging.getLogger("pdctl.gateway").warning(
                 "KV events: a CURVE client with a key that is none of %s's refused; later ones are not logged",
                 CLIENT_PUBLIC_ENV)  # fmt: skip
@@ -201,7 +201,7 @@ def start_authenticator(ctx: Any, keys: ServerKeys) -> Any:
 
     auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying), log=logging.getLogger("pdctl.zmq.auth"))
     auth.start()
-    auth.configure_curve_callback("*", _Admitted(keys.clients, [0]))
+    auth.configure_curve_callback("*", _Admitted(keys.clients))
     return auth
 
 
