@@ -60,9 +60,9 @@ __all__ = [
 #: Every rule, in the order they run; findings with the same severity, file and line come out in this order.
 RULES: tuple[Rule, ...] = (
     connector.connectors, connector.backend, connector.connector_exists, engine.models, keys.key_env,
-    keys.shared_key, keys.keys_file, keys.tokenizers, memory.memory, engine.lengths, engine.identity,
-    memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive, routing.exact_view,
-    routing.several_processes, routing.queue_view, engine.sim, tracing.without_collector,
+    keys.shared_key, keys.keys_file, keys.kv_events_keys, keys.tokenizers, memory.memory, engine.lengths,
+    engine.identity, memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive,
+    routing.exact_view, routing.several_processes, routing.queue_view, engine.sim, tracing.without_collector,
 )  # fmt: skip
 
 

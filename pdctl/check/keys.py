@@ -4,6 +4,8 @@
   name; PD008: that variable is not set.
 - :func:`shared_key` PD030: clients authenticate with the paid upstream key.
 - :func:`keys_file` PD000: the keys file does not load as the gateway will load it.
+- :func:`kv_events_keys` PD040: ``routing.kv_events_curve`` where no event travels, or without its CURVE keys in
+  the environment (or with a malformed one).
 - :func:`tokenizers` PD031: no local tokenizer, so the gateway's limits estimate prompt tokens.
 """
 
@@ -62,6 +64,30 @@ def keys_file(c: Ctx) -> Iterable[Finding]:
             load_keys(Path(c.dep.gateway.keys_file), c.env, need_env=c.for_up)
         except ConfigError as exc:
             yield finding_from_error(exc)
+
+
+def kv_events_keys(c: Ctx) -> Iterable[Finding]:
+    """PD040: CURVE on the KV events port that changes nothing, or whose keys the gateway and relays would miss."""
+    from pdctl.vllm.kv_curve import client_keys, server_keys
+
+    r = c.dep.routing
+    if not r.kv_events_curve:
+        return
+    if r.prefix_view != "exact" or r.strategy != "pd_disagg":
+        yield c.at("PD040", "info", "settings", "routing.kv_events_curve",
+                   "kv_events_curve changes nothing: no worker publishes KV cache events (they do with "
+                   'prefix_view "exact" and strategy "pd_disagg")',
+                   fixes=({f"{SETTINGS}routing.kv_events_curve": False},))  # fmt: skip
+        return
+    for load in (server_keys, client_keys):  # the gateway's side, then the relays'
+        try:
+            load(c.env)
+        except ConfigError as exc:
+            yield c.at("PD040", "error" if c.for_up else "warning", "settings", "routing.kv_events_curve",
+                       f"{exc.key}: {exc.detail}: the {'gateway' if load is server_keys else 'relays'} cannot "
+                       "start", exc.hint,
+                       fixes=({f"{SETTINGS}routing.kv_events_curve": False},))  # fmt: skip
+            return
 
 
 def tokenizers(c: Ctx) -> Iterable[Finding]:

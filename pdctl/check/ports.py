@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pdctl.check.findings import SETTINGS, Action, Ctx, Finding
 from pdctl.config import Deployment, WorkerConfig
 from pdctl.errors import LaunchError
-from pdctl.runtime.plan import VllmInstall
+from pdctl.runtime.plan import VllmInstall, relay_name, relay_port
 from pdctl.runtime.process import ProcessExitedError
 from pdctl.vllm.protocol import connector_kind
 
@@ -35,11 +35,13 @@ class _PortUse:
     file: Literal["config", "settings"]
     key: str
     worker: WorkerConfig | None = None
+    process: str | None = None
+    """The process that binds it when neither the worker's nor the gateway's (a KV events relay)."""
 
 
 def _port_uses(dep: Deployment) -> list[_PortUse]:
-    """Every port the plan binds: the gateway's (and its KV events socket's), each worker's HTTP port and its side
-    channel."""
+    """Every port the plan binds: the gateway's (and its KV events socket's), each worker's HTTP port, its side
+    channel and its KV events relay's (``routing.kv_events_curve``)."""
     g = dep.gateway
     uses = [_PortUse("gateway", g.listen_host, g.listen_port, "settings", "gateway.listen")]
     r = dep.routing
@@ -52,6 +54,9 @@ def _port_uses(dep: Deployment) -> list[_PortUse]:
         if connector_kind(dep.connector_for(w)) == "params":
             uses.append(_PortUse(f"{w.name} side channel", w.host, w.side_channel_port, "config",
                                  f"{w.table}.side_channel_port", w))  # fmt: skip
+        if r.kv_events_curve and r.prefix_view == "exact" and r.strategy == "pd_disagg":
+            uses.append(_PortUse(f"{w.name} KV events relay", "127.0.0.1", relay_port(dep, w), "settings",
+                                 "routing.kv_events_port", process=relay_name(w.name)))  # fmt: skip
     return uses
 
 
@@ -112,7 +117,7 @@ def port_findings(dep: Deployment, name: str, port: int | None) -> list[Finding]
     c = Ctx(dep, True, VllmInstall(None, None), {}, {})  # the port rules read only the deployment
     uses = _port_uses(dep)
     taken = {u.port for u in uses}
-    mine = [u for u in uses if (u.worker.name if u.worker else "gateway") == name]
+    mine = [u for u in uses if (u.process or (u.worker.name if u.worker else "gateway")) == name]
     hit = [u for u in mine if (u.port == port if port is not None else port_in_use(u.host, u.port))]
     return [_in_use(c, u, taken) for u in hit]
 

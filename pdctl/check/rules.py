@@ -171,6 +171,13 @@ RULES: tuple[LintRule, ...] = (
             'block_size / 64`) also silences it',
         doc='docs/performance.md, "The prefill queue"',
     ),
+    LintRule('PD040', 'info, warning (error for `up`)',
+             '`routing.kv_events_curve` where no worker publishes KV cache events (info), or with a CURVE key '
+             'missing from the environment or malformed (`PDCTL_KV_EVENTS_SERVER_SECRET`, `_CLIENT_PUBLIC`, '
+             '`_CLIENT_SECRET`, `_SERVER_PUBLIC`): the gateway or the relays cannot start',
+             fix='`pdctl keys kv-events -o kv-events.env` and load it into the environment of `pdctl up`, or '
+                 '`kv_events_curve = false`',
+             doc='docs/multi-node.md, "The KV events port"'),
     LintRule('PD037', 'info',
              '`logging.trace_content` or `logging.collect_detailed_traces` without `logging.otlp_traces_endpoint`:'
              ' no spans are made to hold them. The fix removes the key'),

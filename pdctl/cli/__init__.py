@@ -13,8 +13,8 @@ from typing import Any
 
 __all__ = ["app", "main"]
 
-_COMMAND_MODULES = ("bench_cmd", "capacity_cmd", "config_cmds", "gateway_cmd", "keys_cmd", "model_cmd", "render_cmd",
-                    "run_cmds", "top_cmd", "trace_cmd", "verify_cmd")  # fmt: skip
+_COMMAND_MODULES = ("bench_cmd", "capacity_cmd", "config_cmds", "gateway_cmd", "keys_cmd", "kv_relay_cmd", "model_cmd",
+                    "render_cmd", "run_cmds", "top_cmd", "trace_cmd", "verify_cmd")  # fmt: skip
 
 
 def _load() -> Any:

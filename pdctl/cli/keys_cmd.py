@@ -1,17 +1,22 @@
-"""``pdctl keys add/list/revoke``: edit the gateway's keys file (digests only; a new key is printed once)."""
+"""``pdctl keys add/list/revoke``: edit the gateway's keys file (digests only; a new key is printed once).
+``pdctl keys kv-events``: a CURVE key set for the KV events port."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from pdctl.cli._app import app, console, handle_errors
+from pdctl.cli._app import app, console, fail, handle_errors
 from pdctl.config import DEFAULT_SETTINGS, RateLimitConfig, load_settings
 
-keys_app = typer.Typer(help="Per-user API keys for the gateway (gateway.keys_file).", no_args_is_help=True)
+keys_app = typer.Typer(
+    help="Per-user API keys for the gateway (gateway.keys_file); CURVE keys for the KV events port.",
+    no_args_is_help=True,
+)
 app.add_typer(keys_app, name="keys")
 
 FileOpt = Annotated[
@@ -88,3 +93,39 @@ def revoke(
     path = _keys_file(file, settings)
     revoke_key(path, name)
     console.print(f"revoked key {name!r} in {path}", markup=False)
+
+
+@keys_app.command("kv-events")
+@handle_errors
+def kv_events(
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write them to this file (mode 0600; default: stdout).")
+    ] = None,
+    format_: Annotated[
+        str, typer.Option("--format", help="env (NAME=value lines) or k8s (a Secret manifest).")
+    ] = "env",
+    namespace: Annotated[str | None, typer.Option("--namespace", help="The Secret's namespace (k8s).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --output file.")] = False,
+) -> None:
+    """A fresh CURVE key set for the KV events port (routing.kv_events_curve): the gateway's and the relays'."""
+    from pdctl.vllm.kv_curve import env_file, new_keys, secret_manifest
+
+    if format_ not in ("env", "k8s"):
+        raise fail(f"--format {format_}: expected env or k8s", code=2)
+    keys = new_keys()
+    text = env_file(keys) if format_ == "env" else secret_manifest(keys, namespace)
+    if output is None:
+        console.print(text, markup=False, end="")
+        return
+    try:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL), 0o600)
+    except FileExistsError:
+        raise fail(f"{output} exists", hint="pass --force to replace it (the old keys stop working)") from None
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+    use = f"kubectl apply -f {output}" if format_ == "k8s" else f"set -a; . {output}; set +a"
+    console.print(f"wrote a CURVE key set for the KV events port to {output} (mode 0600); load it with `{use}`",
+                  markup=False)  # fmt: skip

@@ -249,6 +249,12 @@ class RoutingConfig:
         "and the workers dial; loopback unless workers on other hosts publish (the port is unauthenticated: "
         "docs/multi-node.md, The KV events port); `pdctl render k8s` sets `0.0.0.0` behind a NetworkPolicy",
     )
+    kv_events_curve: bool = key(
+        False, as_bool, "true or false", use="gateway", type="bool",
+        doc="*extension*, `prefix_view = \"exact\"`: the events travel to the gateway over ZMQ CURVE (encrypted, "
+        "and only the deployment's key admitted), through one `pdctl kv-relay` next to each worker; keys from "
+        "the environment only (`pdctl keys kv-events`; docs/multi-node.md, The KV events port)",
+    )
     kv_events_max_blocks: int = key(
         DEFAULT_KV_EVENTS_MAX_BLOCKS, as_int(1), "an integer >= 1", use="gateway", type="integer",
         doc="*extension*, `prefix_view = \"exact\"`: blocks the gateway keeps per worker from its events, at most; "

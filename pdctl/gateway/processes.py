@@ -46,6 +46,7 @@ from types import FrameType
 from pdctl.errors import LaunchError
 from pdctl.gateway.routing.kv_events import EventsRelay
 from pdctl.gateway.settings import GatewaySettings
+from pdctl.vllm.kv_curve import server_keys
 from pdctl.vllm.kv_events import bind_endpoint
 
 __all__ = [
@@ -126,7 +127,8 @@ def events_relay(settings: GatewaySettings) -> EventsRelay | None:
     if not r.reads_kv_events:
         return None
     folder = Path(tempfile.mkdtemp(prefix="pdctl-kv-events-"))
-    relay = EventsRelay(bind_endpoint(r.kv_events_host, r.kv_events_port), folder / "relay.ipc")
+    curve = server_keys() if r.kv_events_curve else None
+    relay = EventsRelay(bind_endpoint(r.kv_events_host, r.kv_events_port), folder / "relay.ipc", curve)
     try:
         relay.start()
     except LaunchError:

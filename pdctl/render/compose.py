@@ -122,6 +122,11 @@ def findings(dep: Deployment, options: ComposeOptions | None = None) -> list[Fin
         add("DC003", "warning", "connector.kv_buffer_device",
             f"the containers reserve no GPU (kv_buffer_device = {dep.connector.kv_buffer_device!r}), but the "
             "default image is vLLM's CUDA build", "pass --image with a vLLM CPU image")  # fmt: skip
+    r = dep.routing
+    if r.kv_events_curve and r.prefix_view == "exact" and r.strategy == "pd_disagg":
+        add("DC004", "error", None, "routing.kv_events_curve: render compose does not run the KV events relays yet",
+            "run the deployment with `pdctl up` (`--only` per host) or `pdctl render k8s`, or set kv_events_curve "
+            "to false and keep the events port on a network only the workers reach")  # fmt: skip
     return list(dict.fromkeys(out))
 
 

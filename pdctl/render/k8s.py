@@ -8,7 +8,8 @@ all forced by pods, are made here and listed in docs/multi-node.md:
 * ``VLLM_NIXL_SIDE_CHANNEL_HOST`` from the pod IP (downward API): NIXL binds and advertises that address;
 * ``CUDA_VISIBLE_DEVICES`` / ``VLLM_CPU_OMP_THREADS_BIND`` from ``gpu_ids`` / ``cpu_ids`` are left out (the
   device plugin hands the pod ``nvidia.com/gpu`` = TP GPUs);
-* a ``sim`` worker runs ``python -m pdctl.sim`` in the pdctl image.
+* a ``sim`` worker runs ``python -m pdctl.sim`` in the pdctl image;
+* with ``routing.kv_events_curve`` an engine publishes to its pod's relay (:mod:`pdctl.render.kv_sidecar`).
 
 Map::
 
@@ -22,7 +23,7 @@ Map::
       verify/             Job running `pdctl verify` against the gateway, with its own kustomization.yaml
     findings(dep)         what cannot render (errors) or runs differently in pods (warnings, infos)
 
-Keys never appear: the gateway and the verify Job read them from a Secret the user creates.
+Keys never appear: the gateway, the verify Job and the relays read them from Secrets the user creates.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 from pdctl import __version__
 from pdctl.check import Finding, Severity
 from pdctl.config import Deployment, WorkerConfig
+from pdctl.render.kv_sidecar import GATEWAY_KEYS, relay_sidecars, secret_env
 from pdctl.render.netpol import gateway_policy
 from pdctl.render.yamltext import dump_yaml
 from pdctl.runtime.plan import GATEWAY_HOLD_ENV, IPC_ENV, ProcessSpec, VllmInstall, build_plan
@@ -308,7 +310,8 @@ def _worker_argv(spec: ProcessSpec, dep: Deployment) -> list[str]:
     if "--kv-events-config" in argv:
         i = argv.index("--kv-events-config") + 1
         events = json.loads(argv[i])
-        events["endpoint"] = connect_endpoint(_GATEWAY, dep.routing.kv_events_port)
+        if not dep.routing.kv_events_curve:  # with CURVE it dials its relay sidecar on the pod's loopback
+            events["endpoint"] = connect_endpoint(_GATEWAY, dep.routing.kv_events_port)
         events["topic"] = f"{events['topic']}@$({POD_IP_ENV})"
         argv[i] = json.dumps(events, separators=(",", ":"))
     i = argv.index("--host")
@@ -388,12 +391,8 @@ def _worker_objects(
             "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in ports],
         },
     }
-    resources: dict[str, Any] = {}
-    if uses_gpu(dep):
-        resources["nvidia.com/gpu"] = str(w.tensor_parallel_size)
-    for item in opts.rdma_resources:
-        name, count = item.split("=")
-        resources[name] = count
+    resources: dict[str, Any] = {"nvidia.com/gpu": str(w.tensor_parallel_size)} if uses_gpu(dep) else {}
+    resources |= dict(item.split("=", 1) for item in opts.rdma_resources)
     drain_s = dep.gateway.request_timeout_s
     container: dict[str, Any] = {
         "name": "vllm" if w.engine == "vllm" else "sim",
@@ -415,7 +414,7 @@ def _worker_objects(
     pod: dict[str, Any] = {
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": _PRESTOP_S + math.ceil(drain_s + dep.supervisor.stop_timeout_s) + 5,
-        "containers": [container],
+        "containers": [container, *relay_sidecars(dep, spec, opts.pdctl_image, _GATEWAY)],
     }
     if w.tensor_parallel_size > 1:
         container["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
@@ -465,6 +464,7 @@ def _gateway_objects(dep: Deployment, spec: ProcessSpec, ns: str, opts: K8sOptio
     # The plan's `python -m pdctl gateway -c PATH -s PATH` with the image's entry point and the mounted files.
     argv = ["pdctl", *spec.argv[3 : spec.argv.index("-c")], *_files_args(), "--host", "0.0.0.0"]
     env = [{"name": k, "value": v} for k, v in spec.env.items() if k != GATEWAY_HOLD_ENV] + _key_env(dep, opts)
+    env += secret_env(dep, GATEWAY_KEYS)
     volume, mount = _config_volume()
     container = {
         "name": _GATEWAY,

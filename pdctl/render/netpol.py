@@ -1,6 +1,7 @@
 """The gateway's NetworkPolicy (``pdctl render k8s``, ``routing.prefix_view = "exact"``): only the deployment's
-worker pods reach the KV cache events port, whose messages steer routing and carry no authentication (vLLM 0.32's
-publisher has no CURVE: docs/multi-node.md, The KV events port); the HTTP port stays open to every client.
+worker pods reach the KV cache events port, whose messages steer routing and carry no authentication unless
+``routing.kv_events_curve`` (vLLM 0.32's publisher has no CURVE; the relay sidecars add it: docs/multi-node.md, The
+KV events port); the HTTP port stays open to every client.
 
 It takes effect where the cluster's network plugin enforces NetworkPolicy (Calico, Cilium, ...); elsewhere the
 gateway's topic allowlist (:mod:`pdctl.gateway.routing.exact_view`) is what is left.

@@ -33,7 +33,7 @@ from typing import Any
 from pdctl.config import Deployment
 from pdctl.errors import ConfigError, LaunchError, NotRunningError, PdctlError
 from pdctl.runtime.eventlog import EVENT_LOG, EventTail
-from pdctl.runtime.plan import Plan, build_plan
+from pdctl.runtime.plan import Plan, build_plan, relay_name
 from pdctl.runtime.rundir import (
     STATE_FILE,
     ProcessStatus,
@@ -86,7 +86,8 @@ def split_only(values: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def host_part(dep: Deployment, only: Sequence[str], plan: Plan | None = None) -> HostPart:
-    """This host's processes: those named in ``only`` or of a role in it (``prefill``, ``decode``, ``gateway``).
+    """This host's processes: those named in ``only`` or of a role in it (``prefill``, ``decode``, ``gateway``),
+    and the KV events relays of the workers among them.
 
     Raises :class:`ConfigError` for a selector that is neither a process name nor a role.
     """
@@ -106,7 +107,9 @@ def host_part(dep: Deployment, only: Sequence[str], plan: Plan | None = None) ->
     part = dataclasses.replace(dep, supervisor=sup)
     # Rebuilt for the part's run directory (the gateway's go-file and vLLM's logging file live there).
     rebuilt = build_plan(part, full.vllm)
-    chosen = tuple(p for p in rebuilt.processes if p.name in only or p.role in only)
+    picked = {p.name for p in rebuilt.processes if p.name in only or p.role in only}
+    # A worker's KV events relay (routing.kv_events_curve) runs on the worker's host.
+    chosen = tuple(p for p in rebuilt.processes if p.name in picked or p.name in {relay_name(n) for n in picked})
     remote = tuple((w.name, f"{w.url}/health") for w in dep.workers if w.name not in {p.name for p in chosen})
     return HostPart(part, dataclasses.replace(rebuilt, processes=chosen), remote)
 

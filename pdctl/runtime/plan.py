@@ -38,11 +38,13 @@ __all__ = [
     "build_plan",
     "detect_vllm",
     "kv_transfer_config",
+    "relay_name",
+    "relay_port",
     "render_sh",
     "vllm_logging_config",
 ]
 
-ProcessRole = Literal["prefill", "decode", "gateway"]
+ProcessRole = Literal["prefill", "decode", "gateway", "relay"]
 
 #: Names a file; a gateway started with it set does all its start-up work, then waits for the file to exist
 #: before it binds its port. ``up`` starts the gateway with the workers and creates the file after the warm-up.
@@ -255,7 +257,7 @@ class Plan:
     @property
     def workers(self) -> tuple[ProcessSpec, ...]:
         """Prefill and decode processes."""
-        return tuple(p for p in self.processes if p.role != "gateway")
+        return tuple(p for p in self.processes if p.role in ("prefill", "decode"))
 
     def get(self, name: str) -> ProcessSpec:
         """The process called ``name`` (KeyError if none)."""
@@ -295,6 +297,45 @@ def kv_transfer_config(dep: Deployment, worker: WorkerConfig) -> dict[str, Any]:
     return cfg
 
 
+def relay_port(dep: Deployment, w: WorkerConfig) -> int:
+    """The loopback port of ``w``'s KV events relay (``routing.kv_events_curve``): the ports after
+    ``routing.kv_events_port``, one per worker in config order."""
+    return dep.routing.kv_events_port + 1 + [x.name for x in dep.workers].index(w.name)
+
+
+def relay_name(worker: str) -> str:
+    """The name of ``worker``'s KV events relay process (``routing.kv_events_curve``)."""
+    return f"{worker}-kv-relay"
+
+
+def _relay_spec(dep: Deployment, w: WorkerConfig) -> ProcessSpec:
+    """``pdctl kv-relay`` for ``w`` (:mod:`pdctl.vllm.kv_relay`): its keys come from the environment
+    ``up`` runs in, as the gateway's do; the server's secret is taken out of it."""
+    from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, SERVER_SECRET_ENV
+
+    r = dep.routing
+    listen = f"127.0.0.1:{relay_port(dep, w)}"
+    to = connect_endpoint(r.kv_events_host, r.kv_events_port)
+    return ProcessSpec(
+        name=relay_name(w.name),
+        role="relay",
+        argv=(sys.executable, "-m", "pdctl", "kv-relay", "--listen", listen, "--to", to),
+        env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"},
+        unset_env=(*_secret_env_names(dep), SERVER_SECRET_ENV, CLIENT_PUBLIC_ENV),
+        url=f"tcp://{listen}",
+        ready_url=f"tcp://{listen}",
+        wave=0,
+        engine="pdctl",
+        ports=(relay_port(dep, w),),
+        restart=w.restart or dep.supervisor.restart,
+    )
+
+
+def _publishes(dep: Deployment) -> bool:
+    """Whether the workers publish KV cache events (pd_mode "always" too: for another gateway, PD034)."""
+    return dep.routing.prefix_view == "exact" and dep.routing.strategy == "pd_disagg"
+
+
 def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int) -> ProcessSpec:
     model = dep.resolve_path(w.model) if _looks_local(w.model) else w.model
     flags: list[str] = []
@@ -313,8 +354,9 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         flags += _key_flags(dep.sim, {"speed": _num(dep.sim.speed), "kv_scale": _num(dep.sim.kv_scale)})
         flags += ["--sim-link", dep.kv_transfer.link]
     r = dep.routing
-    if r.prefix_view == "exact" and r.strategy == "pd_disagg":  # pd_mode "always": for another gateway (PD034)
-        events = publisher_config(connect_endpoint(r.kv_events_host, r.kv_events_port), w.name)
+    if _publishes(dep):
+        to = f"tcp://127.0.0.1:{relay_port(dep, w)}" if r.kv_events_curve else None
+        events = publisher_config(to or connect_endpoint(r.kv_events_host, r.kv_events_port), w.name)
         flags += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     traces = dep.logging.otlp_traces_endpoint
     if w.engine == "vllm" and traces:  # the simulator makes no spans
@@ -354,7 +396,7 @@ def _worker_spec(dep: Deployment, w: WorkerConfig, vllm: VllmInstall, wave: int)
         role=w.role,
         argv=tuple(argv + flags),
         env=env,
-        unset_env=_secret_env_names(dep),
+        unset_env=(*_secret_env_names(dep), *_curve_env_names(dep)),
         url=w.url,
         ready_url=f"{w.url}/health",
         wave=wave,
@@ -430,6 +472,13 @@ def _secret_env_names(dep: Deployment) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _curve_env_names(dep: Deployment) -> tuple[str, ...]:
+    """The CURVE keys (``routing.kv_events_curve``), which no engine needs."""
+    from pdctl.vllm.kv_curve import ENV_NAMES
+
+    return ENV_NAMES if dep.routing.kv_events_curve else ()
+
+
 def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     """The processes ``up`` starts for ``dep``, in start order."""
     vllm = vllm if vllm is not None else detect_vllm(dep.engine_python)
@@ -437,6 +486,8 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
     # Workers sharing a GPU must start one after the other (each sizes its memory from what is free).
     shared = any(set(a.gpu_ids) & set(b.gpu_ids) for i, a in enumerate(workers) for b in workers[i + 1 :])
     specs = [_worker_spec(dep, w, vllm, i if shared else 0) for i, w in enumerate(workers)]
+    if dep.routing.kv_events_curve and _publishes(dep):
+        specs += [_relay_spec(dep, w) for w in workers]
     g = dep.gateway
     gateway_env = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
     if workers:
@@ -454,8 +505,19 @@ def build_plan(dep: Deployment, vllm: VllmInstall | None = None) -> Plan:
         engine="pdctl",
         ports=(g.listen_port,),
         restart=dep.supervisor.restart,
+        unset_env=_gateway_unset(dep),
     )
     return Plan((*specs, gateway), vllm)
+
+
+def _gateway_unset(dep: Deployment) -> tuple[str, ...]:
+    """The relays' keys (``routing.kv_events_curve``), which the gateway does not need: it derives the client public
+    key from their secret one only when :data:`~pdctl.vllm.kv_curve.CLIENT_PUBLIC_ENV` is unset."""
+    from pdctl.vllm.kv_curve import CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV, SERVER_PUBLIC_ENV
+
+    if not dep.routing.kv_events_curve:
+        return ()
+    return (SERVER_PUBLIC_ENV, CLIENT_SECRET_ENV) if os.environ.get(CLIENT_PUBLIC_ENV) else (SERVER_PUBLIC_ENV,)
 
 
 def render_sh(plan: Plan) -> str:
@@ -484,7 +546,12 @@ def render_sh(plan: Plan) -> str:
         cmd = " ".join(shlex.quote(a) for a in p.argv)
         prefix = "env " + (unset + " " if unset else "") + (env + " " if env else "")
         lines.append(f"{prefix}{cmd} > {shlex.quote(p.name)}.log 2>&1 &")
-        lines.append(f"until curl -fsS {shlex.quote(p.ready_url)} >/dev/null 2>&1; do sleep 2; done")
+        if p.ready_url.startswith("tcp://"):  # a ZMQ socket (a KV events relay): ready once it accepts
+            host, _, port = p.ready_url.removeprefix("tcp://").rpartition(":")
+            probe = f'import socket; socket.create_connection(("{host}", {port}), 1)'
+            lines.append(f"until {shlex.quote(p.argv[0])} -c {shlex.quote(probe)} 2>/dev/null; do sleep 1; done")
+        else:
+            lines.append(f"until curl -fsS {shlex.quote(p.ready_url)} >/dev/null 2>&1; do sleep 2; done")
         lines.append("")
     lines.append("wait")
     return "\n".join(lines) + "\n"

@@ -38,7 +38,15 @@ from pdctl.runtime.pgroup import signal_group
 from pdctl.runtime.plan import ProcessSpec
 from pdctl.vllm.diagnose import Diagnosis, dead_end, diagnose
 
-__all__ = ["ExitInfo", "ManagedProcess", "NeverReadyError", "ProcessExitedError", "child_env", "signal_name"]
+__all__ = [
+    "ExitInfo",
+    "ManagedProcess",
+    "NeverReadyError",
+    "ProcessExitedError",
+    "child_env",
+    "listening",
+    "signal_name",
+]
 
 TAIL_LINES = 40
 #: How long a process that printed a dead-end line may take to exit by itself (vLLM does on a taken HTTP port)
@@ -284,9 +292,12 @@ class ManagedProcess:
         return ExitInfo(self.name, self.poll(), tail, diagnose(tail), str(self.log_path))
 
     def is_ready(self, client: httpx.Client) -> bool:
-        """One GET of ``ready_url``: True on HTTP 200."""
-        if not _accepts(self.spec.ready_url):
+        """One GET of ``ready_url``: True on HTTP 200; a ``tcp://`` one (a ZMQ socket: the KV events relay's) is
+        ready once it accepts a connection."""
+        if not listening(self.spec.ready_url):
             return False
+        if self.spec.ready_url.startswith("tcp://"):
+            return True
         try:
             return client.get(self.spec.ready_url, timeout=2.0).status_code == 200
         except httpx.HTTPError:
@@ -448,12 +459,13 @@ class ManagedProcess:
         return self.finish_stop()
 
 
-def _accepts(url: str) -> bool:
-    """Whether anything listens at ``url``'s host and port: a bare TCP connect, a tenth of the CPU of an HTTP
-    client's refused GET, which shows when a loading engine is polled 10 times a second on a machine the
-    engines keep busy (docs/performance.md, "Cutting pdctl's own share")."""
+def listening(url: str) -> bool:
+    """Whether anything listens at ``url``'s host and port (``http(s)://`` or ``tcp://``): a bare TCP connect, a
+    tenth of the CPU of an HTTP client's refused GET, which shows when a loading engine is polled 10 times a second
+    on a machine the engines keep busy (docs/performance.md, "Cutting pdctl's own share")."""
     try:
-        with socket.create_connection(parse_endpoint(url), timeout=1.0):
+        where = parse_endpoint(url.replace("tcp://", "http://", 1))
+        with socket.create_connection(where, timeout=1.0):
             return True
     except (OSError, ValueError):
         return False

@@ -283,6 +283,10 @@ def _gpu_memory() -> dict[int, float]:
 def _health(client: httpx.Client, url: str) -> str:
     import httpx
 
+    if url.startswith("tcp://"):  # a ZMQ socket (the KV events relay's): listening is all it shows
+        from pdctl.runtime.process import listening
+
+        return "ok" if listening(url) else "down"
     try:
         r = client.get(url, timeout=2.0)
     except httpx.HTTPError:

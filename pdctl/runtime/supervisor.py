@@ -44,7 +44,7 @@ ready; the warm-up probe runs before the wave that holds the gateway. A process 
 it does its imports and set-up while the engines load, and binds its port only once the supervisor creates
 the go-file, after every other wave is ready and the warm-up passed; only then is it waited for. A go-file
 left by an earlier run is removed first; a restart later finds the file and does not hold. Stop order:
-gateway (it drains its streams on SIGTERM), then decode, then prefill.
+gateway (it drains its streams on SIGTERM), then decode, then prefill, then the KV events relays.
 
 The supervisor never prints: it reports :class:`Event` s to a callback and child output to a sink.
 """
@@ -85,7 +85,7 @@ __all__ = [
     "decide_restart",
 ]
 
-STOP_ORDER = ("gateway", "decode", "prefill")
+STOP_ORDER = ("gateway", "decode", "prefill", "relay")
 REFRESH_S = 2.0
 # The SIGTERM grace of a process that can never become ready: real vLLM in that state ignored SIGTERM for the
 # whole stop_timeout_s (30 s in examples/cpu) once its workers had stopped, 3 s after the signal.
@@ -423,7 +423,7 @@ class Supervisor:
                             slot.state = ProcState.READY
                             self._emit("ready", slot.spec.name, f"{slot.spec.name} is ready again "
                                        f"(restart {slot.restarts})")  # fmt: skip
-                            if self._rewarm is not None and slot.spec.role != "gateway":
+                            if self._rewarm is not None and slot.spec.role in ("prefill", "decode"):
                                 # The new engine has a new engine_id: pay for its lazy NIXL handshake now.
                                 threading.Thread(
                                     target=self._rewarm, args=(slot.spec.name,), name="pdctl-rewarm", daemon=True
@@ -478,7 +478,7 @@ class Supervisor:
             self._emit("fatal", name, f"{name} {decision.reason}", exit=info)
             peers = [s.spec.name for s in self._slots.values() if s is not slot and s.spec.role == slot.spec.role
                      and s.state in (ProcState.STARTING, ProcState.READY, ProcState.BACKOFF)]  # fmt: skip
-            if peers and slot.spec.role != "gateway":
+            if peers and slot.spec.role in ("prefill", "decode"):
                 self._emit("info", name, f"{name} stays down; {', '.join(peers)} keep serving as {slot.spec.role}")
                 return True
             self.failure = f"{name} {decision.reason}"
@@ -503,7 +503,7 @@ class Supervisor:
     # ----------------------------------------------------------------------------------------- stop
 
     def shutdown(self, force: bool = False) -> None:
-        """Stop everything: gateway, then decode, then prefill; SIGTERM, grace, SIGKILL, sweep."""
+        """Stop everything in :data:`STOP_ORDER` (gateway first, relays last); SIGTERM, grace, SIGKILL, sweep."""
         if force:
             self.force_event.set()
         with self._lock:

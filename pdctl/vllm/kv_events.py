@@ -2,7 +2,8 @@
 
 An engine started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``
 publishes what its prefix cache gains and loses (vllm/distributed/kv_events.py, ``ZmqEventPublisher``). This
-module decodes it; it opens no socket (a subscriber loop and the gateway's use of it come later).
+module decodes it and bounds what a socket of it takes (:data:`MAX_MESSAGE_BYTES`, :data:`RCV_HWM`); it opens no
+socket (the gateway subscribes: :mod:`pdctl.gateway.routing.kv_events`; a relay forwards: :mod:`pdctl.vllm.kv_relay`).
 
 Map:
 
@@ -84,6 +85,8 @@ import msgspec
 
 __all__ = [
     "END_SEQ",
+    "MAX_MESSAGE_BYTES",
+    "RCV_HWM",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
@@ -176,6 +179,13 @@ _LENIENT = msgspec.msgpack.Decoder(_LenientBatch)
 _EVENT = msgspec.msgpack.Decoder(Event)
 _TAG = msgspec.msgpack.Decoder(_Tag)
 _KNOWN = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
+
+
+MAX_MESSAGE_BYTES = 4 << 20
+"""``ZMQ_MAXMSGSIZE`` of the events socket: a batch is one engine step's stored blocks (a step computes at most
+``max_num_batched_tokens`` tokens, a few bytes each in msgpack), so 4 MiB is a 500k-token step with room to spare."""
+RCV_HWM = 64
+"""``ZMQ_RCVHWM``: messages queued per publisher before libzmq drops more (a loss is a gap: the view starts over)."""
 
 
 def publisher_config(endpoint: str, topic: str) -> dict[str, Any]:

@@ -581,3 +581,27 @@ def test_workers_on_other_hosts_cannot_reach_a_loopback_events_port(recipe_files
         '"http://127.0.0.1:8200"': '"http://10.0.0.2:8200"',
     }
     assert not [f for f in codes(*recipe_files({}, moved)).get("PD034", []) if f.key == "routing.kv_events_host"]
+
+
+def test_kv_events_curve_needs_its_keys_in_the_environment(recipe_files) -> None:  # type: ignore[no-untyped-def]
+    """PD040: routing.kv_events_curve without a key the gateway or the relays read (an error for `up`), a
+    malformed one (its value never shown), or where no event travels; its relays' ports are checked too."""
+    from pdctl.vllm import kv_curve
+
+    keys = kv_curve.new_keys()
+    on = '"routing": {\n    "pd_mode": "adaptive",\n    "prefix_view": "exact",\n    "kv_events_curve": true,'
+    files = recipe_files({}, {'"routing": {': on})
+    assert "PD040" not in codes(*files, env={**KEY_ENV, **keys})
+    (missing,) = codes(*files)["PD040"]
+    assert missing.severity == "warning" and kv_curve.SERVER_SECRET_ENV in missing.message
+    assert "pdctl keys kv-events" in (missing.hint or "")
+    (for_up,) = codes(*files, for_up=True)["PD040"]
+    assert for_up.severity == "error"
+    gateway_only = {k: v for k, v in keys.items() if k in (kv_curve.SERVER_SECRET_ENV, kv_curve.CLIENT_PUBLIC_ENV)}
+    (relays,) = codes(*files, env={**KEY_ENV, **gateway_only})["PD040"]
+    assert kv_curve.CLIENT_SECRET_ENV in relays.message and "relays" in relays.message
+    bad = "~" * 40  # outside Z85
+    (malformed,) = codes(*files, env={**KEY_ENV, **keys, kv_curve.SERVER_SECRET_ENV: bad})["PD040"]
+    assert "Z85" in malformed.message and bad not in malformed.message
+    (idle,) = codes(*recipe_files({}, {'"routing": {': '"routing": {\n    "kv_events_curve": true,'}))["PD040"]
+    assert idle.severity == "info" and idle.fixes == ({"settings.json:routing.kv_events_curve": False},)

@@ -4,6 +4,7 @@ every rendered file. Running them (image built, simulated workers) is tests/test
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shutil
@@ -276,3 +277,13 @@ def test_every_compose_rule_is_documented() -> None:
     src = (REPO / "pdctl" / "render" / "compose.py").read_text(encoding="utf-8")
     doc = (REPO / "docs" / "multi-node.md").read_text(encoding="utf-8")
     assert set(re.findall(r'"(DC\d{3})"', src)) == set(re.findall(r"^\| (DC\d{3}) \|", doc, flags=re.M))
+
+
+def test_kv_events_curve_is_refused_until_compose_runs_the_relays(tmp_path: Path) -> None:
+    for f in ("config.toml", "settings.json"):
+        shutil.copy(REPO / "examples" / "cpu" / f, tmp_path / f)
+    dep = config.load(tmp_path / "config.toml", tmp_path / "settings.json")
+    routing = dataclasses.replace(dep.routing, pd_mode="adaptive", prefix_view="exact", kv_events_curve=True)
+    rendered = render(dataclasses.replace(dep, routing=routing), ComposeOptions(image="vllm-cpu"), tmp_path)
+    assert not rendered.files
+    assert [(f.code, f.severity) for f in rendered.findings] == [("DC004", "error")]

@@ -246,6 +246,45 @@ def test_the_exact_prefix_view_sends_every_workers_kv_events_to_the_gateway_serv
     assert "--kv-events-config" not in plain["args"] and "PDCTL_POD_IP" not in {e["name"] for e in plain["env"]}
 
 
+def test_kv_events_curve_adds_a_relay_sidecar_and_reads_every_key_from_the_secret() -> None:
+    """routing.kv_events_curve: each engine publishes to a kv-relay container on its pod's loopback; the relay and
+    the gateway get their keys by secretKeyRef from the Secret `pdctl keys kv-events --format k8s` makes; no
+    manifest holds a key, and the NetworkPolicy still admits only the worker pods."""
+    from pdctl.render.netpol import NAME
+    from pdctl.vllm import kv_curve
+
+    dep = load("seed")
+    dep = dataclasses.replace(dep, routing=dataclasses.replace(dep.routing, pd_mode="adaptive", prefix_view="exact",
+                                                               kv_events_port=5557, kv_events_curve=True))  # fmt: skip
+    docs = objects(render(dep))
+    for doc in docs:
+        assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+        assert doc["kind"] != "Secret"
+
+    def ref(name: str) -> dict[str, object]:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": kv_curve.SECRET_NAME, "key": name}}}
+
+    for w in dep.workers:
+        pod = find(docs, "StatefulSet", w.name)["spec"]["template"]["spec"]
+        engine, relay = pod["containers"]
+        events = json.loads(engine["args"][engine["args"].index("--kv-events-config") + 1])
+        assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["topic"] == f"{w.name}@$(PDCTL_POD_IP)"
+        listen = events["endpoint"].removeprefix("tcp://")
+        assert relay["name"] == "kv-relay" and relay["command"] == ["pdctl"]
+        assert relay["args"] == ["kv-relay", "--listen", listen, "--to", "tcp://gateway:5557"]
+        assert ref(kv_curve.CLIENT_SECRET_ENV) in relay["env"] and ref(kv_curve.SERVER_PUBLIC_ENV) in relay["env"]
+        assert not {e["name"] for e in engine["env"]} & set(kv_curve.ENV_NAMES)
+        assert len([e for e in relay["env"] if e["name"] in kv_curve.ENV_NAMES]) == 2
+    gw = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert ref(kv_curve.SERVER_SECRET_ENV) in gw["env"] and ref(kv_curve.CLIENT_PUBLIC_ENV) in gw["env"]
+    assert kv_curve.CLIENT_SECRET_ENV not in {e["name"] for e in gw["env"]}
+    assert find(docs, "NetworkPolicy", NAME)
+    # Off: one container per worker pod, no key variable anywhere.
+    off = objects(render(dataclasses.replace(dep, routing=dataclasses.replace(dep.routing, kv_events_curve=False))))
+    assert len(find(off, "StatefulSet", "decode")["spec"]["template"]["spec"]["containers"]) == 1
+    assert not any(name in json.dumps(off) for name in kv_curve.ENV_NAMES)
+
+
 def test_ucx_and_rdma_knobs_reach_every_worker_pod() -> None:
     opts = K8sOptions(ucx_tls="rc,cuda_copy", ucx_net_devices="mlx5_0:1", rdma_resources=("rdma/ib=1",))
     for w in ("prefill", "decode"):

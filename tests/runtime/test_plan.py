@@ -278,3 +278,46 @@ def test_a_simulator_worker_has_no_ipc_folder(recipe_files) -> None:  # type: ig
     pre, dec = build_plan(load(*recipe_files(config_edits={'role = "prefill"': 'role = "prefill"\nengine = "sim"'})),
                           GPU).workers  # fmt: skip
     assert pre.ipc_dir is None and "VLLM_RPC_BASE_PATH" not in pre.env and dec.ipc_dir is not None
+
+
+def test_kv_events_curve_starts_a_relay_beside_each_worker(recipe_files, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """routing.kv_events_curve: each worker publishes to its own relay on loopback, the relay carries the events
+    to the gateway's port; the keys reach each process through the environment of `up` alone, and only those
+    it needs."""
+    from pdctl.runtime.process import child_env
+    from pdctl.vllm import kv_curve
+
+    keys = kv_curve.new_keys()
+    for name, value in keys.items():
+        monkeypatch.setenv(name, value)
+    exact = '"strategy": "pd_disagg",\n    "prefix_view": "exact", "pd_mode": "adaptive", "kv_events_port": 6000,'
+    files = recipe_files(settings_edits={'"strategy": "pd_disagg",': exact + ' "kv_events_curve": true,'})
+    plan = build_plan(load(*files), GPU)
+    assert [p.name for p in plan.processes] == ["prefill", "decode", "prefill-kv-relay", "decode-kv-relay", "gateway"]
+    assert [p.name for p in plan.workers] == ["prefill", "decode"]
+    pre, dec, pre_relay, dec_relay, gw = plan.processes
+    for worker, relay, port in ((pre, pre_relay, 6001), (dec, dec_relay, 6002)):
+        events = json.loads(_flag(worker.argv, "--kv-events-config"))
+        assert events["endpoint"] == f"tcp://127.0.0.1:{port}" and events["topic"] == worker.name
+        assert relay.role == "relay" and relay.argv[1:4] == ("-m", "pdctl", "kv-relay")
+        assert (_flag(relay.argv, "--listen"), _flag(relay.argv, "--to")) == (
+            f"127.0.0.1:{port}",
+            "tcp://127.0.0.1:6000",
+        )
+        assert relay.ready_url == f"tcp://127.0.0.1:{port}" and relay.ports == (port,)
+        assert not set(kv_curve.ENV_NAMES) & set(child_env(worker))
+        assert set(child_env(relay)) & set(kv_curve.ENV_NAMES) == {kv_curve.CLIENT_SECRET_ENV,
+                                                                    kv_curve.SERVER_PUBLIC_ENV}  # fmt: skip
+    assert kv_curve.SERVER_SECRET_ENV in child_env(gw) and kv_curve.CLIENT_SECRET_ENV not in child_env(gw)
+    shown = json.dumps([p.to_json() for p in plan.processes]) + render_sh(plan)
+    assert not any(value in shown for value in keys.values())
+    assert """'import socket; socket.create_connection(("127.0.0.1", 6001), 1)'""" in render_sh(plan)  # no curl on ZMQ
+    # `up --only decode` on the decode's host runs its relay too.
+    from pdctl.runtime.control import host_part
+
+    part = host_part(load(*files), ["decode"], plan)
+    assert [p.name for p in part.plan.processes] == ["decode", "decode-kv-relay"]
+    # Off (the default): no relay, the workers dial the gateway's port.
+    plain = build_plan(load(*recipe_files(settings_edits={'"strategy": "pd_disagg",': exact})), GPU)
+    assert [p.role for p in plain.processes] == ["prefill", "decode", "gateway"]
+    assert json.loads(_flag(plain.processes[0].argv, "--kv-events-config"))["endpoint"] == "tcp://127.0.0.1:6000"

@@ -15,15 +15,17 @@ socket there and every worker dials in, as llm-d's KV cache manager does; the to
   restarted engine starts at 0) empties that worker's view before the message is applied, so the view never
   claims a block the engine may have dropped. ``AllBlocksCleared`` empties it too.
 
-Who may speak (docs/reliability.md, Hostile clients and hostile networks): the port is unauthenticated (vLLM
-0.32's publisher has no CURVE, docs/multi-node.md), so it binds ``routing.kv_events_host`` (loopback unless
-configured; a NetworkPolicy guards it on Kubernetes), and the subscriber accepts only the topics its ``allowed``
-callable names (the gateway's: its own and discovered instances'); an unknown topic gets no view, no tracker and
-no metric label of its own. Every frame is at most :data:`MAX_MESSAGE_BYTES` (libzmq drops the connection of a
-larger one) and at most :data:`RCV_HWM` messages wait per publisher. A message is applied alone: one that cannot
-be read or applied is counted (``malformed``), logged once and dropped, and its worker's view starts over. Should
-the loop itself fail, it is logged and counted (``subscriber_error``), every view reads as absent (the
-approximate view serves) and the socket is opened again.
+Who may speak (docs/reliability.md, Hostile clients and hostile networks): vLLM 0.32's publisher has no CURVE
+(docs/multi-node.md), so by default the port is unauthenticated and binds ``routing.kv_events_host`` (loopback
+unless configured; a NetworkPolicy guards it on Kubernetes). With ``routing.kv_events_curve`` the socket that binds
+it is a CURVE server (``curve``, :mod:`pdctl.vllm.kv_curve`) that admits only the deployment's relays
+(:mod:`pdctl.vllm.kv_relay`). Either way the subscriber accepts only the topics its ``allowed`` callable names (the
+gateway's: its own and discovered instances'); an unknown topic gets no view, no tracker and no metric label of its
+own. Every frame is at most :data:`~pdctl.vllm.kv_events.MAX_MESSAGE_BYTES` (libzmq drops the connection of a
+larger one) and at most :data:`~pdctl.vllm.kv_events.RCV_HWM` messages wait per publisher. A message is applied
+alone: one that cannot be read or applied is counted (``malformed``), logged once and dropped, and its worker's
+view starts over. Should the loop itself fail, it is logged and counted (``subscriber_error``), every view reads as
+absent (the approximate view serves) and the socket is opened again.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ import msgspec
 from pdctl.config.settings import DEFAULT_KV_EVENTS_MAX_BLOCKS
 from pdctl.errors import LaunchError
 from pdctl.gateway.routing.exact_view import ExactIndex
+from pdctl.vllm.kv_curve import ServerKeys, secure_server, start_authenticator
 from pdctl.vllm.kv_events import (
+    MAX_MESSAGE_BYTES,
+    RCV_HWM,
     SeqStatus,
     SequenceTracker,
     decode_batch_skipping_unknown,
@@ -51,11 +56,6 @@ __all__ = ["EventsRelay", "KvEventSubscriber"]
 
 log = logging.getLogger("pdctl.gateway")
 
-MAX_MESSAGE_BYTES = 4 << 20
-"""``ZMQ_MAXMSGSIZE`` of the events socket: a batch is one engine step's stored blocks (a step computes at most
-``max_num_batched_tokens`` tokens, a few bytes each in msgpack), so 4 MiB is a 500k-token step with room to spare."""
-RCV_HWM = 64
-"""``ZMQ_RCVHWM``: messages queued per publisher before libzmq drops more (a loss is a gap: the view starts over)."""
 VIEW_BLOCKS_PER_ENGINE_BLOCK = 2
 """A view's bound, per block its engine's KV cache holds (``allowed``'s worker reported it): an engine never holds
 more than its blocks, so more in its view means removals were missed; twice leaves room for a removal that trails
@@ -71,6 +71,7 @@ class KvEventSubscriber:
         self, endpoint: str, count: Callable[[str, str], None] | None = None, connect: bool = False,
         allowed: Callable[[str], bool] | None = None, max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS,
         capacity: Callable[[str], int | None] | None = None,
+        curve: ServerKeys | None = None,
     ) -> None:  # fmt: skip
         """``endpoint``: the address to bind (``tcp://127.0.0.1:5557``), or with ``connect`` the relay's to connect
         to (:class:`EventsRelay`); ``count(topic, what)``: called per event applied (its type name), per resync
@@ -78,8 +79,10 @@ class KvEventSubscriber:
         topic ``-``) and per failure of the loop (``subscriber_error``, under ``-``); ``allowed(topic)``: whether
         a topic is one of the deployment's workers (None: every topic, for a socket only trusted peers reach);
         ``max_blocks``: each view's bound (:class:`ExactIndex`), lowered to :data:`VIEW_BLOCKS_PER_ENGINE_BLOCK` x
-        ``capacity(topic)``, the blocks that worker's engine holds (None: not known)."""
+        ``capacity(topic)``, the blocks that worker's engine holds (None: not known); ``curve``: the bound socket is
+        a CURVE server with these keys, admitting their clients only."""
         self.endpoint = endpoint
+        self.curve = None if connect else curve
         self.connect = connect
         self.views: dict[str, ExactIndex] = {}
         self.bound = False
@@ -176,8 +179,11 @@ class KvEventSubscriber:
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context()
+        auth = start_authenticator(ctx, self.curve) if self.curve is not None else None
         sock = ctx.socket(zmq.SUB)
         try:
+            if self.curve is not None:
+                secure_server(sock, self.curve)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.RCVHWM, RCV_HWM)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -191,20 +197,25 @@ class KvEventSubscriber:
                 return
             self.bound = True
             self.failed = False
-            log.info("KV events: listening on %s", self.endpoint)
+            log.info("KV events: listening on %s%s", self.endpoint, " (CURVE)" if self.curve is not None else "")
             while True:
                 self.feed(await sock.recv_multipart())
         finally:
             self.bound = False
             sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
 
 
 class EventsRelay:
     """The parent gateway process's relay: binds the workers' events address, republishes on an ipc socket."""
 
-    def __init__(self, bind: str, ipc_path: Path) -> None:
+    def __init__(self, bind: str, ipc_path: Path, curve: ServerKeys | None = None) -> None:
         self.bind = bind
+        self.curve = curve
+        """The keys that make the bound socket a CURVE server (``routing.kv_events_curve``); None: plain."""
+        self._auth: Any = None
         self.endpoint = f"ipc://{ipc_path}"
         """Where the children connect (:class:`KvEventSubscriber` with ``connect``)."""
         self._thread: threading.Thread | None = None
@@ -216,7 +227,10 @@ class EventsRelay:
         import zmq
 
         ctx = self._ctx = zmq.Context()
+        self._auth = start_authenticator(ctx, self.curve) if self.curve is not None else None
         front, back = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+        if self.curve is not None:
+            secure_server(front, self.curve)
         front.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         front.setsockopt(zmq.RCVHWM, RCV_HWM)
         try:
@@ -225,6 +239,7 @@ class EventsRelay:
         except zmq.ZMQError as exc:
             front.close(linger=0)
             back.close(linger=0)
+            self._stop_auth()
             ctx.term()
             raise LaunchError(f"the gateway cannot bind {self.bind} for the workers' KV cache events: {exc}",
                               hint="another program holds routing.kv_events_port: stop it or change the port",
@@ -242,8 +257,14 @@ class EventsRelay:
         self._thread = threading.Thread(target=relay, name="kv-events-relay", daemon=True)
         self._thread.start()
 
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
     def close(self) -> None:
         """Stop relaying and close both sockets."""
+        self._stop_auth()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

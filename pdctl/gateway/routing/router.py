@@ -44,6 +44,7 @@ from pdctl.gateway.routing.plan import RoutePlan
 from pdctl.gateway.routing.pool import Instance, Pool, Role
 from pdctl.gateway.routing.prefill_queue import PrefillQueue
 from pdctl.gateway.settings import GatewaySettings
+from pdctl.vllm.kv_curve import server_keys
 from pdctl.vllm.kv_events import bind_endpoint
 
 __all__ = ["PROBE_EVERY_S", "Router"]
@@ -70,10 +71,11 @@ class Router:
         """The workers' KV cache events (``routing.prefix_view = "exact"``), which the caller runs; None: the
         approximate view alone."""
         if self.by_request and r.reads_kv_events:
-            relay = settings.kv_events_connect
+            relay = settings.kv_events_connect  # the parent's relay, on ipc, holds the CURVE server then
             self.events = KvEventSubscriber(
                 relay or bind_endpoint(r.kv_events_host, r.kv_events_port), self._count_event,
                 connect=relay is not None, allowed=self._known, max_blocks=r.kv_events_max_blocks,
+                curve=server_keys() if r.kv_events_curve and relay is None else None,
                 capacity=self._kv_blocks,
             )  # fmt: skip
         if self.by_request and self.events is None and "kv_aware" in r.policies:
