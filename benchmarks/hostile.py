@@ -15,7 +15,7 @@ Per phase: the inter-token gap (the time between a stream's consecutive SSE even
 completed and failed, and the gateway's peak RSS; then p99 under attack / quiet. Every well-behaved request must
 end with ``[DONE]``.
 
-    .venv/bin/python -m benchmarks.hostile [--streams 32] [--seconds 20] [--rounds 2]
+    .venv/bin/python -m benchmarks.hostile [--streams 32] [--seconds 20] [--rounds 2] [--inputs ids,events]
 """
 
 from __future__ import annotations
@@ -133,7 +133,11 @@ def _ids_body(values: int) -> bytes:
     return b'{"model":"sim-model","max_tokens":1,"prompt":[' + b",".join([b"7"] * values) + b"]}"
 
 
-async def _big_bodies(url: str, until: float, phase: Phase) -> None:
+INPUTS = ("64MiB", "ids", "ids-at-value-limit", "events")
+"""What the attacker can send (``--inputs``): the three bodies and the KV events."""
+
+
+async def _big_bodies(url: str, until: float, phase: Phase, inputs: tuple[str, ...] = INPUTS) -> None:
     """64 MiB declared (413 from the header), a token-id prompt just under the byte limit (413 from its commas) and
     one just under the value limit (parsed, then a 400)."""
     limit = body_limit(None, [MAX_MODEL_LEN], False)
@@ -143,9 +147,13 @@ async def _big_bodies(url: str, until: float, phase: Phase) -> None:
     at_values = _ids_body(values - 8)
     assert len(ids) < limit
     head = {"authorization": f"Bearer {H.KEY}", "content-type": "application/json"}
+    bodies = [(w, c) for w, c in (("64MiB", b"x" * (64 << 20)), ("ids", ids), ("ids-at-value-limit", at_values))
+              if w in inputs]  # fmt: skip
+    if not bodies:
+        return
     async with httpx.AsyncClient(timeout=60.0) as client:
         while time.perf_counter() < until:
-            for what, content in (("64MiB", b"x" * (64 << 20)), ("ids", ids), ("ids-at-value-limit", at_values)):
+            for what, content in bodies:
                 try:
                     r = await client.post(f"{url}/v1/completions", content=content, headers=head)
                     key = f"{what} -> {r.status_code}"
@@ -218,13 +226,14 @@ async def _rss(pid: int, until: float, phase: Phase) -> None:
 
 
 async def _phase(name: str, url: str, pid: int, events_port: int, streams: int, seconds: float,
-                 attack: bool) -> Phase:  # fmt: skip
+                 attack: bool, inputs: tuple[str, ...] = INPUTS) -> Phase:  # fmt: skip
     phase = Phase(name)
     until = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     attacker = None
     if attack:  # a process of its own: its work must not stall this client's loop, only (if at all) the gateway's
-        argv = [H.PY, "-m", "benchmarks.hostile", "--attack", url, str(events_port), str(seconds)]
+        argv = [H.PY, "-m", "benchmarks.hostile", "--attack", url, str(events_port), str(seconds),
+                "--inputs", ",".join(inputs)]  # fmt: skip
         attacker = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
         tasks = [_stream(client, url, i, until, phase) for i in range(streams)] + [_rss(pid, until, phase)]
@@ -235,11 +244,13 @@ async def _phase(name: str, url: str, pid: int, events_port: int, streams: int, 
     return phase
 
 
-async def _attack(url: str, events_port: int, seconds: float) -> dict[str, int]:
+async def _attack(url: str, events_port: int, seconds: float, inputs: tuple[str, ...]) -> dict[str, int]:
     phase = Phase("attacker")
     until = time.perf_counter() + seconds
-    await asyncio.gather(_big_bodies(url, until, phase), _big_bodies(url, until, phase),
-                         _events(events_port, until, phase))  # fmt: skip
+    tasks = [_big_bodies(url, until, phase, inputs), _big_bodies(url, until, phase, inputs)]
+    if "events" in inputs:
+        tasks.append(_events(events_port, until, phase))
+    await asyncio.gather(*tasks)
     return phase.attacks
 
 
@@ -248,11 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20.0, help="per phase, split over the rounds")
     parser.add_argument("--rounds", type=int, default=2, help="quiet and attack phases, interleaved")
+    parser.add_argument("--inputs", default=",".join(INPUTS), help="what the attacker sends, comma-separated: "
+                        + ", ".join(INPUTS))  # fmt: skip
     parser.add_argument("--attack", nargs=3, metavar=("URL", "EVENTS_PORT", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    inputs = tuple(x for x in args.inputs.split(",") if x)
+    unknown = sorted(set(inputs) - set(INPUTS))
+    if unknown:
+        parser.error(f"--inputs: unknown {', '.join(unknown)} (choose from {', '.join(INPUTS)})")
     if args.attack:
         url, port, seconds = args.attack
-        print(json.dumps(asyncio.run(_attack(url, int(port), float(seconds)))))
+        print(json.dumps(asyncio.run(_attack(url, int(port), float(seconds), inputs))))
         return 0
     events_port = free_port()
     with tempfile.TemporaryDirectory(prefix="pdctl-hostile-") as logs:
@@ -267,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):  # interleaved, so drift and warm-up weigh on both alike
                 for into, attack in ((quiet, False), (hostile, True)):
                     into.add(asyncio.run(_phase(into.name, gw.url, gw.popen.pid, events_port, args.streams,
-                                                args.seconds / args.rounds, attack)))  # fmt: skip
+                                                args.seconds / args.rounds, attack, inputs)))  # fmt: skip
             after = asyncio.run(_phase("after", gw.url, gw.popen.pid, events_port, args.streams, 5.0, False))
             metrics = httpx.get(f"{gw.url}/metrics", timeout=10.0).text
         finally:
