@@ -79,8 +79,9 @@ UNSIZED_BODY_BYTES = 32 << 20
 #: The JSON values (counted as the commas between them) a body may hold per token of the largest context served:
 #: a token id is one, a message two (its role and content), a token of text at most one comma.
 BODY_VALUES_PER_TOKEN = 4
-#: Values besides the prompt's: a coding agent's tool schemas are a few thousand.
-BODY_MARGIN_VALUES = 1 << 16
+#: Values besides the prompt's: a coding agent's tool schemas are a few thousand. Each value admitted costs parse
+#: time on the gateway (docs/reliability.md), so the margin stays a few times what agents send.
+BODY_MARGIN_VALUES = 1 << 14
 #: Bodies larger than this are parsed on a thread (:func:`parse_body_off_loop`), not on the event loop.
 OFF_LOOP_BYTES = 1 << 20
 #: ``max_tokens`` where the model's context length is unknown (an upstream's): larger is no model's.
@@ -215,6 +216,8 @@ def _longest(value: Any) -> int:
     """The longest list in a prompt, messages or input (one level of nesting: a batch of token-id prompts)."""
     if not isinstance(value, list):
         return 0
+    if value and type(value[0]) is int:  # token ids: no walk of a long list
+        return len(value)
     inner = max((len(v) for v in value if isinstance(v, list)), default=0)
     return max(len(value), inner)
 
@@ -233,7 +236,8 @@ def parse_body(raw: bytes, max_nesting: int) -> dict[str, Any]:
         raise ApiError(400, f"invalid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
-    if not _depth_ok(body, max_nesting):
+    # A body can only be as deep as its brackets are many: a token-id prompt needs no walk.
+    if raw.count(b"[") + raw.count(b"{") > max_nesting and not _depth_ok(body, max_nesting):
         raise ApiError(400, f"request body is nested deeper than {max_nesting} levels", code="invalid_json")
     for name in ENGINE_FIELDS:
         body.pop(name, None)

@@ -38,6 +38,7 @@ def _error(fn: Any, *args: Any) -> ApiError:
         (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
         (b"[1, 2]", "must be a JSON object"),
         (b'{"a": [[[[1]]]]}', "nested deeper than 4 levels"),
+        (b'{"prompt": [1, 2, [[[3]]]]}', "nested deeper than 4 levels"),
         (b"[" * 100_000, "nested too deeply"),
     ],
 )
