@@ -9,25 +9,29 @@ engines").
    and a 1 ms sleep's wake-up lateness (p50/p99/max), the same as with the deployment stopped.
 4. With ``--contention ROUNDS``: what the idle engines take from other work on their own cores. One pure-Python
    loop pinned to each core in ``--cores`` for ``--seconds``, while each engine's per-thread CPU is sampled, in
-   each of these arms, interleaved ROUNDS times (:data:`ARMS`): ``group`` (pdctl's default: the threads pdctl idled
-   at SCHED_IDLE, put into the idle cpu cgroup, and from then on left to the supervisor, which takes them out while
-   the engine has a request, ``[supervisor] idle_group``), ``sched_idle`` (SCHED_IDLE, held in the root cgroup,
+   each of these arms, interleaved ROUNDS times (:data:`ARMS`): ``group`` (the threads pdctl idled at SCHED_IDLE,
+   put into the idle cpu cgroup, and from then on left to the supervisor's follower, which takes them out while the
+   engine serves: ``[supervisor] idle_group = "cgroup"``, which the deployment must run with), ``sched_idle`` (SCHED_IDLE, held in the root cgroup,
    i.e. their session's autogroup: ``idle_group = "off"``), ``other`` (SCHED_OTHER, as vLLM starts them, in the
    root cgroup: ``idle_spinning_threads = false``), ``static`` (SCHED_IDLE, held in the idle cgroup, requests or
    not) and ``frozen`` (every worker process SIGSTOPped: the engines' CPU as with the deployment down, without
    reloading it), ``weight`` (SCHED_IDLE, held in a cgroup of :data:`WEIGHT_SHARES` shares: about a tenth of a core
    against one busy session); each arm's engine CPU (% of a core) and loop speed. A held arm writes its cgroup again every
-   0.1 s, over the supervisor's own moves. The threads are put back (policy and cgroup) at the end, the workers
+   0.02 s, over the supervisor's own moves. The threads are put back (policy and cgroup) at the end, the workers
    continued.
 5. With ``--ab ROUNDS``: the same arms but ``frozen`` under load, interleaved: ``pdctl bench -w doc -n 8
    --concurrency 2`` through the gateway, ROUNDS times; each arm's TTFT/TPOT medians and the engines' NIXL
    transfers. The threads are those at SCHED_IDLE when the run starts (pdctl's choice), else the busy ones.
-   Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu). Without a writable cgroup v1
-   cpu hierarchy (not root), ``group`` is left out: there pdctl lowers the engine's autogroup instead, which
-   follows the engine's requests and is not switched here.
+   With ``--ab-load``, a pure-Python loop pinned to each of ``--cores`` runs through every bench (and 2 s before
+   it): the requests arrive while other work holds the cores. With ``--first``, each bench is one request after
+   5 s idle (:data:`FIRST_IDLE_S`): the first request of a burst, where a thread out of its group is back latest.
+   Needs the gateway's key in its variable (``PDCTL_API_KEY`` for examples/cpu). Without a writable cgroup v1 cpu
+   hierarchy (not root), ``group`` is left out: there pdctl lowers the engine's autogroup instead, which follows
+   the engine's activity and is not switched here.
 
     .venv/bin/python -m benchmarks.idle_threads -c examples/cpu/config.toml -s examples/cpu/settings.json \\
-        [--seconds 15] [--native] [--probe-core 0] [--contention 2 --cores 0,1] [--ab 2] [--arms group,other]
+        [--seconds 15] [--native] [--probe-core 0] [--contention 2 --cores 0,1] [--ab 2 [--ab-load] [--first]]
+        [--arms group,other]
         [--json OUT]
 """
 
@@ -44,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -165,6 +170,8 @@ def set_policy(tids: list[int], policy: int) -> None:
 
 
 #: Every arm: how the idled threads are set (``frozen``: the workers stopped instead).
+#: Idle time before a ``--first`` request: longer than the follower's hold and vLLM's own spin after a request.
+FIRST_IDLE_S = 5.0
 ARMS = ("group", "sched_idle", "other", "static", "weight", "frozen")
 #: The ``weight`` arm's cgroup: held there, not idle but at this ``cpu.shares`` (1024 is a nice-0 group's).
 WEIGHT_SHARES = 102
@@ -235,7 +242,7 @@ class Arms:
         return group
 
     def _holder(self, stop: threading.Event, target: Path) -> None:
-        while not stop.wait(0.1):
+        while not stop.wait(0.02):
             cpugroup.move_threads(self.tids, target)
 
     def _release(self) -> None:
@@ -304,26 +311,40 @@ def contention(
     return arms
 
 
-def bench(config: str, settings: str, out: Path, urls: list[str]) -> dict[str, float]:
-    """One short ``pdctl bench`` run through the gateway, the engines' ``urls`` scraped: completed, failed, TTFT and
-    TPOT medians (ms), NIXL transfers and their mean time (ms, the engines' ``vllm:nixl_xfer_time_seconds``)."""
-    pdctl = [sys.executable, "-m", "pdctl", "bench", "-c", config, "-s", settings, "-w", "doc", "-n", "8",
-             "--concurrency", "2", "--warmup", "1", "--timeout", "300", "-o", str(out)]  # fmt: skip
+def bench(config: str, settings: str, out: Path, urls: list[str], first: bool = False) -> dict[str, float]:
+    """One short ``pdctl bench`` run through the gateway (8 requests, 2 at a time, after one warm-up; ``first``: one
+    request, no warm-up), the engines' ``urls`` scraped: completed, failed, TTFT and TPOT medians (ms), NIXL
+    transfers and their mean time (ms, the engines' ``vllm:nixl_xfer_time_seconds``)."""
+    n, concurrency, warmup = ("1", "1", "0") if first else ("8", "2", "1")
+    pdctl = [sys.executable, "-m", "pdctl", "bench", "-c", config, "-s", settings, "-w", "doc", "-n", n,
+             "--concurrency", concurrency, "--warmup", warmup, "--timeout", "300", "-o", str(out)]  # fmt: skip
     for url in urls:
         pdctl += ["--metrics-url", url.rstrip("/") + "/metrics"]
     subprocess.run(pdctl, capture_output=True, text=True, check=True)
     run = json.loads(out.read_text(encoding="utf-8"))
     row = {k: float(run[k]) for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms")}
-    kv = kv_summary(run.get("metric_deltas") or {})
+    if run["failed"]:
+        print(f"  failed: {[e for e in run.get('errors') or [] if e]}")
+    kv = kv_summary((run.get("pdctl") or {}).get("metric_deltas") or {})
     row["kv_transfers"] = kv.get("kv_transfers", 0.0)
     row["kv_xfer_ms_mean"] = round(kv.get("kv_xfer_ms_mean", 0.0), 2)
     return row
 
 
 def ab(
-    config: str, settings: str, workers: dict[str, int], tids: list[int], rounds: int, names: list[str], urls: list[str]
+    config: str,
+    settings: str,
+    workers: dict[str, int],
+    tids: list[int],
+    rounds: int,
+    names: list[str],
+    urls: list[str],
+    load_cores: Sequence[int] = (),
+    first: bool = False,
 ) -> dict[str, list[dict[str, float]]]:
-    """Benchmarks in each arm of ``names`` (not ``frozen``), interleaved; the threads put back at the end."""
+    """Benchmarks in each arm of ``names`` (not ``frozen``), interleaved; the threads put back at the end. With
+    ``load_cores``, a bystander loop pinned to each of them runs through every bench (other work on the cores).
+    ``first``: each bench is one request after :data:`FIRST_IDLE_S` of idle (the first request of a burst)."""
     state = Arms(workers, tids)
     names = [n for n in state.available(names) if n != "frozen"]
     arms: dict[str, list[dict[str, float]]] = {n: [] for n in names}
@@ -332,7 +353,16 @@ def ab(
             for i in range(rounds):
                 for name in names:
                     state.set(name)
-                    arms[name].append(bench(config, settings, Path(d) / f"{name}-{i}.json", urls))
+                    loops = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, "-c", _LOOP.format(s=3600)],
+                                              stdout=subprocess.DEVNULL, start_new_session=True) for c in load_cores]  # fmt: skip
+                    # The engines idle beside the loops first, as beside a job.
+                    time.sleep(FIRST_IDLE_S if first else 2.0 if loops else 0.0)
+                    try:
+                        arms[name].append(bench(config, settings, Path(d) / f"{name}-{i}.json", urls, first))
+                    finally:
+                        for p in loops:
+                            p.kill()
+                            p.wait()
                     print(f"  {name} round {i + 1}: {arms[name][-1]}")
     finally:
         state.restore()
@@ -352,6 +382,8 @@ def main() -> None:
     ap.add_argument("--cores", default="0,1", help="--contention's cores, comma-separated")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="benchmarks in each arm (not frozen)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"--contention's and --ab's arms, of {', '.join(ARMS)}")
+    ap.add_argument("--ab-load", action="store_true", help="--ab with a bystander loop on each of --cores")
+    ap.add_argument("--first", action="store_true", help="--ab's benches: one request after 5 s idle each")
     ap.add_argument("--json", default=None, help="write the measurements here")
     a = ap.parse_args()
     dep = load(Path(a.config), Path(a.settings))
@@ -391,7 +423,10 @@ def main() -> None:
     if a.ab:
         busy = idled or [r.tid for r in rows if r.pct >= a.busy_pct]
         print(f"A/B of {len(busy)} busy thread(s) {busy}: arms {names}, {a.ab} round(s)")
-        result["ab"] = ab(a.config, a.settings, workers, busy, a.ab, names, urls)
+        load_cores = [int(c) for c in a.cores.split(",")] if a.ab_load else []
+        result["ab"] = ab(a.config, a.settings, workers, busy, a.ab, names, urls, load_cores, a.first)
+        result["ab_first"] = a.first
+        result["ab_load_cores"] = load_cores
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 

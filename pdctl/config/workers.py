@@ -318,11 +318,11 @@ class SupervisorConfig:
         "busy anyway (NIXL's UCX progress thread) at `SCHED_IDLE`, again after a restart (docs/cpu.md)",
     )
     idle_group: str = key(
-        "off", as_choice("auto", "cgroup", "autogroup", "off"), "auto, cgroup, autogroup or off", use="supervisor",
-        doc="with `idle_spinning_threads`: while the engine has no request, also take those threads out of their "
-        "session's scheduling group, so they leave the core to other work: `cgroup` moves them into an idle cpu "
-        "cgroup (v1, root), `autogroup` lowers the engine's autogroup to nice 19; `auto` the first that works. Off by "
-        "default: measured, it slowed the first seconds of requests after idle (TTFT) when other work held the cores "
+        "cgroup", as_choice("auto", "cgroup", "autogroup", "off"), "auto, cgroup, autogroup or off", use="supervisor",
+        doc="with `idle_spinning_threads`: while no engine of the deployment serves, also take those threads out of "
+        "their session's scheduling group, so they leave the core to other work: `cgroup` moves them into an idle cpu "
+        "cgroup (v1, root; elsewhere SCHED_IDLE alone), `autogroup` lowers the engine's autogroup to nice 19 (any "
+        "user; measured 7 % slower under load), `auto` the first that works. Back within 20 ms of an engine running "
         "(docs/cpu.md)",
     )
     # fmt: on

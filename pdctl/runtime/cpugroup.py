@@ -8,13 +8,17 @@ thread alone in its engine's group still gets a whole group's fair share against
 ways out, the first that works (``[supervisor] idle_group``):
 
 - ``cgroup``: the cgroup v1 ``cpu`` hierarchy is writable (root): the thread alone moves into :data:`IDLE_CGROUP`
-  under its root, with ``cpu.idle = 1`` (``cpu.shares = 2`` on a kernel before 5.15), while the engine has no
-  request, and back into the root cgroup (its autogroup) when it has one (:func:`move_threads` both ways). A task
+  under its root, with ``cpu.idle = 1`` (``cpu.shares = 2`` on a kernel before 5.15), while no engine serves, and
+  back into the root cgroup (its autogroup) when one does (:func:`move_threads` both ways). A task
   outside the root cpu cgroup has no autogroup, and an idle group runs only when nothing else wants the core. The
   engine's other threads stay in their autogroup.
 - ``autogroup``: ``/proc/PID/autogroup`` (any user may lower a nice): the engine's session group gets nice 19 (weight
-  15 against nice 0's 1024) while the engine has no request, and its nice back when it has one (the supervisor's
-  next look, :func:`set_autogroup_nice`).
+  15 against nice 0's 1024) while no engine serves, and its nice back when one does
+  (:func:`set_autogroup_nice`).
+
+Whether the engines serve is looked at often by :class:`FollowLoop`, from their main threads' CPU time
+(:class:`~pdctl.runtime.idle_threads.ActivityWatch`); every engine's threads go back while any of the deployment's
+engines serves.
 
 Neither applies on a cgroup v2 system with the cpu controller on (systemd distributions): there each session's
 processes share their unit's cgroup, no autogroup, and SCHED_IDLE alone ranks the thread below that cgroup's work.
@@ -23,13 +27,20 @@ processes share their unit's cgroup, no autogroup, and SCHED_IDLE alone ranks th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdctl.runtime.idle_threads import FOLLOW_S, ActivityWatch
 
 __all__ = [
     "AUTOGROUP_IDLE_NICE",
     "IDLE_CGROUP",
+    "RESYNC_S",
+    "FollowLoop",
     "GroupFollower",
     "autogroup_nice",
     "cpu_cgroup_root",
@@ -43,6 +54,8 @@ __all__ = [
 IDLE_CGROUP = "pdctl-idle"
 #: An idle engine's autogroup nice: the lowest weight an autogroup can have.
 AUTOGROUP_IDLE_NICE = 19
+#: How often the threads are written into the cgroup they should be in even without a change.
+RESYNC_S = 1.0
 
 
 def cpu_cgroup_root(mounts: Path = Path("/proc/self/mounts")) -> Path | None:
@@ -132,57 +145,98 @@ def _v2_root_controllers() -> list[str]:
 
 @dataclass
 class GroupFollower:
-    """One engine's spinning threads, out of their session's group while the engine has no request.
+    """One engine's spinning threads, out of their session's group while no engine of the deployment serves.
 
-    Out once the engine has had no request in two looks in a row, back as soon as a look finds one running or
-    waiting: in the idle cgroup (or at the low weight) the thread does not run while anything else wants its core,
-    and the engine's KV transfers need it (measured: docs/cpu.md).
+    :class:`FollowLoop` decides, from every engine's :attr:`activity`: in the idle cgroup (or at the low weight) the
+    thread does not run while anything else wants its core, and the engines' KV transfers need it (measured:
+    docs/cpu.md).
     """
 
+    activity: ActivityWatch
     cgroup: tuple[Path, Path, tuple[int, ...]] | None = None
-    """``(idle cgroup, root cgroup, tids)``: the threads are in the idle cgroup while the engine has no request."""
+    """``(idle cgroup, root cgroup, tids)``: the threads are in the idle cgroup while they are out."""
     autogroup: tuple[int, int] | None = None
-    """``(pid, nice before)`` of the session autogroup lowered while the engine has no request."""
-    autogroup_low: bool = False
-    idle_looks: int = 1
+    """``(pid, nice before)`` of the session autogroup lowered while the threads are out."""
+    low: bool | None = None
+    """Whether the threads are out now (None before the first look)."""
+    synced_at: float = -math.inf
 
-    def follow(self, engine_idle: bool) -> None:
-        """One look: ``engine_idle`` is whether the engine has no request running or waiting now."""
-        self.idle_looks = self.idle_looks + 1 if engine_idle else 0
-        low = self.idle_looks >= 2
-        if self.cgroup is not None:
+    def apply(self, now: float, serving: bool) -> None:
+        """Out or back at ``now`` (monotonic seconds) as ``serving`` says (whether the deployment serves)."""
+        low = not serving
+        done = True
+        if self.cgroup is not None and (low != self.low or now - self.synced_at >= RESYNC_S):
             group, root, tids = self.cgroup
-            move_threads(tids, group if low else root)  # every look: cheap, and undoes a move by hand
-        if self.autogroup is not None:
+            move_threads(tids, group if low else root)  # also now and then: undoes a move by hand
+            self.synced_at = now
+        if self.autogroup is not None and low != self.low:
             pid, nice = self.autogroup
-            want = AUTOGROUP_IDLE_NICE if low else nice
-            if low != self.autogroup_low and set_autogroup_nice(pid, want):
-                self.autogroup_low = low
+            done = set_autogroup_nice(pid, AUTOGROUP_IDLE_NICE if low else nice)
+        if done:
+            self.low = low
 
 
-def take_out(mode: str, threads: list[tuple[int, int]]) -> tuple[GroupFollower | None, str]:
+class FollowLoop:
+    """A thread that looks at every engine's activity each :data:`~pdctl.runtime.idle_threads.FOLLOW_S` (the
+    supervisor's own loop looks every 2 s: too late for a request that needs the transfer threads) and takes every
+    :class:`GroupFollower`'s threads back while any engine of the deployment serves, out when none does."""
+
+    def __init__(self, followers: Callable[[], Iterable[GroupFollower | None]]) -> None:
+        self._followers = followers
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def ensure_started(self) -> None:
+        """Start the thread, once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pdctl-idle-group", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(FOLLOW_S):
+            now = time.monotonic()
+            followers = [f for f in self._followers() if f is not None]
+            # Every engine back when any serves: a request shows on prefill first, and decode's transfer thread
+            # is wanted as soon as prefill is done, before decode's own threads have run a look's worth.
+            looks = [f.activity.serving(now) for f in followers]  # each watch looks, every time
+            serving = any(looks)
+            for follower in followers:
+                follower.apply(now, serving)
+
+    def stop(self) -> None:
+        """Stop the thread (the threads stay where its last look put them)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+
+def take_out(mode: str, threads: list[tuple[int, int]], activity: ActivityWatch) -> tuple[GroupFollower | None, str]:
     """Take ``(pid, tid)`` spinning threads out of their session's group by ``[supervisor] idle_group`` ``mode``:
-    the follower that keeps them out while the engine is idle (None: nothing done), and what was done, as the end
-    of the supervisor's event sentence ("" for nothing)."""
+    the follower that keeps them out while no engine serves, by ``activity`` (None: nothing done), and
+    what was done, as the end of the supervisor's event sentence ("" for nothing)."""
+    now = time.monotonic()
     if mode in ("auto", "cgroup"):
         root = cpu_cgroup_root()
         group = idle_cgroup(root)
         if root is not None and group is not None and move_threads([tid for _, tid in threads], group):
-            follower = GroupFollower(cgroup=(group, root, tuple(tid for _, tid in threads)))
-            follower.follow(True)
+            follower = GroupFollower(activity, cgroup=(group, root, tuple(tid for _, tid in threads)))
+            follower.apply(now, serving=False)
             return (
                 follower,
-                f", and moves them into the idle cpu cgroup {group} while it has no request ([supervisor] idle_group)",
+                f", and moves them into the idle cpu cgroup {group} while the deployment is idle "
+                "([supervisor] idle_group)",
             )
     if mode in ("auto", "autogroup"):
         pid = threads[0][0]
         nice = autogroup_nice(pid)
         if nice is not None:
-            follower = GroupFollower(autogroup=(pid, nice))
-            follower.follow(True)
+            follower = GroupFollower(activity, autogroup=(pid, nice))
+            follower.apply(now, serving=False)
             return (
                 follower,
-                f", and its session's autogroup goes to nice {AUTOGROUP_IDLE_NICE} while it has no request "
+                f", and its session's autogroup goes to nice {AUTOGROUP_IDLE_NICE} while the deployment is idle "
                 "([supervisor] idle_group)",
             )
-    return None, "" if mode == "off" else f"; [supervisor] idle_group = {mode!r} found no idle cgroup or autogroup here"
+    missing = {"off": "", "cgroup": "no writable cgroup v1 cpu hierarchy (root only)", "autogroup": "no autogroup"}
+    found = missing.get(mode, "neither a writable cgroup v1 cpu hierarchy nor an autogroup")
+    return None, found and f"; [supervisor] idle_group = {mode!r}: {found} here, so SCHED_IDLE alone"

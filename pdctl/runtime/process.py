@@ -381,6 +381,14 @@ class ManagedProcess:
             changed.append(tid)
         return changed
 
+    def parent_pids(self) -> dict[int, int]:
+        """``{pid: its parent's pid}`` of the recorded descendants still running (and the child itself)."""
+        out = {}
+        for p in self.descendants():
+            with contextlib.suppress(psutil.Error):
+                out[p.pid] = p.ppid()
+        return out
+
     def known_pids(self) -> set[int]:
         """Pids of the child and every descendant recorded so far."""
         return set(self._known)

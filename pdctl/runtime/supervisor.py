@@ -31,8 +31,7 @@ CPU engine is READY (after the warm-up, and again after each restart) and has no
 :data:`~pdctl.runtime.idle_threads.SPIN_SHARE` of a core in two such looks in a row are put at ``SCHED_IDLE``
 (``[supervisor] idle_spinning_threads``, :mod:`pdctl.runtime.idle_threads`): NIXL's UCX progress thread polls
 without ever sleeping (docs/cpu.md). ``[supervisor] idle_group`` (off by default) also takes them out of their
-session's scheduling group while the engine has no request (:mod:`pdctl.runtime.cpugroup`).
-GPU engines are left as they are (not measured there).
+session's scheduling group while no engine serves (:mod:`pdctl.runtime.cpugroup`); GPU engines are left.
 
 With ``up --only`` the plan is this host's part; ``remote`` names the workers other hosts run. Before the
 gateway is released (and before the warm-up), the supervisor waits for their ``/health`` within
@@ -67,7 +66,7 @@ import httpx
 from pdctl.config import SupervisorConfig
 from pdctl.errors import LaunchError
 from pdctl.runtime import cpugroup
-from pdctl.runtime.idle_threads import SpinWatch, engine_idle
+from pdctl.runtime.idle_threads import ActivityWatch, SpinWatch, engine_idle
 from pdctl.runtime.logs import LogLine
 from pdctl.runtime.plan import Plan, ProcessSpec
 from pdctl.runtime.process import ExitInfo, ManagedProcess, NeverReadyError, ProcessExitedError, signal_name
@@ -153,7 +152,7 @@ class _Slot:
     pinned: bool = False
     spin: SpinWatch = field(default_factory=SpinWatch)
     group: cpugroup.GroupFollower | None = None
-    """Its spinning threads' way out of their session's group while the engine has no request (``idle_group``)."""
+    """Its spinning threads' way out of their session's group while no engine serves (``idle_group``)."""
 
 
 class Supervisor:
@@ -191,6 +190,7 @@ class Supervisor:
         self._http = httpx.Client()
         self._last_refresh = 0.0
         self._lock = threading.RLock()
+        self._follow = cpugroup.FollowLoop(lambda: [s.group for s in self._slots.values()])
 
     # ------------------------------------------------------------------------------------- helpers
 
@@ -392,8 +392,6 @@ class Supervisor:
         return self.options.config.idle_spinning_threads and spec.role in ("prefill", "decode") and cpu_engine
 
     def _idle_spinners(self, slot: _Slot) -> None:
-        if slot.spin.idled and slot.state is ProcState.READY and slot.group is not None:
-            slot.group.follow(engine_idle(self._http, slot.spec.url))
         if slot.spin.idled or slot.state is not ProcState.READY or slot.proc is None or not self._idles(slot.spec):
             return
         # The threads' CPU time is real time, whatever clock the supervisor keeps.
@@ -402,7 +400,10 @@ class Supervisor:
             return
         changed = slot.proc.idle_threads([tid for _, tid in twice])
         slot.spin.idled = True
-        slot.group, grouped = cpugroup.take_out(self.options.config.idle_group, twice)
+        activity = ActivityWatch.of(twice, slot.proc.parent_pids(), slot.proc.pid)
+        slot.group, grouped = cpugroup.take_out(self.options.config.idle_group, twice, activity)
+        if slot.group is not None:
+            self._follow.ensure_started()
         if changed or grouped:
             self._emit("info", slot.spec.name, f"put {len(changed)} thread(s) of {slot.spec.name} that spin while it "
                        f"is idle at SCHED_IDLE (tid {', '.join(map(str, changed))}; NIXL's progress thread; "
@@ -506,6 +507,7 @@ class Supervisor:
         """Stop everything in :data:`STOP_ORDER` (gateway first, relays last); SIGTERM, grace, SIGKILL, sweep."""
         if force:
             self.force_event.set()
+        self._follow.stop()
         with self._lock:
             for role in STOP_ORDER:
                 slots = [s for s in self._slots.values() if s.spec.role == role]

@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--engine-id", default=str(uuid.uuid4()))
     # A thread that keeps a core busy while the worker is idle, as NIXL's UCX progress thread does in vLLM CPU.
     p.add_argument("--spin-thread", action="store_true")
-    # While this file exists, /metrics reports one request running (the engine is busy).
+    # While this file exists, /metrics reports one request running and the main thread runs, as a forward pass does.
     p.add_argument("--busy-file", default=None)
     args, _unknown = p.parse_known_args()
 
@@ -205,6 +205,14 @@ def main() -> None:
             os._exit(args.exit_code)
 
         threading.Thread(target=crash, daemon=True).start()
+    if args.busy_file:
+        # vLLM's worker runs its forward pass on its main thread: so does this one, its server on another.
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        while True:
+            if os.path.exists(args.busy_file):
+                sum(range(100_000))
+            else:
+                time.sleep(0.1)
     server.serve_forever()
 
 
