@@ -46,7 +46,7 @@ fi
 stage "lint and types" lint
 stage "fast suite (simulator, fakes, fixtures)" $py -m pytest -m "not real and not gpu and not soak" -q "$@"
 if [[ $fast == 0 ]]; then
-  stage "real vLLM CPU end to end" env PDCTL_REQUIRE_REAL=1 $py -m pytest -m real -q "$@"
+  stage "real vLLM CPU end to end" env PDCTL_REQUIRE_REAL=1 $py -m pytest -m real -q --durations=15 "$@"
 fi
 
 if (( ${#failed[@]} )); then
