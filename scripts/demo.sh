@@ -94,5 +94,6 @@ Try it:
 Stop it:
   $PDCTL down ${CONFIG[*]}
 
-scripts/test.sh runs beside it (the tests use their own ports), more slowly while its engines hold the cores.
+scripts/test.sh runs beside it (the tests use their own ports). Idle, its engines leave the cores to other work
+where pdctl can move their spinning threads out (root, cgroup v1: [supervisor] idle_group, docs/cpu.md).
 EOF

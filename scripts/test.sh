@@ -39,8 +39,8 @@ demo_up() {
 }
 if demo_up; then
   echo "note: the demo's deployment (examples/cpu) is up; the tests run beside it on their own ports and leave it" \
-    "running. Its two engines share the cores, so the real stage is slower (to free them first:" \
-    ".venv/bin/pdctl down -c examples/cpu/config.toml -s examples/cpu/settings.json)"
+    "running. Its idle engines leave the cores where [supervisor] idle_group applies (root, cgroup v1), else the" \
+    "real stage is slower (to free them: .venv/bin/pdctl down -c examples/cpu/config.toml -s examples/cpu/settings.json)"
 fi
 
 stage "lint and types" lint

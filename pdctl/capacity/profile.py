@@ -17,7 +17,8 @@ running requests, KV transfer seconds per token), so one profile can feed both. 
 
 :func:`decode_step_s` evaluates the decode fit, :func:`prefill_s` interpolates the prefill points, and
 :func:`prefill_tokens_per_s` is V_P, the throughput of one prefill engine with a full batch. :func:`load` turns a
-malformed file into a :class:`ProfileError` naming the file and the JSON path of the bad field.
+malformed file into a :class:`ProfileError` naming the file and the JSON path of the bad field, and so a profile whose
+prefill does not grow with the prompt (noise: it would make V_P infinite).
 """
 
 from __future__ import annotations
@@ -224,13 +225,21 @@ def load(path: Path) -> DeploymentProfile:
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     try:
-        return msgspec.json.decode(data, type=DeploymentProfile)
+        prof = msgspec.json.decode(data, type=DeploymentProfile)
     except msgspec.ValidationError as exc:
         raise ProfileError(
             f"{path}: not a pdctl profile: {exc}", hint="write one with `pdctl profile -o FILE`"
         ) from None
     except msgspec.DecodeError as exc:
         raise ProfileError(f"{path}: not JSON: {exc}") from None
+    if prefill_s(prof, prof.prefill_max_batched_tokens) <= 0:
+        points = ", ".join(f"{q.prompt_tokens} tokens {q.prefill_s * 1000:.1f} ms" for q in prof.prefill)
+        raise ProfileError(
+            f"{path}: prefill: the longer prompts did not take longer ({points}), so a full batch of "
+            f"{prof.prefill_max_batched_tokens} tokens extrapolates to no time: the probes measured noise, not prefill",
+            hint="profile again on a quieter machine, with more --repeats or longer --prompt-lens",
+        )
+    return prof
 
 
 def dump(p: DeploymentProfile) -> bytes:

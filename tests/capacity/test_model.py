@@ -52,6 +52,20 @@ def test_profile_round_trips_and_bad_files_name_the_field(h100: DeploymentProfil
         load(path)
 
 
+def test_a_profile_whose_prefill_does_not_grow_is_refused_with_its_points(
+    h100: DeploymentProfile, tmp_path: Path
+) -> None:
+    """What a noisy CPU run wrote (64 tokens 39 ms, 512 tokens 24 ms): V_P would divide by zero."""
+    data = json.loads(dump(h100))
+    data["prefill"] = [dict(data["prefill"][0], prompt_tokens=64, prefill_s=0.039),
+                       dict(data["prefill"][1], prompt_tokens=512, prefill_s=0.024)]  # fmt: skip
+    path = tmp_path / "noisy.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"noisy\.json: prefill: .*64 tokens 39\.0 ms, 512 tokens 24\.0 ms") as err:
+        load(path)
+    assert "--repeats" in (err.value.hint or "")
+
+
 def test_prefill_is_a_queue_of_work(h100: DeploymentProfile) -> None:
     """Doubling the prefill engines halves their utilisation; past V_P the prediction says saturated."""
     one = m.predict_pd(h100, RECIPE, SLO, 20, 1, 2)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(2400)]
 
 def test_profile_and_advise_on_real_engines(cpu_up: Deployment, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    proc = cpu_up.pdctl("profile", "-o", str(out), "--prompt-lens", "64,512", "--repeats", "2", "--running", "1,4",
+    proc = cpu_up.pdctl("profile", "-o", str(out), "--prompt-lens", "64,800", "--repeats", "3", "--running", "1,4",
                      "--contexts", "64", "--output-len", "16", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr + cpu_up.log_tails()
     prof = load(out)
