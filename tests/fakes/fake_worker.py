@@ -20,6 +20,7 @@ and misbehaves on request:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -184,8 +185,9 @@ def main() -> None:
 
         def spin() -> None:
             log(f"spin thread tid={threading.get_native_id()}")
-            while True:
-                sum(range(1000))
+            block = bytes(4 << 20)
+            while True:  # hashing releases the GIL, as NIXL's native thread holds none: the others run unhindered
+                hashlib.sha256(block)
 
         threading.Thread(target=spin, name="spin", daemon=True).start()
     Handler.args = args

@@ -15,12 +15,13 @@ import pytest
 from pdctl.runtime.idle_threads import HOLD_S, ActivityWatch, watched_pids
 
 _ENGINE = """
-import os, sys, threading, time
+import hashlib, os, sys, threading, time
 started = threading.Event()
-def spin():
+def spin():  # without the GIL most of the time, as NIXL's native thread: the main thread never waits for it
     started.set()
+    block = bytes(4 << 20)
     while True:
-        sum(range(1000))
+        hashlib.sha256(block)
 spinner = threading.Thread(target=spin, daemon=True)
 spinner.start()
 started.wait()
