@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from pdctl.check import agents, connector, engine, keys, memory, ports, routing, tracing
+from pdctl.check import agents, capacity, connector, engine, keys, memory, ports, routing, tracing
 from pdctl.check.connector import known_connectors
 from pdctl.check.findings import SETTINGS, Action, Ctx, Finding, Rule, Severity, finding_from_error
 from pdctl.check.keys_table import KeyUse, describe_key
@@ -63,6 +63,7 @@ RULES: tuple[Rule, ...] = (
     keys.shared_key, keys.keys_file, keys.kv_events_keys, keys.tokenizers, memory.memory, engine.lengths,
     engine.identity, memory.devices, ports.ports, connector.mappings, agents.tools, routing.adaptive,
     routing.exact_view, routing.several_processes, routing.queue_view, engine.sim, tracing.without_collector,
+    capacity.capacity_profile,
 )  # fmt: skip
 
 

@@ -178,6 +178,12 @@ RULES: tuple[LintRule, ...] = (
              fix='`pdctl keys kv-events -o kv-events.env` and load it into the environment of `pdctl up`, or '
                  '`kv_events_curve = false`',
              doc='docs/multi-node.md, "The KV events port"'),
+    LintRule('PD041', 'info, warning, error',
+             '`slo.capacity_profile` that does not load (error: the gateway cannot start), profiles another '
+             'model (warning: the advice would size that model), or under strategy `colocated` (info: the '
+             'gateway advises P/D counts only)',
+             fix='measure the deployment with `pdctl profile -o profile.json`',
+             doc='docs/multi-node.md, "Advice from the gateway"'),
     LintRule('PD037', 'info',
              '`logging.trace_content` or `logging.collect_detailed_traces` without `logging.otlp_traces_endpoint`:'
              ' no spans are made to hold them. The fix removes the key'),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import sys
@@ -23,7 +24,7 @@ from pdctl.errors import PdctlError
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from pdctl.runtime.top import GatewayView, TopView, WorkerRow
+    from pdctl.runtime.top import Advice, GatewayView, TopView, WorkerRow
 
 
 class _Keys:
@@ -103,6 +104,35 @@ def _predictor(predictor: dict[str, float | None]) -> str:
     return "  autopilot observed/predicted p50 " + " ".join(cells)
 
 
+_ADVICE_STYLE = {"ok": "green", "over": "yellow", "idle": "dim"}
+_ADVICE_WORDS = {
+    "ok": "the SLO holds", "over": "fewer engines would do", "under_prefill": "prefill short for the TTFT SLO",
+    "under_decode": "decode short for the TPOT SLO", "under_both": "prefill and decode short for the SLO",
+    "unreachable": "no split meets the SLO", "idle": "too few requests to size",
+}  # fmt: skip
+
+
+def _advice(advice: Advice | None) -> Text | None:
+    """The gateway's sizing advice (``slo.capacity_profile``): now -> recommended, with the predicted p90s."""
+    if advice is None:
+        return None
+
+    def split(counts: tuple[int, int]) -> str:
+        return f"{counts[0]}P{counts[1]}D"
+
+    def pair(values: tuple[float | None, float | None], fmt: str) -> str:
+        cells = ["-" if v is None else "inf" if math.isinf(v) else fmt.format(v * 1000) for v in values]
+        return " -> ".join(cells) + " ms"
+
+    style = _ADVICE_STYLE.get(advice.status, "bold red")
+    return Text.assemble(
+        ("advice ", "bold"), f"(last {advice.window}, {advice.rate:.2f} req/s): ",
+        (_ADVICE_WORDS.get(advice.status, advice.status), style),
+        f"  {split(advice.current)} -> {split(advice.recommended)}",
+        f"  TTFT p90 {pair(advice.ttft_p90, '{:.0f}')}  TPOT p90 {pair(advice.tpot_p90, '{:.1f}')}",
+    )  # fmt: skip
+
+
 def _gateway_part(gw: GatewayView, slo_ms: tuple[float, float], key_var: str) -> RenderableType:
     if gw.down is not None:
         hint = f": set ${key_var}" if gw.down in ("HTTP 401", "HTTP 403") else ""
@@ -129,7 +159,8 @@ def _gateway_part(gw: GatewayView, slo_ms: tuple[float, float], key_var: str) ->
             Text(row.path, "bold" if row is gw.total else ""), Text(_num(row.requests)), Text(_num(rate, "{:.2f}")),
             Text(_num(row.errors), "red" if row.errors else ""), *latency,
         )  # fmt: skip
-    return Group(head, table)
+    advice = _advice(gw.advice)
+    return Group(head, table) if advice is None else Group(head, advice, table)
 
 
 def render(view: TopView, source: str, slo_ms: tuple[float, float], key_var: str, keys: bool) -> RenderableType:

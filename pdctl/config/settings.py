@@ -351,6 +351,17 @@ class SLOConfig:
         "reject", as_choice("reject", "upstream"), "reject or upstream", use="gateway",
         type="`reject` \\| `upstream`", doc="*extension*: send would-miss requests upstream instead of 503",
     )
+    capacity_profile: str | None = key(
+        None, as_str, "a path to a `pdctl profile` file", beside_file=True, use="gateway", type="path",
+        default="none",
+        doc="*extension*: this deployment's `pdctl profile`; with it the gateway recommends prefill and decode counts "
+        "for the last `advise_window_s` of its traffic (`pdctl_advice_*` metrics, `pdctl top`, the rendered "
+        "monitoring's alerts; docs/multi-node.md, \"Advice from the gateway\"); relative to settings.json",
+    )
+    advise_window_s: float = key(
+        300.0, as_num(0), "a number of seconds > 0", use="gateway", type="number",
+        doc="*extension*: with `capacity_profile`: the window of finished requests the advice sizes for",
+    )
     # fmt: on
 
 

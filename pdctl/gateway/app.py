@@ -33,6 +33,7 @@ from typing import Any
 from pdctl.errors import ConfigError
 from pdctl.gateway import agent_sessions, asgi
 from pdctl.gateway.admission import Admission
+from pdctl.gateway.advisor import Advisor, observe_tokens
 from pdctl.gateway.asgi import Receive, Scope, Send
 from pdctl.gateway.direct import watch_disconnect
 from pdctl.gateway.discovery import Discovery
@@ -133,6 +134,8 @@ class Gateway:
         """The workers' KV cache events (``routing.prefix_view = "exact"``; None: not read)."""
         self.legs = PdContext(settings, self.pool, self.router, self.metrics, self.admission,
                               connector_kind(settings.connector), self.secrets, self.spawn, self.upstream)  # fmt: skip
+        self.advisor = Advisor.of(settings, self.metrics, self.pool)
+        """``slo.capacity_profile``: the sizing advice for the last window's traffic (None: not computed here)."""
 
     # ------------------------------------------------------------------------------------- lifecycle
 
@@ -147,6 +150,8 @@ class Gateway:
                 self.spawn(self.kv_events.run())
             if self.keys.per_user:
                 self.spawn(self._watch_keys())
+            if self.advisor is not None:
+                self.spawn(self.advisor.run())
 
     async def _load_tokenizers(self) -> None:
         """Load each local model's tokenizer on a thread; until then (and without one) counts are estimates."""
@@ -394,6 +399,7 @@ class Gateway:
         m.child(m.duration, ex.path).observe(duration)
         if ex.ttft_s is not None:
             m.child(m.ttft, ex.path).observe(ex.ttft_s)
+        observe_tokens(m, ex)
         if ex.trace is not None and ex.trace.recording:
             if ex.transcript:
                 ex.trace.answer(answer_text(b"".join(ex.transcript), ex.stream))

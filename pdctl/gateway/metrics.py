@@ -24,6 +24,7 @@ M = TypeVar("M", bound=MetricWrapperBase)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131,072: the advice's ISL / OSL histograms
 
 
 class GatewayMetrics:
@@ -93,6 +94,36 @@ class GatewayMetrics:
             "prefill, by the rule that bound them (match, policy, idle).", ["rule"], buckets=_LATENCY_BUCKETS,
             registry=r,
         )  # fmt: skip
+        self.prompt_tokens = Histogram(
+            "pdctl_request_prompt_tokens", "Prompt tokens of each request a local worker answered.",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.generation_tokens = Histogram(
+            "pdctl_request_generation_tokens", "Output tokens of each request a local worker answered.",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        # slo.capacity_profile: the advice for the last window's traffic (pdctl.gateway.advisor); one gateway
+        # process computes it from every process's histograms, so the largest live value is the value.
+        self.advice_replicas = Gauge(
+            "pdctl_advice_replicas", "slo.capacity_profile: serving instances per role now (of=current) and the "
+            "fewest that meet the SLO for the last window's traffic (of=recommended).", ["role", "of"], registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.advice_ttft, self.advice_tpot = (
+            Gauge(f"pdctl_advice_{what.lower()}_seconds", f"slo.capacity_profile: predicted {what} for the last "
+                  "window's traffic at the current and the recommended counts (+Inf: cannot keep up).",
+                  ["of", "quantile"], registry=r, multiprocess_mode="livemax")
+            for what in ("TTFT", "TPOT")
+        )  # fmt: skip
+        self.advice_rate = Gauge(
+            "pdctl_advice_rate", "slo.capacity_profile: requests per second finished in the advice's window.",
+            ["window"], registry=r, multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.advice_status = Gauge(
+            "pdctl_advice_status", "slo.capacity_profile: 1 for the advice's status (ok, over, under_prefill, "
+            "under_decode, under_both, unreachable, idle), 0 for the others.", ["status"], registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
         self.rejected = Counter("pdctl_rejected", "Requests rejected before any worker call.", ["reason"], registry=r)
         self.upstream_calls = Counter(
             "pdctl_upstream_calls", "Calls to the upstream channel, by outcome.", ["outcome"], registry=r
@@ -158,10 +189,29 @@ class GatewayMetrics:
             found = self._children[key] = metric.labels(*values)
         return found
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition (every gateway process's values, in multiprocess mode)."""
+    def _merged(self) -> CollectorRegistry:
         if self._multiprocess_dir:
             merged = CollectorRegistry()
             MultiProcessCollector(merged, self._multiprocess_dir)  # type: ignore[no-untyped-call]
-            return generate_latest(merged)
-        return generate_latest(self.registry)
+            return merged
+        return self.registry
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (every gateway process's values, in multiprocess mode)."""
+        return generate_latest(self._merged())
+
+    def histogram(self, name: str) -> tuple[dict[float, float], float]:
+        """Histogram ``name``'s cumulative bucket counts by upper bound and its sum, over every gateway process
+        (summed over labels)."""
+        buckets: dict[float, float] = {}
+        total = 0.0
+        for family in self._merged().collect():
+            if family.name != name:
+                continue
+            for sample in family.samples:
+                if sample.name == f"{name}_bucket":
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+                elif sample.name == f"{name}_sum":
+                    total += sample.value
+        return buckets, total

@@ -274,7 +274,7 @@ def _pdctl_files(dep: Deployment) -> list[str]:
     """The two files and the gateway's own files, mounted read-only where the plan names them."""
     g = dep.gateway
     paths = [dep.config_path, dep.settings_path]
-    paths += [dep.resolve_path(p) for p in (g.keys_file, g.tls_certfile, g.tls_keyfile) if p]
+    paths += [dep.resolve_path(p) for p in (g.keys_file, g.tls_certfile, g.tls_keyfile, dep.slo.capacity_profile) if p]
     return [_ro(str(Path(p).resolve())) for p in dict.fromkeys(paths)]
 
 

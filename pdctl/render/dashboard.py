@@ -137,6 +137,16 @@ _ROWS: list[tuple[str, list[tuple[_Panel, _Panel]]]] = [
           [(_q_hist(0.9, "vllm:request_queue_time_seconds", _VL, "instance"), "p90 {{instance}}")],
           "s", "vllm:request_queue_time_seconds: time waiting inside the engine, after the gateway's queue")),
     ]),
+    ("Sizing: the gateway's advice for its last window (slo.capacity_profile)", [
+        (("Serving and advised instances",
+          [(f"max by (role, of) (pdctl_advice_replicas{{{_GW}}})", "{{role}} {{of}}")],
+          "short", "pdctl_advice_replicas: instances serving now (current) and the fewest meeting the SLO for the "
+                   "window's traffic (recommended) (PdctlPrefillUnderProvisioned, PdctlDecodeUnderProvisioned)"),
+         ("Predicted p90 now and at the advised counts",
+          [(f'max by (of) (pdctl_advice_ttft_seconds{{{_GW},quantile="0.9"}})', "TTFT {{of}}"),
+           (f'max by (of) (pdctl_advice_tpot_seconds{{{_GW},quantile="0.9"}})', "TPOT {{of}}")],
+          "s", "pdctl_advice_ttft_seconds, pdctl_advice_tpot_seconds: pdctl advise's model on the window's traffic")),
+    ]),
     ("Per key", [
         (("Requests per key", [(f"sum by (key, status) (rate(pdctl_key_requests_total{{{_GW}}}[{_RI}]))",
                                 "{{key}} {{status}}")],

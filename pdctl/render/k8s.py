@@ -15,7 +15,8 @@ Map::
 
     render(dep, options) -> Rendered(files: {relative path: [manifest, ...]}, findings)
       namespace.yaml      Namespace
-      configmap.yaml      ConfigMap: config.toml as written, settings.json with workers as headless Services
+      configmap.yaml      ConfigMap: config.toml as written, settings.json with workers as headless Services (and
+                          slo.capacity_profile's file)
       <worker>.yaml       per [[prefill]]/[[decode]] group: headless Service + StatefulSet (replicas)
       gateway.yaml        Deployment running `pdctl gateway` + its Service (+ the NetworkPolicy of its KV events
                           port, :mod:`pdctl.render.netpol`)
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ __all__ = [
 KUBERNETES_VERSION = "1.33"
 #: Where the ConfigMap's two files are mounted in the gateway and verify pods.
 CONFIG_MOUNT = "/etc/pdctl"
+_PROFILE_FILE = "capacity-profile.json"  # slo.capacity_profile, in the ConfigMap
+_FILES_ARGS = ("-c", f"{CONFIG_MOUNT}/config.toml", "-s", f"{CONFIG_MOUNT}/settings.json")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _RESOURCE = re.compile(r"^[A-Za-z0-9.\-/]+=\d+$")
@@ -177,11 +180,7 @@ def findings(dep: Deployment, options: K8sOptions | None = None) -> list[Finding
         if not _RESOURCE.match(spec):
             add("K8S007", "error", None, f"--rdma-resource {spec!r} is not NAME=COUNT",
                 "for example --rdma-resource rdma/ib=1")  # fmt: skip
-    return _dedupe(out)
-
-
-def _dedupe(items: Iterable[Finding]) -> list[Finding]:
-    return list(dict.fromkeys(items))
+    return list(dict.fromkeys(out))  # a rule met by several workers of one group is said once
 
 
 def uses_gpu(dep: Deployment) -> bool:
@@ -212,6 +211,8 @@ def cluster_settings(dep: Deployment) -> str:
         routing[f"{role}_endpoint"] = urls[0] if len(urls) == 1 else urls
     if dep.routing.prefix_view == "exact":  # the worker pods dial the pod IP; the NetworkPolicy admits only them
         routing["kv_events_host"] = "0.0.0.0"
+    if dep.slo.capacity_profile:  # the ConfigMap holds it beside settings.json
+        data.setdefault("slo", {})["capacity_profile"] = _PROFILE_FILE
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -284,6 +285,8 @@ def _kustomization(resources: list[str]) -> dict[str, Any]:
 def _configmap(dep: Deployment, ns: str, workers: Sequence[ProcessSpec]) -> dict[str, Any]:
     """The two files, plus the files the plan writes for the workers (vLLM's logging config) under their names."""
     data = {"config.toml": Path(dep.config_path).read_text(encoding="utf-8"), "settings.json": cluster_settings(dep)}
+    if dep.slo.capacity_profile:
+        data[_PROFILE_FILE] = Path(dep.slo.capacity_profile).read_text(encoding="utf-8")
     for spec in workers:
         for path, text in spec.files.items():
             data[Path(path).name] = text
@@ -453,16 +456,12 @@ def _key_env(dep: Deployment, opts: K8sOptions) -> list[dict[str, Any]]:
     return [{"name": n, "valueFrom": {"secretKeyRef": {"name": opts.secret, "key": n}}} for n in _key_names(dep)]
 
 
-def _files_args() -> list[str]:
-    return ["-c", f"{CONFIG_MOUNT}/config.toml", "-s", f"{CONFIG_MOUNT}/settings.json"]
-
-
 def _gateway_objects(dep: Deployment, spec: ProcessSpec, ns: str, opts: K8sOptions) -> list[dict[str, Any]]:
     g = dep.gateway
     labels = {"app.kubernetes.io/component": _GATEWAY, "pdctl.io/role": _GATEWAY}
     select = {"app.kubernetes.io/part-of": dep.cluster.name, "pdctl.io/role": _GATEWAY}
     # The plan's `python -m pdctl gateway -c PATH -s PATH` with the image's entry point and the mounted files.
-    argv = ["pdctl", *spec.argv[3 : spec.argv.index("-c")], *_files_args(), "--host", "0.0.0.0"]
+    argv = ["pdctl", *spec.argv[3 : spec.argv.index("-c")], *_FILES_ARGS, "--host", "0.0.0.0"]
     env = [{"name": k, "value": v} for k, v in spec.env.items() if k != GATEWAY_HOLD_ENV] + _key_env(dep, opts)
     env += secret_env(dep, GATEWAY_KEYS)
     volume, mount = _config_volume()
@@ -555,7 +554,7 @@ def _verify_job(dep: Deployment, ns: str, opts: K8sOptions) -> dict[str, Any]:
                             "name": "verify",
                             "image": opts.pdctl_image,
                             "command": ["pdctl"],
-                            "args": ["verify", *_files_args(), "--gateway", url],
+                            "args": ["verify", *_FILES_ARGS, "--gateway", url],
                             "env": [{"name": "NO_COLOR", "value": "1"}, *_key_env(dep, opts)],
                             "volumeMounts": [mount],
                         }

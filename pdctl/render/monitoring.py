@@ -309,6 +309,17 @@ def alerts(dep: Deployment) -> tuple[Alert, ...]:
             "max_concurrency is reached, or admission predicts an SLO miss (pdctl_rejected_total reasons "
             f"{CAPACITY_REASONS}).",
         ),
+        *(Alert(
+            f"Pdctl{role.title()}UnderProvisioned",
+            f"max by (deployment) (pdctl_advice_replicas{{{d},role=\"{role}\",of=\"recommended\"}}) > "
+            f"max by (deployment) (pdctl_advice_replicas{{{d},role=\"{role}\",of=\"current\"}})",
+            "10m", "warning",
+            f"{role.title()} is under-provisioned for the {target} SLO (the gateway's advice)",
+            f"For 10 minutes the gateway's advice (slo.capacity_profile: pdctl advise's model on the last window's "
+            f"traffic) has needed more {role} instances than serve: at this traffic {target} misses "
+            f"{ms:g} ms. pdctl_advice_ttft_seconds and pdctl_advice_tpot_seconds hold the predictions now and at the "
+            "advised counts.",
+        ) for role, target, ms in (("prefill", "TTFT", dep.slo.ttft_ms), ("decode", "TPOT", dep.slo.tpot_ms))),
         Alert(
             "PdctlKvEventsRejected",
             f"sum by (deployment, event) (increase(pdctl_kv_events_total{{{d},event=~\"subscriber_error|malformed\"}}"

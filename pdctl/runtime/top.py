@@ -36,6 +36,7 @@ __all__ = [
     "GATEWAY_WINDOW_S",
     "QUANTILES",
     "RATE_WINDOW_S",
+    "Advice",
     "Frame",
     "GatewaySample",
     "GatewayView",
@@ -71,7 +72,11 @@ _GW_TTFT, _GW_TPOT = "pdctl_ttft_seconds_bucket", "pdctl_tpot_seconds_bucket"
 _GW_BREAKS = "pdctl_session_cache_breaks_total"  # agent sessions' turns that broke their prompt cache, by where
 # routing.pd_mode = "auto": observed / predicted TTFT and TPOT per request (the predictor's error).
 _GW_RATIOS = {"TTFT": "pdctl_autopilot_ttft_ratio_bucket", "TPOT": "pdctl_autopilot_tpot_ratio_bucket"}
-_GATEWAY_NAMES = (_GW_REQUESTS, _GW_FALLBACKS, _GW_IN_FLIGHT, _GW_TTFT, _GW_TPOT, _GW_BREAKS, *_GW_RATIOS.values())
+# slo.capacity_profile: the gateway's sizing advice for its last window (pdctl.gateway.advisor).
+_GW_ADVICE = ("pdctl_advice_status", "pdctl_advice_replicas", "pdctl_advice_ttft_seconds", "pdctl_advice_tpot_seconds",
+              "pdctl_advice_rate")  # fmt: skip
+_GATEWAY_NAMES = (_GW_REQUESTS, _GW_FALLBACKS, _GW_IN_FLIGHT, _GW_TTFT, _GW_TPOT, _GW_BREAKS, *_GW_RATIOS.values(),
+                  *_GW_ADVICE)  # fmt: skip
 # pdctl_requests_total's status for a client that left: not the deployment's error.
 _CLIENT_LEFT = "499"
 
@@ -110,6 +115,20 @@ Buckets = dict[tuple[str, float], float]
 
 
 @dataclass(frozen=True, slots=True)
+class Advice:
+    """The gateway's sizing advice (``slo.capacity_profile``): its status, the prefill and decode counts serving now
+    and recommended, the predicted TTFT / TPOT p90 at each (seconds; inf: cannot keep up), the window's rate."""
+
+    status: str
+    window: str
+    rate: float
+    current: tuple[int, int]
+    recommended: tuple[int, int]
+    ttft_p90: tuple[float | None, float | None]  # current, recommended
+    tpot_p90: tuple[float | None, float | None]
+
+
+@dataclass(frozen=True, slots=True)
 class GatewaySample:
     """The gateway's ``/metrics`` at one instant."""
 
@@ -120,6 +139,7 @@ class GatewaySample:
     in_flight: float | None
     cache_breaks: dict[str, float] = field(default_factory=dict)  # where -> agent-session turns that broke there
     ratios: dict[str, Buckets] = field(default_factory=dict)  # TTFT / TPOT -> observed / predicted, by path
+    advice: Advice | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +195,8 @@ class GatewayView:
     predictor: dict[str, float | None] = field(default_factory=dict)
     """``routing.pd_mode = "auto"``: the median observed / predicted TTFT and TPOT in the window, all paths
     together (None: no request measured; empty: the gateway exports no predictor)."""
+    advice: Advice | None = None
+    """``slo.capacity_profile``: the gateway's latest sizing advice (None: it computes none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +258,32 @@ def parse_gateway(text: str) -> GatewaySample:
         in_flight=metric_value(parsed, _GW_IN_FLIGHT),
         cache_breaks=breaks,
         ratios={what: _buckets(parsed, name) for what, name in _GW_RATIOS.items()},
+        advice=_advice(parsed),
     )
+
+
+def _advice(parsed: Sequence[Sample]) -> Advice | None:
+    """The advice gauges (None: the gateway computes no advice)."""
+    status = next((lab.get("status", "?") for n, lab, v in parsed if n == "pdctl_advice_status" and v == 1), None)
+    if status is None:
+        return None
+
+    def gauge(name: str, **labels: str) -> float | None:
+        value = metric_value(parsed, name, **labels)
+        return None if value is None or math.isnan(value) else value
+
+    def count(role: str, of: str) -> int:
+        return int(gauge("pdctl_advice_replicas", role=role, of=of) or 0)
+
+    def p90(name: str) -> tuple[float | None, float | None]:
+        return gauge(name, of="current", quantile="0.9"), gauge(name, of="recommended", quantile="0.9")
+
+    window, rate = next(((lab.get("window", "?"), v) for n, lab, v in parsed if n == "pdctl_advice_rate"), ("?", 0.0))
+    return Advice(
+        status, window, rate, (count("prefill", "current"), count("decode", "current")),
+        (count("prefill", "recommended"), count("decode", "recommended")),
+        p90("pdctl_advice_ttft_seconds"), p90("pdctl_advice_tpot_seconds"),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- scraping
@@ -428,7 +475,7 @@ class Watch:
         rows = [r for r in rows if r.requests > 0 or any(v is not None for v in r.ttft.values())]
         total = self._path_row(None, requests, ttft, tpot)
         predictor = {what: bucket_quantile(0.5, _by_bound(buckets)) for what, buckets in ratios.items() if buckets}
-        return GatewayView(url, None, seconds, rows, total, fallbacks, now.in_flight, breaks, predictor)
+        return GatewayView(url, None, seconds, rows, total, fallbacks, now.in_flight, breaks, predictor, now.advice)
 
     def _path_row(
         self, path: str | None, requests: Mapping[tuple[str, str], float], ttft: Buckets, tpot: Buckets

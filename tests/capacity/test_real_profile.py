@@ -7,11 +7,19 @@ path and that advise reads what they wrote, not the model's accuracy (docs/perfo
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pdctl.capacity.profile import load
+from pdctl.testing import free_port
+from pdctl.testing.procs import stop_group, wait_until_ready
+from pdctl.vllm.promtext import samples
+from tests.conftest import REPO
 from tests.test_real_e2e import Deployment, _pdctl, _require_engine, cpu_up, root
 
 __all__ = ["_require_engine", "cpu_up", "root"]  # the fixtures this module borrows
@@ -37,3 +45,41 @@ def test_profile_and_advise_on_real_engines(cpu_up: Deployment, tmp_path: Path) 
     advice = json.loads(proc.stdout)
     assert advice["verdict"] in ("pd", "colocated") and advice["capacity_rate"] > 0
     assert advice["pd"]["prefill"] == 1 and advice["pd"]["decode"] == 1
+    _the_gateway_advises_from_the_profile(cpu_up, out, tmp_path)
+
+
+def _the_gateway_advises_from_the_profile(dep: Deployment, profile: Path, tmp_path: Path) -> None:
+    """A second gateway on the same engines with ``slo.capacity_profile``: after 24 requests its advice gauges hold
+    the serving counts (1P1D) and a status from the model, not ``idle``."""
+    settings = json.loads((dep.dir / "settings.json").read_text(encoding="utf-8"))
+    port = free_port()
+    settings["gateway"]["listen"] = f"127.0.0.1:{port}"
+    settings["slo"] |= {"capacity_profile": str(profile), "advise_window_s": 40}
+    path = tmp_path / "settings-advice.json"
+    path.write_text(json.dumps(settings), encoding="utf-8")
+    log = tmp_path / "gateway-advice.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdctl", "gateway", "-c", str(dep.dir / "config.toml"), "-s",
+                                 str(path)], stdout=out, stderr=subprocess.STDOUT, env=dep.env, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {dep.api_key}"}
+    try:
+        wait_until_ready(proc, f"{url}/ready", 120, name="the advising gateway", log=log)
+        for i in range(24):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 8}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120, trust_env=False)
+            assert r.status_code == 200, r.text
+        status: list[str] = []
+        deadline = time.monotonic() + 60  # the advisor looks every advise_window_s / 4 = 10 s
+        while time.monotonic() < deadline and not status:
+            text = httpx.get(f"{url}/metrics", headers=headers, timeout=10, trust_env=False).text
+            parsed = samples(text, ("pdctl_advice_",))
+            status = [lab["status"] for n, lab, v in parsed if n == "pdctl_advice_status" and v == 1]
+            time.sleep(1)
+        assert status and status[0] != "idle", log.read_text(errors="replace")[-2000:]
+        replicas = {(lab["role"], lab["of"]): v for n, lab, v in parsed if n == "pdctl_advice_replicas"}
+        assert replicas[("prefill", "current")] == 1 and replicas[("decode", "current")] == 1
+        assert replicas[("prefill", "recommended")] >= 1 and replicas[("decode", "recommended")] >= 1
+    finally:
+        stop_group(proc)

@@ -605,3 +605,28 @@ def test_kv_events_curve_needs_its_keys_in_the_environment(recipe_files) -> None
     assert "Z85" in malformed.message and bad not in malformed.message
     (idle,) = codes(*recipe_files({}, {'"routing": {': '"routing": {\n    "kv_events_curve": true,'}))["PD040"]
     assert idle.severity == "info" and idle.fixes == ({"settings.json:routing.kv_events_curve": False},)
+
+
+def test_pd041_a_capacity_profile_that_does_not_load_or_profiles_another_model(recipe_files, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The gateway loads ``slo.capacity_profile`` at start: check refuses what would stop it, warns about a profile
+    of another model, and is silent about a good one (relative to settings.json, as the gateway resolves it)."""
+    from pdctl.capacity.profile import dump
+    from tests.capacity.conftest import timing_profile
+
+    def found(profile_text: str | None) -> list:  # type: ignore[type-arg]
+        if profile_text is not None:
+            (tmp_path / "profile.json").write_text(profile_text, encoding="utf-8")
+        cpath, spath = recipe_files(None, {'"p90": true': '"p90": true, "capacity_profile": "profile.json"'})
+        return codes(cpath, spath).get("PD041", [])
+
+    missing = found(None)
+    assert [f.severity for f in missing] == ["error"] and "profile.json" in missing[0].message
+    assert missing[0].key == "slo.capacity_profile" and missing[0].line == 18
+    broken = found('{"schema_version": 1}')
+    assert [f.severity for f in broken] == ["error"] and "profile.json" in broken[0].message
+    other = found(dump(timing_profile()).decode())  # the simulator's h100 model, not the recipe's Qwen3-8B
+    assert [f.severity for f in other] == ["warning"] and "'Qwen/Qwen3-8B'" in other[0].message
+    import msgspec
+
+    mine = msgspec.structs.replace(timing_profile(), model="Qwen/Qwen3-8B")
+    assert found(dump(mine).decode()) == []

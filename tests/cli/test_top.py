@@ -229,6 +229,40 @@ def test_the_autopilots_error_in_the_window_is_shown_as_its_median() -> None:
     assert f"autopilot observed/predicted p50 TTFT {ttft:.2f}x" in console.export_text()
 
 
+def test_the_gateways_sizing_advice_is_a_line_with_now_and_recommended() -> None:
+    """slo.capacity_profile: the advisor's gauges, as the gateway exports them, become top's advice line; a gateway
+    without a profile shows none."""
+    from rich.console import Console
+
+    from pdctl.capacity.advisory import advise_counts
+    from pdctl.capacity.model import Histogram, Workload
+    from pdctl.cli.top_cmd import _gateway_part
+    from pdctl.config import SLOConfig
+    from pdctl.gateway.advisor import Advisor
+    from tests.capacity.conftest import timing_profile
+
+    m = GatewayMetrics()
+    w = Watch(WORKERS, GATEWAY)
+    w.add(frame(0.0, Unreachable("down"), gateway_body(m)))
+    assert w.view().gateway.advice is None
+    advisor = Advisor(timing_profile(), SLOConfig(advise_window_s=120.0), m, lambda: (1, 1))
+    workload = Workload(Histogram(((1800.0, 1.0),)), Histogram(((12.0, 1.0),)), 40.0)
+    advice = advise_counts(advisor.profile, workload, advisor.slo, 40.0, 400, 1, 1)
+    assert advice.recommended is not None and advice.current is not None
+    advisor.publish(advice)
+    w.add(frame(5.0, Unreachable("down"), gateway_body(m)))
+    shown = w.view().gateway.advice
+    assert shown is not None and shown.status == advice.status and shown.window == "120s"
+    assert shown.current == (1, 1) and shown.recommended == (advice.recommended_prefill, advice.recommended_decode)
+    assert shown.ttft_p90 == (pytest.approx(advice.current.ttft_p90_s), pytest.approx(advice.recommended.ttft_p90_s))
+    console = Console(width=240, record=True)
+    console.print(_gateway_part(w.view().gateway, (400.0, 40.0), "PDCTL_API_KEY"))
+    text = console.export_text()
+    assert "prefill short for the TTFT SLO" in text or "prefill and decode short" in text
+    assert f"1P1D -> {advice.recommended_prefill}P{advice.recommended_decode}D" in text
+    assert f"{advice.recommended.ttft_p90_s * 1000:.0f} ms" in text
+
+
 # ---- scraping ------------------------------------------------------------------------------------------------------
 
 

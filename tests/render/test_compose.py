@@ -141,6 +141,11 @@ def test_gateway_and_verify_run_the_plans_pdctl_on_the_mounted_files(tmp_path: P
     # files in the compose file's folder are mounted relative to it, so the folder can move with them
     beside = services(render(dep, folder=tmp_path))["gateway"]["volumes"]
     assert f"./config.toml:{dep.config_path}:ro" in beside
+    # the gateway's own files, the sizing profile included, are mounted where settings.json names them
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}", encoding="utf-8")
+    dep = dataclasses.replace(dep, slo=dataclasses.replace(dep.slo, capacity_profile=str(profile)))
+    assert f"{profile}:{profile}:ro" in services(render(dep, folder=tmp_path / "out"))["gateway"]["volumes"]
 
 
 def test_no_key_reaches_a_file_and_the_gateway_reads_them_from_the_env_file(

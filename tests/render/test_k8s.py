@@ -203,6 +203,33 @@ def test_the_configmap_files_load_and_name_the_workers_by_service(tmp_path: Path
     assert [i.url for i in gw.prefill + gw.decode] == [w.url for w in pod_dep.workers]
 
 
+def test_the_capacity_profile_travels_in_the_configmap_and_the_pods_gateway_advises_from_it(tmp_path: Path) -> None:
+    """slo.capacity_profile is a file beside settings.json on this machine: the ConfigMap holds its text and the
+    pods' settings.json names it beside itself, so the gateway in the pod loads the same profile."""
+    from pdctl.capacity.profile import dump
+    from pdctl.gateway.app import create_app
+    from tests.capacity.conftest import timing_profile
+
+    src = tmp_path / "src"
+    shutil.copytree(CONFIGS["2p2d"], src)
+    (src / "profiles").mkdir()
+    (src / "profiles" / "h100.json").write_bytes(dump(timing_profile()))
+    settings = json.loads((src / "settings.json").read_text(encoding="utf-8"))
+    settings.setdefault("slo", {})["capacity_profile"] = "profiles/h100.json"
+    (src / "settings.json").write_text(json.dumps(settings), encoding="utf-8")
+    data = find(objects(render(config.load(src / "config.toml", src / "settings.json"))), "ConfigMap",
+                "pdctl-config")["data"]  # fmt: skip
+    pod = tmp_path / "pod"
+    pod.mkdir()
+    for name, text in data.items():
+        (pod / name).write_text(text, encoding="utf-8")
+    assert json.loads(data["settings.json"])["slo"]["capacity_profile"] == "capacity-profile.json"
+    pod_dep = config.load(pod / "config.toml", pod / "settings.json")
+    assert pod_dep.slo.capacity_profile == str(pod / "capacity-profile.json")
+    advisor = create_app(from_deployment(pod_dep), "sk-test").advisor
+    assert advisor is not None and advisor.profile == timing_profile()
+
+
 def test_gateway_and_verify_run_pdctl_on_the_mounted_files() -> None:
     dep = load("seed")
     docs = objects(render(dep))

@@ -254,6 +254,15 @@ ALERT_CASES: dict[str, tuple[tuple[Series, str, dict[str, str]], tuple[Series, s
         ([(f'pdctl_kv_events_total{{{_D},instance="-",event="unknown_topic"}}', "0+5x10"),
           (f'pdctl_kv_events_total{{{_D},instance="decode",event="BlockStored"}}', "0+5x10")], "5m"),
     ),
+    **{f"Pdctl{role.title()}UnderProvisioned": (
+        ([(f'pdctl_advice_replicas{{{_D},role="{role}",of="recommended"}}', "2x20"),
+          (f'pdctl_advice_replicas{{{_D},role="{role}",of="current"}}', "1x20")], "12m", {}),
+        # Advice to scale down, or the other role short, is not this alert.
+        ([(f'pdctl_advice_replicas{{{_D},role="{role}",of="recommended"}}', "1x20"),
+          (f'pdctl_advice_replicas{{{_D},role="{role}",of="current"}}', "3x20"),
+          (f'pdctl_advice_replicas{{{_D},role="{other}",of="recommended"}}', "4x20"),
+          (f'pdctl_advice_replicas{{{_D},role="{other}",of="current"}}', "1x20")], "12m"),
+    ) for role, other in (("prefill", "decode"), ("decode", "prefill"))},
     "PdctlCapacityRejections": (
         ([(f'pdctl_rejected_total{{{_D},reason="server_overloaded"}}', "0+2x20"),
           (f"pdctl_accepted_total{{{_D}}}", "0+10x20")], "12m", {}),
