@@ -14,6 +14,7 @@ from pdctl import config
 from pdctl.check import Finding
 from pdctl.cli._app import app, console, err_console, handle_errors
 from pdctl.cli.config_cmds import ConfigOpt, SettingsOpt, render_findings
+from pdctl.errors import PdctlError
 
 render_app = typer.Typer(
     no_args_is_help=True, help="Export the deployment to other tools (Kubernetes, Docker Compose, Prometheus, Grafana)."
@@ -67,6 +68,9 @@ def k8s(
         Path | None, typer.Option("--autoscale", help="Also KEDA ScaledObjects from `pdctl advise --json`'s file.")
     ] = None,
     prometheus: Annotated[str | None, typer.Option(help="Prometheus URL the ScaledObjects query.")] = None,
+    autoscaler: Annotated[
+        str, typer.Option(help="With --autoscale: keda (ScaledObjects) or hpa (HPAs on prometheus-adapter's metrics).")
+    ] = "keda",
 ) -> None:
     """Write namespace, ConfigMap, per-group StatefulSet + headless Service, gateway and verify Job manifests.
 
@@ -91,7 +95,10 @@ def k8s(
     if autoscale is not None:
         from pdctl.render.autoscale import DEFAULT_PROMETHEUS, load_plan, with_autoscaling
 
-        rendered = with_autoscaling(rendered, dep, load_plan(autoscale), prometheus or DEFAULT_PROMETHEUS)
+        if autoscaler not in ("keda", "hpa"):
+            raise PdctlError(f"--autoscaler {autoscaler!r}: keda or hpa")
+        rendered = with_autoscaling(rendered, dep, load_plan(autoscale), prometheus or DEFAULT_PROMETHEUS,
+                                    "hpa" if autoscaler == "hpa" else "keda")  # fmt: skip
     if out == "-" and rendered.files:
         for f in rendered.findings:  # stdout carries the YAML
             where = f.file + (f":{f.line}" if f.line else "") + (f" {f.key}" if f.key else "")

@@ -120,8 +120,8 @@ class Rendered:
 
     @property
     def manifests(self) -> list[Mapping[str, Any]]:
-        """Every object, in apply order (what ``-o -`` prints)."""
-        return [doc for docs in self.files.values() for doc in docs if doc.get("kind") != "Kustomization"]
+        """Every object, in apply order (what ``-o -`` prints; a file that is not a manifest has no ``kind``)."""
+        return [doc for docs in self.files.values() for doc in docs if doc.get("kind") not in (None, "Kustomization")]
 
 
 # ------------------------------------------------------------------------------------------ findings

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from pdctl.config import Deployment
+from pdctl.render.autoscale import signal_rules
 from pdctl.render.dashboard import CAPACITY_REASONS, dashboard
 from pdctl.runtime.plan import Plan, VllmInstall, build_plan
 
@@ -213,6 +214,7 @@ def recording_rules(dep: Deployment) -> list[dict[str, Any]]:
          "expr": "sum by (deployment, role, instance, source) "
                  f"(rate(vllm:prompt_tokens_by_source_total{{{d}}}[5m]))"},
     ]  # fmt: skip
+    rules += signal_rules(dep)  # what the autoscalers of `render k8s --autoscale` read
     for name, metric, le in (("ttft", "pdctl_ttft_seconds", slo.ttft_le), ("tpot", "pdctl_tpot_seconds", slo.tpot_le)):
         for window in ("5m", "1h"):
             good = f"sum by (deployment) (rate({metric}_bucket{{{d},{le}}}[{window}]))"

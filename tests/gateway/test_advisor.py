@@ -120,7 +120,7 @@ def test_no_advisor_without_a_profile_or_in_a_second_gateway_process_and_a_bad_p
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 1, "source": "x"}')
     slo = dataclasses.replace(gw.settings.slo, capacity_profile=str(bad))
-    with pytest.raises(ProfileError, match="bad.json"):
+    with pytest.raises(ProfileError, match=r"bad\.json"):
         create_app(dataclasses.replace(gw.settings, slo=slo), KEY, clients=MemoryWorkers())
 
 

@@ -318,6 +318,32 @@ def test_promtool_unit_test_for_every_alert(tmp_path: Path) -> None:
     assert "SUCCESS" in r.stdout
 
 
+def test_promtool_the_autoscaling_signals_add_legs_and_waiting_requests(tmp_path: Path) -> None:
+    """pdctl:prefill_queued_requests (KEDA's and the HPA's prefill signal) is the prefill legs in flight plus the
+    requests waiting in the gateway's queue, as the target labels them (exported_role); decode streams apart; another
+    deployment's series are not this deployment's rules'."""
+    _, out = rendered_in(write_deployment(tmp_path / "dep"))
+    gw = f'{_D},job="pdctl-{NAME}-gateway",role="gateway",instance="gateway"'
+    series = [
+        (f'pdctl_in_flight{{{gw},exported_role="prefill",exported_instance="prefill"}}', "2x5"),
+        (f'pdctl_in_flight{{{gw},exported_role="decode",exported_instance="decode"}}', "7x5"),
+        (f"pdctl_prefill_queue_waiting{{{gw}}}", "3x5"),
+        ('pdctl_in_flight{deployment="other",exported_role="prefill",exported_instance="p"}', "50x5"),
+    ]
+    tests = [{"interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series],
+              "promql_expr_test": [
+                  {"expr": "pdctl:prefill_queued_requests", "eval_time": "3m",
+                   "exp_samples": [{"labels": f"pdctl:prefill_queued_requests{{{_D}}}", "value": 5}]},
+                  {"expr": "pdctl:decode_streams", "eval_time": "3m",
+                   "exp_samples": [{"labels": f"pdctl:decode_streams{{{_D}}}", "value": 7}]},
+              ]}]  # fmt: skip
+    path = tmp_path / "signals.test.yml"
+    spec = {"rule_files": [str(out / "rules" / "pdctl-recording.yml")], "evaluation_interval": "1m", "tests": tests}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    r = promtool("test", "rules", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 # ---- the dashboard's queries --------------------------------------------------------------------------------------
 
 
