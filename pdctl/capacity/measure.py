@@ -3,7 +3,10 @@
 * :func:`measure` runs the probe schedule against any :data:`Send` (an async function that serves one request
   and reports its TTFT, its prefill leg and its inter-token times) and fits the profile;
 * :func:`http_sender` is the :data:`Send` of a running gateway (``pdctl profile``): streamed completions with
-  ``ignore_eos``, the prefill leg read from the gateway's ``x-pd-prefill-ms`` header.
+  ``ignore_eos``, the prefill leg read from the gateway's ``x-pd-prefill-ms`` header;
+* :func:`served_traffic` reads, before the probes, what the deployment's traffic so far did: the prefill engines'
+  prefix-cache hit rate (``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``) and the share of
+  P/D requests the gateway served on decode alone (``pdctl_requests_total``, paths ``local`` and ``disagg``).
 
 The schedule (:class:`Schedule`): each prompt length ``repeats`` times, one at a time, a few output tokens (prefill
 and KV points); then for each decode context, ``n`` concurrent streams for each ``n`` in ``running``, each long
@@ -29,8 +32,18 @@ from pdctl.bench.client import BenchClient
 from pdctl.bench.workload import BenchRequest, random_words
 from pdctl.capacity.profile import DecodePoint, DeploymentProfile, KVPoint, PrefillPoint, fit_decode, fit_line
 from pdctl.errors import PdctlError
+from pdctl.vllm.promtext import metric_value, samples
 
-__all__ = ["MeasureError", "ProbeResult", "Schedule", "Send", "http_sender", "measure"]
+__all__ = [
+    "MeasureError",
+    "ProbeResult",
+    "Schedule",
+    "Send",
+    "ServedTraffic",
+    "http_sender",
+    "measure",
+    "served_traffic",
+]
 
 
 class MeasureError(PdctlError):
@@ -190,3 +203,28 @@ def http_sender(client: BenchClient, seed: int = 0) -> Send:
         return await once(max(1, round((prompt_tokens - overhead) / per_word)), max_tokens, prompt_tokens)
 
     return send
+
+
+@dataclass(frozen=True, slots=True)
+class ServedTraffic:
+    """What the traffic before the probes did: the prefill engines' prefix-cache hit rate and the share of P/D
+    requests served locally (adaptive PD); None where nothing was counted."""
+
+    prefix_cache_hit_rate: float | None
+    local_share: float | None
+
+
+def served_traffic(prefill_metrics: list[str], gateway_metrics: str | None) -> ServedTraffic:
+    """From the prefill workers' and the gateway's ``/metrics`` bodies (the ones that could be read)."""
+    hits = queries = 0.0
+    for text in prefill_metrics:
+        parsed = samples(text, ("vllm:prefix_cache_",))
+        hits += metric_value(parsed, "vllm:prefix_cache_hits_total") or 0.0
+        queries += metric_value(parsed, "vllm:prefix_cache_queries_total") or 0.0
+    local_share = None
+    if gateway_metrics is not None:
+        parsed = samples(gateway_metrics, ("pdctl_requests_total",))
+        local = metric_value(parsed, "pdctl_requests_total", path="local") or 0.0
+        disagg = metric_value(parsed, "pdctl_requests_total", path="disagg") or 0.0
+        local_share = local / (local + disagg) if local + disagg > 0 else None
+    return ServedTraffic(min(hits / queries, 0.99) if queries > 0 else None, local_share)

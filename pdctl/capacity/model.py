@@ -169,6 +169,11 @@ class Slo:
     tpot_s: float
     attainment: float = 0.9
 
+    @classmethod
+    def of(cls, ttft_ms: float, tpot_ms: float, p90: bool) -> Slo:
+        """settings.json's ``slo``: the targets in milliseconds, met by 90 % of requests with ``p90``, else 99 %."""
+        return cls(ttft_ms / 1000, tpot_ms / 1000, 0.9 if p90 else 0.99)
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:

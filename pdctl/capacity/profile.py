@@ -13,7 +13,8 @@ running requests, KV transfer seconds per token), so one profile can feed both. 
   ``kv_s_per_token``·n (least squares), and ``decode_fixed_s`` + ``decode_per_seq_s``·running +
   ``decode_per_kv_token_s``·running·context (least squares in relative error, coefficients >= 0);
 * ``prefill_max_batched_tokens`` / ``decode_max_num_seqs``: the engines' batch limits, from the config;
-* ``prefix_cache_hit_rate``: the prefill engines' hit rate where the source knew it (else null).
+* ``prefix_cache_hit_rate``: the prefill engines' hit rate over the traffic they served before the probes (else
+  null); ``local_share``: the share of P/D requests the gateway had served on decode alone (adaptive PD; else null).
 
 :func:`decode_step_s` evaluates the decode fit, :func:`prefill_s` interpolates the prefill points, and
 :func:`prefill_tokens_per_s` is V_P, the throughput of one prefill engine with a full batch. :func:`load` turns a
@@ -99,6 +100,7 @@ class DeploymentProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     decode_max_num_seqs: int = 256
     gpus_per_engine: int = 1
     prefix_cache_hit_rate: float | None = None
+    local_share: float | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

@@ -56,13 +56,15 @@ def profile(
     """
     from pdctl.bench.client import BenchClient
     from pdctl.bench.runner import discover_model, run_async
-    from pdctl.capacity.measure import Schedule, http_sender, measure
+    from pdctl.capacity.measure import Schedule, http_sender, measure, served_traffic
     from pdctl.capacity.profile import dump
 
     batched, seqs, url, key_env, tp, model_len = 8192, 256, gateway, "PDCTL_API_KEY", 1, None
+    prefill_urls: tuple[str, ...] = ()
     if config_path.exists() and settings_path.exists():
         dep = config.load(config_path, settings_path)
         url = url or dep.gateway.url
+        prefill_urls = tuple(w.url for w in dep.prefill)
         key_env = dep.gateway.api_key_env
         batched = dep.prefill[0].max_num_batched_tokens or batched
         seqs = dep.decode[0].max_num_seqs or seqs
@@ -72,6 +74,7 @@ def profile(
     elif settings_path.exists():
         read = config.load_settings(settings_path)
         url, key_env = url or read.gateway.url, read.gateway.api_key_env
+        prefill_urls = read.routing.prefill_endpoints
     ctx_list = _ints("--contexts", contexts)
     longest = 2048 if model_len is None else max(output_len, model_len - max(ctx_list) - 8)
     schedule = Schedule(_ints("--prompt-lens", prompt_lens), repeats, _ints("--running", running), ctx_list,
@@ -81,13 +84,16 @@ def profile(
     api_key = os.environ.get(key_env) or None
     name = model or discover_model(url, api_key)
 
+    served = served_traffic([t for u in prefill_urls if (t := _metrics(u, None)) is not None], _metrics(url, api_key))
+
     async def run() -> bytes:
         async with BenchClient(url, model=name, api_key=api_key, endpoint="completions", timeout_s=300.0) as client:
             prof = await measure(http_sender(client), schedule, source=url, model=name,
                                  prefill_max_batched_tokens=batched, decode_max_num_seqs=seqs)  # fmt: skip
         import msgspec
 
-        return dump(msgspec.structs.replace(prof, gpus_per_engine=tp))
+        hits, local = served.prefix_cache_hit_rate, served.local_share
+        return dump(msgspec.structs.replace(prof, gpus_per_engine=tp, prefix_cache_hit_rate=hits, local_share=local))
 
     err_console.print(f"profiling {url} ({name}) ...", markup=False)
     data = run_async(run())
@@ -104,7 +110,23 @@ def profile(
     for p in prof.decode:
         console.print(f"decode {p.running:>4} streams at {p.context_tokens} tokens: {p.step_s * 1000:.2f} ms/step",
                       markup=False)  # fmt: skip
+    for what, share in (("prefill prefix-cache hit rate", prof.prefix_cache_hit_rate),
+                        ("requests served on decode alone (adaptive PD)", prof.local_share)):  # fmt: skip
+        told = "not counted yet" if share is None else f"{share:.0%}"
+        console.print(f"traffic before the probes: {what} {told}", markup=False)
     console.print(f"wrote {out}", markup=False)
+
+
+def _metrics(base: str, key: str | None) -> str | None:
+    """``base``'s /metrics body, None when it does not answer (the traffic's counts are then left out)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.get(f"{base.rstrip('/')}/metrics", headers=headers, timeout=5.0, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return r.text if r.status_code == 200 else None
 
 
 def _histogram(flag: str, value: str) -> Any:
@@ -153,10 +175,14 @@ def advise(
         wl = m.Workload(_histogram("--isl", isl), _histogram("--osl", osl))
     else:
         raise PdctlError("no workload", hint="give --bench results.json, or --isl and --osl")
+    if hit_rate is None and bench is None and prof.prefix_cache_hit_rate:
+        hit_rate = prof.prefix_cache_hit_rate  # the served traffic's, as the profile counted it
+        err_console.print(f"prefix-cache hit rate {hit_rate:.0%} from the profile (--hit-rate sets another)",
+                          markup=False)  # fmt: skip
     if hit_rate is not None:
         wl = m.Workload(wl.isl, wl.osl, wl.rate, hit_rate)
     slo_cfg = config.load_settings(settings_path).slo
-    slo = m.Slo(slo_cfg.ttft_ms / 1000, slo_cfg.tpot_ms / 1000, 0.9 if slo_cfg.p90 else 0.99)
+    slo = m.Slo.of(slo_cfg.ttft_ms, slo_cfg.tpot_ms, slo_cfg.p90)
     if engines is not None and rate is not None:
         raise PdctlError("give --rate or --engines, not both")
     plan = None

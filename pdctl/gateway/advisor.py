@@ -69,7 +69,7 @@ class Advisor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.profile = profile
-        self.slo = Slo(slo.ttft_ms / 1000, slo.tpot_ms / 1000, 0.9 if slo.p90 else 0.5)
+        self.slo = Slo.of(slo.ttft_ms, slo.tpot_ms, slo.p90)
         self.window_s = slo.advise_window_s
         self.interval_s = min(30.0, self.window_s / 4)
         self.metrics = metrics

@@ -82,3 +82,25 @@ def test_write_keeps_comments_and_refuses_several_groups(tmp_path: Path) -> None
     path.write_text("[prefill\n")
     with pytest.raises(ConfigError, match="not TOML"):
         set_replicas(path, 1, 1)
+
+
+def test_served_traffic_reads_the_prefills_hit_rate_and_the_local_share() -> None:
+    """Real vLLM 0.32 prefill /metrics (one with hits edited in) and the gateway's own registry: hits over
+    queries summed over the prefills, local over local + disagg; None where nothing was counted."""
+    from pdctl.capacity.measure import served_traffic
+    from pdctl.gateway.metrics import GatewayMetrics
+    from tests.conftest import REPO
+
+    body = (REPO / "tests" / "fixtures" / "vllm-cpu" / "nixl-prefill.metrics.txt").read_text(encoding="utf-8")
+    hit = body.replace('vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 0.0',
+                       'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 1049.0')  # fmt: skip
+    assert hit != body
+    m = GatewayMetrics()
+    m.requests.labels("local", "200").inc(3)
+    m.requests.labels("disagg", "200").inc(1)
+    m.requests.labels("upstream", "200").inc(10)
+    served = served_traffic([body, hit], m.render().decode())
+    assert served.prefix_cache_hit_rate == pytest.approx(0.5)  # 1049 hits of 2 × 1049 queries
+    assert served.local_share == pytest.approx(0.75)
+    assert served_traffic([], GatewayMetrics().render().decode()) == type(served)(None, None)
+    assert served_traffic([body], None).local_share is None

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from pdctl.capacity.profile import load
 from pdctl.sim.timing import get_profile
 from pdctl.testing import SimProcess
@@ -26,6 +28,12 @@ def test_profile_then_advise_then_write(
     p = sims(SLOW, "prefill", connector="NixlConnector")
     d = sims(SLOW, "decode", connector="NixlConnector")
     url = gateway(p.url, d.url)
+    # Traffic before the profile: one prompt twice, so the prefill's prefix cache hits on the second.
+    prompt = "The same long context for every question. " * 60
+    for _ in range(2):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60, trust_env=False)  # fmt: skip
+        assert r.status_code == 200, r.text
     out = tmp_path / "profile.json"
     result = cli(
         "profile", "--gateway", url, "-c", str(tmp_path / "none.toml"), "-s", str(tmp_path / "gw.json"),
@@ -42,15 +50,19 @@ def test_profile_then_advise_then_write(
     one = next(pt for pt in prof.decode if pt.running == 1)
     assert one.step_s >= 0.85 * model.decode_step_s(1, one.context_tokens) / 0.25, prof.decode
     assert prof.prefill_s_per_token > 0 and prof.model == "tiny"
+    # counted before the probes: the second request's hits on the prefill, no request served on decode alone
+    assert prof.prefix_cache_hit_rate is not None and 0.3 < prof.prefix_cache_hit_rate < 0.6, prof
+    assert prof.local_share == 0.0
 
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"slo": {"ttft_ms": 4000, "tpot_ms": 400, "p90": True}}))
     result = cli("advise", str(out), "-s", str(settings), "--isl", "128:0.9,2048:0.1", "--osl", "64", "--rate", "2",
                  "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
-    advice = json.loads(result.output)
+    advice = json.loads(result.stdout)
     assert advice["verdict"] in ("pd", "colocated") and advice["predicted"]["meets_slo"]
     assert advice["capacity_rate"] > 2 and advice["slo"]["ttft_ms"] == 4000
+    assert "hit rate" in result.stderr and "from the profile" in result.stderr
 
     config = tmp_path / "config.toml"
     config.write_text("# mine\n[prefill]\nmodel = 'm'  # keep\n\n[decode]\nmodel = 'm'\n")
