@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
-__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+__all__ = ["CONTENT_TYPE", "TOKEN_BUCKETS", "GatewayMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -24,7 +24,9 @@ M = TypeVar("M", bound=MetricWrapperBase)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-_TOKEN_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131,072: the advice's ISL / OSL histograms
+#: Token counts, 1 .. 131,072 in steps of √2: the advice's ISL / OSL shapes (tests/capacity/test_advisory.py: the
+#: counts advised from these buckets equal those from the exact lengths).
+TOKEN_BUCKETS = tuple(round(2 ** (i / 2), 1) for i in range(35))
 
 
 class GatewayMetrics:
@@ -96,11 +98,11 @@ class GatewayMetrics:
         )  # fmt: skip
         self.prompt_tokens = Histogram(
             "pdctl_request_prompt_tokens", "Prompt tokens of each request a local worker answered.",
-            buckets=_TOKEN_BUCKETS, registry=r,
+            buckets=TOKEN_BUCKETS, registry=r,
         )  # fmt: skip
         self.generation_tokens = Histogram(
             "pdctl_request_generation_tokens", "Output tokens of each request a local worker answered.",
-            buckets=_TOKEN_BUCKETS, registry=r,
+            buckets=TOKEN_BUCKETS, registry=r,
         )  # fmt: skip
         # slo.capacity_profile: the advice for the last window's traffic (pdctl.gateway.advisor); one gateway
         # process computes it from every process's histograms, so the largest live value is the value.

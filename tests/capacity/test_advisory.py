@@ -4,6 +4,7 @@ status against the counts serving now, checked against ``pdctl advise``'s own mo
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -70,3 +71,40 @@ def test_an_slo_no_split_meets_is_unreachable(h100: DeploymentProfile) -> None:
     w = _workload(4096, 64, 1.0)
     a = advise_counts(h100, w, m.Slo(0.0001, 0.04), 1.0, 100, 1, 1, limit=4)
     assert a.status == "unreachable" and "no split of up to 4 engines" in a.reason
+
+
+def _lengths(name: str, n: int = 600) -> list[tuple[float, float]]:
+    rng = random.Random(1)
+    if name == "recipe":  # pdctl bench -w mixed
+        return [
+            (rng.choices([128.0, 4096.0], [0.9, 0.1])[0], rng.choices([128.0, 8.0], [0.9, 0.1])[0]) for _ in range(n)
+        ]
+    if name == "long":
+        return [(rng.choice([4000.0, 8000.0]), 64.0) for _ in range(n)]
+    # coding-agent turns: long, spread contexts and short answers (log-normal)
+    return [(float(int(rng.lognormvariate(math.log(12000), 0.5))), float(int(rng.lognormvariate(math.log(200), 0.8)) + 1))
+            for _ in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["recipe", "long", "agent"])
+def test_the_gateways_bucketed_lengths_advise_as_the_exact_lengths_do(h100: DeploymentProfile, name: str) -> None:
+    """The advisor sees lengths only through its histograms' buckets (√2 apart) and sums: it recommends what `pdctl
+    advise` on the exact lengths does, for the recipe's mix and long prompts at 1000/8 ms and for log-normal agent
+    turns at 2000/20 ms (600 requests; at 1 to 30 requests/s)."""
+    from pdctl.gateway.metrics import GatewayMetrics
+
+    pairs = _lengths(name)
+    metrics = GatewayMetrics()
+    for isl, osl in pairs:
+        metrics.prompt_tokens.observe(isl)
+        metrics.generation_tokens.observe(osl)
+    isl_h = histogram_from_buckets(*metrics.histogram("pdctl_request_prompt_tokens"))
+    osl_h = histogram_from_buckets(*metrics.histogram("pdctl_request_generation_tokens"))
+    assert isl_h is not None and osl_h is not None
+    exact = m.Workload(m.Histogram.of([a for a, _ in pairs]), m.Histogram.of([b for _, b in pairs]))
+    assert isl_h.mean == pytest.approx(exact.isl.mean) and osl_h.mean == pytest.approx(exact.osl.mean)
+    bucketed = m.Workload(isl_h, osl_h)
+    slo = m.Slo(2.0, 0.02) if name == "agent" else m.Slo(1.0, 0.008)
+    for rate in (1.0, 3.0, 10.0, 30.0):
+        e, b = m.best_pd(h100, exact, slo, rate), m.best_pd(h100, bucketed, slo, rate)
+        assert e.meets and b.meets and (e.prefill, e.decode) == (b.prefill, b.decode), (name, rate, e, b)
