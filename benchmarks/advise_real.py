@@ -2,17 +2,19 @@
 "Sizing"; issue #51's real check).
 
 1. ``pdctl profile`` through the deployment's gateway (it must be otherwise idle);
-2. an SLO scaled to the machine: ``--ttft-x`` × (prefill + KV hand-off + one step) of a mean prompt, ``--tpot-x`` ×
-   the one-stream step, from the profile (the examples' own SLO, a minute, would make every rate meet it);
+2. an SLO scaled to the machine: ``--ttft-x`` × (prefill + KV hand-off + one step) of an ``--input-len`` prompt,
+   ``--tpot-x`` × the one-stream step, from the profile (the examples' own SLO, a minute, would make every rate
+   meet it);
 3. the measured capacity: ``pdctl bench --max-goodput`` with that SLO (DistServe's search: the highest Poisson rate
-   whose run meets the SLO for 90 % of requests), random prompts of ``--input-len`` / ``--output-len`` tokens;
+   whose run meets the SLO for 90 % of requests) on ``--workload`` (``doc``, the recipe's two prompts, by default:
+   ``random`` needs a tokenizer with one token per bench word, ``pdctl model tiny --bench-words``);
 4. the predicted capacity: ``pdctl advise PROFILE --bench RESULTS --engines 2 --json`` with the same SLO, its P/D
-   (1P1D) rate, on the workload the bench measured (its lengths and its prefill hit rate).
+   (1P1D) rate, on the workload of the best passing run (its measured lengths and prefill hit rate).
 
-Prints predicted / measured and writes both with the profile to ``--out``::
+Prints predicted / measured and writes both, every probe of the search and the profile to ``--out``::
 
     .venv/bin/python -m benchmarks.advise_real -c examples/cpu/config.toml -s examples/cpu/settings.json \\
-        --out docs/data/advise-real-2026-12-07.json
+        --input-len 64 -n 24 --out docs/data/advise-real-2026-12-07.json
 """
 
 from __future__ import annotations
@@ -39,15 +41,29 @@ def _pdctl(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def _workload(args: argparse.Namespace) -> list[str]:
+    if args.workload == "doc":  # the recipe's two chat prompts: lengths the tokenizer gives, whatever it is
+        return ["-w", "doc"]
+    return ["-w", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-c", "--config", required=True)
     ap.add_argument("-s", "--settings", required=True)
+    ap.add_argument(
+        "--workload",
+        choices=("doc", "random"),
+        default="doc",
+        help="random needs a tokenizer with one token per bench word (pdctl model tiny --bench-words)",
+    )
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("-n", "--num-requests", type=int, default=40)
-    ap.add_argument("--ttft-x", type=float, default=4.0)
-    ap.add_argument("--tpot-x", type=float, default=2.0)
+    ap.add_argument("--ttft-x", type=float, default=8.0)
+    ap.add_argument("--tpot-x", type=float, default=3.0)
+    ap.add_argument("--bench-timeout", type=float, default=1200.0)
+    ap.add_argument("--keep-bench", help="Also write pdctl bench's results here.")
     ap.add_argument("--out", default="advise-real.json")
     args = ap.parse_args(argv)
     started = time.time()
@@ -62,18 +78,26 @@ def main(argv: list[str] | None = None) -> int:
         n = args.input_len
         ttft_ms = args.ttft_x * (prefill_s(prof, n) + kv_s(prof, n) + decode_step_s(prof, 1, n)) * 1000
         tpot_ms = args.tpot_x * decode_step_s(prof, 1, n + args.output_len / 2) * 1000
-        print(f"SLO from the profile: TTFT {ttft_ms:.0f} ms, TPOT {tpot_ms:.1f} ms", flush=True)
-        results = work / "bench.json"
-        _pdctl("bench", *files, "-w", "random", "--input-len", str(n), "--output-len", str(args.output_len),
-               "-n", str(args.num_requests), "--max-goodput", "--goodput", f"ttft:{ttft_ms:.0f}",
-               f"tpot:{tpot_ms:.1f}", "--no-progress", "-o", str(results), timeout_s=3600)  # fmt: skip
-        runs = json.loads(results.read_text())
-        runs = runs if isinstance(runs, list) else [runs]
-        measured = runs[-1]["pdctl"].get("max_goodput_rate")
+        print(f"SLO from the profile: TTFT {ttft_ms:.0f} ms, TPOT {tpot_ms:.1f} ms", flush=True, file=sys.stderr)
         settings = json.loads(Path(args.settings).read_text(encoding="utf-8"))
         settings["slo"] = {"ttft_ms": round(ttft_ms), "tpot_ms": round(tpot_ms, 1), "p90": True}
         slo_file = work / "settings.json"
         slo_file.write_text(json.dumps(settings), encoding="utf-8")
+        # The search starts at half the rate advise predicts for these lengths, so it brackets the capacity in a
+        # few runs (from 1 req/s it may halve down to 1/64 req/s: 40 requests then last most of an hour).
+        first = json.loads(_pdctl("advise", str(profile), "-s", str(slo_file), "--isl", str(n), "--osl",
+                                  str(args.output_len), "--engines", "2", "--json", timeout_s=300).stdout)  # fmt: skip
+        start = max((first.get("pd") or {}).get("rate") or 1.0, 0.05) / 2 if args.workload == "random" else 1.0
+        results = work / "bench.json"
+        _pdctl("bench", *files, *_workload(args), "-n", str(args.num_requests), "--max-goodput", "--search-start",
+               f"{start:.3g}", "--goodput",
+               f"ttft:{ttft_ms:.0f}", f"tpot:{tpot_ms:.1f}", "--no-progress", "-o", str(results),
+               timeout_s=args.bench_timeout)  # fmt: skip
+        runs = json.loads(results.read_text())
+        runs = runs if isinstance(runs, list) else [runs]
+        if args.keep_bench:
+            Path(args.keep_bench).write_text(results.read_text())
+        measured = runs[-1]["pdctl"].get("max_goodput_rate")
         best = max(runs, key=lambda r: (r["pdctl"]["slo"] or {}).get("met", False) * (r.get("request_rate") or 0))
         bench_file = work / "best.json"
         bench_file.write_text(json.dumps(best))
